@@ -1,0 +1,213 @@
+"""Paged-KV bookkeeping: which block of the pool holds which tokens of which sequence.
+
+Pure Python, no tensors: the pool itself lives in kv_cache.py and is addressed through the
+block tables kept here. Full blocks are keyed by a hash chain of their tokens so that a later
+request with the same prefix can share them (ref counts); a released hashed block stays cached
+and is evicted least-recently-used when the free list runs dry.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool cannot provide the blocks asked for (the caller should preempt or wait)."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full and registered
+    token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+    evictions: int = 0
+
+
+@dataclass
+class _SeqBlocks:
+    table: list[int] = field(default_factory=list)
+    num_hashed: int = 0  # leading blocks of `table` already registered in the prefix cache
+    last_hash: int | None = None  # hash of block num_hashed - 1 (the chain's tail)
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed, LRU first
+        self._by_hash: dict[int, int] = {}
+        self._seqs: dict[str, _SeqBlocks] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: never used or cached with no holder (evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def block_table(self, seq_id: str) -> list[int]:
+        seq = self._seqs.get(seq_id)
+        return list(seq.table) if seq else []
+
+    def holders(self) -> dict[int, list[str]]:
+        """block id -> ids of the sequences whose tables hold it (for the dashboard)."""
+        out: dict[int, list[str]] = {}
+        for seq_id, seq in self._seqs.items():
+            for b in seq.table:
+                out.setdefault(b, []).append(seq_id)
+        return out
+
+    def cached_block_ids(self) -> list[int]:
+        return list(self._cached)
+
+    def blocks_needed(self, seq_id: str, num_tokens: int) -> int:
+        have = len(self._seqs[seq_id].table) if seq_id in self._seqs else 0
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def match_prefix(self, seq_id: str, token_ids: list[int]) -> int:
+        """Start a sequence's table with the cached full blocks of its prefix.
+
+        Returns how many tokens are covered. At least one token is always left to compute
+        (its logits are needed), so a prefix that is a whole number of blocks stops one block
+        short; a shared block is never written again.
+        """
+        if seq_id in self._seqs and self._seqs[seq_id].table:
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        seq = self._seqs.setdefault(seq_id, _SeqBlocks())
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        self.stats.queries += len(token_ids)
+        parent: int | None = None
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
+            block_id = self._by_hash.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._take(block_id)
+            seq.table.append(block_id)
+            parent = h
+        seq.num_hashed = len(seq.table)
+        seq.last_hash = parent
+        covered = len(seq.table) * self.block_size
+        self.stats.hits += covered
+        return covered
+
+    def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Key the blocks that are now full of computed tokens, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self._seqs[seq_id]
+        full = min(num_computed // self.block_size, len(seq.table))
+        while seq.num_hashed < full:
+            i = seq.num_hashed
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(seq.last_hash, tokens)
+            block = self.blocks[seq.table[i]]
+            if h not in self._by_hash and block.block_hash is None:
+                block.block_hash = h
+                block.token_ids = tokens
+                self._by_hash[h] = block.block_id
+            seq.last_hash = h
+            seq.num_hashed += 1
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
+        """Grow the sequence's table to hold `num_tokens` tokens; returns the new block ids."""
+        seq = self._seqs.setdefault(seq_id, _SeqBlocks())
+        needed = self.blocks_needed(seq_id, num_tokens)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {needed} blocks, {self.num_free_blocks} free")
+        new = [self._pop_free() for _ in range(needed)]
+        seq.table.extend(new)
+        return new
+
+    def free(self, seq_id: str) -> None:
+        """Release a sequence's blocks (finish, cancel, error or preemption). Idempotent."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        # Tail first, so that when the LRU evicts it takes the end of a chain before its head.
+        for block_id in reversed(seq.table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed twice")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    self._cached[block_id] = None
+                else:
+                    self._free.append(block_id)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._cached[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        if self._free:
+            block_id = self._free.pop()
+        else:
+            block_id, _ = self._cached.popitem(last=False)  # least recently used
+            block = self.blocks[block_id]
+            del self._by_hash[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+            self.stats.evictions += 1
+        block = self.blocks[block_id]
+        block.ref_count = 1
+        return block_id
+
+    def check_invariants(self) -> None:
+        """Every block is in exactly one place; ref counts equal the number of tables holding it."""
+        held: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for b in seq.table:
+                held[b] = held.get(b, 0) + 1
+        free, cached = set(self._free), set(self._cached)
+        if len(free) != len(self._free):
+            raise AssertionError("a block is on the free list twice")
+        for block in self.blocks:
+            refs = held.get(block.block_id, 0)
+            if block.ref_count != refs:
+                raise AssertionError(f"block {block.block_id}: ref {block.ref_count} != {refs}")
+            places = (block.block_id in free) + (block.block_id in cached) + (refs > 0)
+            if places != 1:
+                raise AssertionError(f"block {block.block_id} is in {places} places")
+            if block.block_id in cached and block.block_hash is None:
+                raise AssertionError(f"cached block {block.block_id} has no hash")
+        for h, b in self._by_hash.items():
+            if self.blocks[b].block_hash != h:
+                raise AssertionError(f"hash index points at block {b} with another hash")

@@ -1,0 +1,32 @@
+"""Engine configuration: one dataclass, checked at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "embedded"  # "embedded" or a local mlx-lm model folder
+    weights: str = "auto"
+    max_num_seqs: int = 16  # requests that may share one step
+    max_num_batched_tokens: int = 512  # rows (token positions) one step may hold
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 2048  # blocks in the pool (x block_size = KV capacity in tokens)
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # defaults to the model's context length
+    step_history: int = 2048  # step records kept in the ring buffer
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                     "step_history"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")

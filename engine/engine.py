@@ -1,0 +1,351 @@
+"""The engine: one thread owns all MLX work; other threads submit, cancel and subscribe.
+
+    step = schedule -> run the model -> postprocess (tokens, stops, finishes, step record)
+
+The thread blocks on its inbox when there is nothing to do; it never spins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
+from engine.output import OutputText
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+from engine.telemetry import StepEntry, StepLog, StepRecord
+
+log = logging.getLogger("batchscope.engine")
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    handle: RequestHandle
+    output: OutputText
+    first_token_time: float | None = None
+    arrival_wall: float = field(default_factory=time.time)
+    first_scheduled_wall: float | None = None
+    steps: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching engine. `loader` runs on the engine thread and returns a LoadedModel."""
+
+    def __init__(self, config: EngineConfig, loader: Callable[[], object] | None = None):
+        self.config = config
+        self._loader = loader or self._default_loader
+        self.loaded = None  # LoadedModel, set on the engine thread
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.block_manager: BlockManager | None = None
+        self.scheduler: Scheduler | None = None
+        self.runner = None
+        self.pool = None
+        self.steps = StepLog(config.step_history)
+        self.step_count = 0
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._requests: dict[str, _Request] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._stopped = False
+        self._ids = itertools.count()
+        # Test hook: called with the scheduled step before the forward (may raise).
+        self.before_forward: Callable[[SchedulerOutput], None] | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout: float | None = 600) -> Engine:
+        if self._thread is not None:
+            return self
+        self._thread = threading.Thread(target=self._run, name="batchscope-engine", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # the thread must clear its MLX streams before exit
+        if not self._ready.wait(timeout):
+            raise EngineError("engine did not finish loading the model in time")
+        if self._load_error is not None:
+            raise self._load_error
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        atexit.unregister(self.stop)
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=30)
+        self._thread = None
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    # ---- public API (any thread) -------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue a request. Raises ValueError on a prompt the engine cannot serve."""
+        if not self.running:
+            raise EngineError("engine is not running")
+        params = params or SamplingParams()
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        handle = RequestHandle(request_id, prompt_ids, self.cancel, loop)
+        seq = Sequence(request_id, prompt_ids, params)
+        self._inbox.put(("add", _Request(seq, handle, OutputText(self.tokenizer, params.stop))))
+        return handle
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.config.get("vocab_size") if self.loaded else None
+        if vocab and any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{total}, more than the context window of {self.max_model_len} tokens")
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.config.num_kv_blocks:
+            raise ValueError(
+                f"request needs up to {blocks} KV blocks, the pool has {self.config.num_kv_blocks}")
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def subscribe(self, callback: Callable[[StepRecord], None]) -> Callable[[], None]:
+        return self.steps.subscribe(callback)
+
+    def generate(self, prompt: str | list[int],
+                 params: SamplingParams | None = None) -> FinishEvent:
+        """Blocking convenience: submit and wait for the result."""
+        return self.submit(prompt, params).result()
+
+    def kv_snapshot(self) -> dict:
+        """Block map for the dashboard (read without locking: a best-effort live view)."""
+        bm = self.block_manager
+        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size,
+                "holders": {str(k): v for k, v in bm.holders().items()},
+                "cached": bm.cached_block_ids()}
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _default_loader(self):
+        from engine.model_loader import load_model
+
+        return load_model(self.config.model, self.config.weights)
+
+    def _run(self) -> None:
+        try:
+            self._setup()
+        except BaseException as e:  # reported to start()
+            self._load_error = e
+            self._ready.set()
+            import mlx.core as mx
+
+            mx.clear_streams()
+            return
+        self._ready.set()
+        try:
+            while not self._stopped:
+                self._drain_inbox(block=not self.scheduler.has_work())
+                if not self._stopped and self.scheduler.has_work():
+                    self._step()
+        finally:
+            self._stopped = True
+            for req in list(self._requests.values()):
+                self._finish(req, "cancelled", error="engine stopped")
+            # MLX wants each thread to destroy its own streams before it ends; otherwise the
+            # process aborts at exit ("terminate called without an active exception").
+            import mlx.core as mx
+
+            mx.clear_streams()
+
+    def _setup(self) -> None:
+        from engine.kv_cache import KVPool
+        from engine.model_runner import ModelRunner
+
+        self.loaded = self._loader()
+        self.tokenizer = self.loaded.tokenizer
+        cfg = self.config
+        self.max_model_len = min(cfg.max_model_len or self.loaded.max_context,
+                                 self.loaded.max_context)
+        self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size,
+                                          cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.pool = KVPool(self.loaded.num_layers, cfg.num_kv_blocks, cfg.block_size,
+                           self.loaded.num_kv_heads, self.loaded.head_dim)
+        self.runner = ModelRunner(self.loaded.model, self.pool)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "stop":
+            self._stopped = True
+        elif kind == "add":
+            req: _Request = msg[1]
+            self._requests[req.seq.seq_id] = req
+            self.scheduler.add(req.seq)
+        elif kind == "cancel":
+            req = self._requests.get(msg[1])
+            if req is not None:
+                self._finish(req, "cancelled")
+
+    def _step(self) -> None:
+        from engine.model_runner import RowGroup
+
+        started_at = time.time()
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self.step_count += 1
+        step = self.step_count
+        groups = [RowGroup(g.seq.seq_id, g.seq.token_ids[g.start:g.start + g.num_rows], g.start,
+                           self.block_manager.block_table(g.seq.seq_id), g.sample,
+                           g.seq.params, len(g.seq.output_ids)) for g in plan.groups]
+        t1 = time.perf_counter()
+        error = None
+        samples: dict = {}
+        model_time = 0.0
+        if groups:
+            try:
+                if self.before_forward is not None:
+                    self.before_forward(plan)
+                result = self.runner.run(groups)
+                samples, model_time = result.samples, result.model_time
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                log.error("step %d failed: %s\n%s", step, error, traceback.format_exc())
+                model_time = time.perf_counter() - t1
+        t2 = time.perf_counter()
+
+        entries = []
+        for g in plan.groups:
+            req = self._requests.get(g.seq.seq_id)
+            if req is None:
+                continue
+            req.steps.append(step)
+            if req.first_scheduled_wall is None:
+                req.first_scheduled_wall = started_at
+            if error is not None:
+                req.handle.push(ErrorEvent(g.seq.seq_id, error))
+                entries.append(self._entry(g, sampled=False))
+                self._finish(req, "error", error=error)
+                continue
+            g.seq.num_computed += g.num_rows
+            self.block_manager.register_full_blocks(g.seq.seq_id, g.seq.token_ids,
+                                                    g.seq.num_computed)
+            entries.append(self._entry(g, sampled=g.sample))
+            if g.sample:
+                self._accept(req, samples[g.seq.seq_id], step)
+        if error is not None:
+            self._recover_pool()
+
+        bm = self.block_manager
+        record = StepRecord(
+            step=step, started_at=started_at, wall_time=0.0, model_time=model_time,
+            scheduler_time=0.0, entries=entries, total_rows=plan.num_rows,
+            prefill_rows=sum(g.num_rows for g in plan.groups if g.phase == "prefill"),
+            decode_rows=sum(g.num_rows for g in plan.groups if g.phase == "decode"),
+            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=len(bm._free), kv_blocks_cached=bm.num_cached_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            preempted=[s.seq_id for s in plan.preempted],
+            prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
+        t3 = time.perf_counter()
+        record.wall_time = t3 - t0
+        record.scheduler_time = (t1 - t0) + (t3 - t2)
+        self.steps.append(record)
+
+    def _entry(self, g, sampled: bool) -> StepEntry:
+        return StepEntry(g.seq.seq_id, g.phase, g.num_rows, g.seq.num_computed,
+                         len(self.block_manager.block_table(g.seq.seq_id)), sampled)
+
+    def _accept(self, req: _Request, sample, step: int) -> None:
+        seq = req.seq
+        now = time.time()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        eos = sample.token_id in self.tokenizer.eos_token_ids and not seq.params.ignore_eos
+        if eos:
+            self._finish(req, "stop")
+            return
+        seq.output_ids.append(sample.token_id)
+        text, stopped = req.output.add(sample.token_id)
+        req.handle.push(TokenEvent(seq.seq_id, len(seq.output_ids) - 1, sample.token_id, text,
+                                   sample.logprob, sample.top, now, step))
+        if stopped:
+            self._finish(req, "stop")
+        elif len(seq.output_ids) >= seq.params.max_tokens:
+            self._finish(req, "length")
+        elif seq.num_tokens >= self.max_model_len:
+            self._finish(req, "length")
+
+    def _finish(self, req: _Request, reason: str, error: str | None = None) -> None:
+        seq = req.seq
+        self._requests.pop(seq.seq_id, None)
+        self.scheduler.finish(seq, reason)  # frees the blocks whatever happens next
+        # Text held back for a possible stop string is released with the finish.
+        tail = req.output.flush() if reason in ("length", "stop") else ""
+        req.handle.push(FinishEvent(
+            request_id=seq.seq_id, reason=reason, text=req.output.text, text_delta=tail,
+            token_ids=list(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids), cached_prompt_tokens=seq.num_cached_prompt,
+            preemptions=seq.num_preemptions, arrival_time=req.arrival_wall,
+            first_scheduled_time=req.first_scheduled_wall, first_token_time=req.first_token_time,
+            finish_time=time.time(), error=error, steps=req.steps))
+
+    def _recover_pool(self) -> None:
+        """After a failed step, make sure the pool's pending writes can still be evaluated."""
+        import mlx.core as mx
+
+        try:
+            mx.eval(self.pool.state())
+        except Exception:
+            log.exception("KV pool unusable after a failed step: dropping it")
+            for req in list(self._requests.values()):
+                self._finish(req, "error", error="KV cache reset after an engine error")
+            bm = self.block_manager
+            self.block_manager = BlockManager(bm.num_blocks, bm.block_size,
+                                              bm.enable_prefix_caching)
+            self.scheduler.bm = self.block_manager
+            self.pool.reset()

@@ -1,0 +1,105 @@
+"""What a request's consumer receives, and the handle that delivers it across threads.
+
+The engine thread pushes events; a consumer reads them either from asyncio (the handle was
+created with a loop: events arrive through call_soon_threadsafe, never blocking the loop) or
+from a plain thread (a blocking queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    index: int  # position in the output
+    token_id: int
+    text: str  # new text released with this token (may be empty while a stop string may follow)
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    time: float  # epoch seconds
+    step: int  # engine step that produced it
+
+
+@dataclass
+class FinishEvent:
+    request_id: str
+    reason: str  # "stop", "length", "cancelled", "error"
+    text: str  # the whole output
+    text_delta: str  # text released only now (held back while a stop string could follow)
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    preemptions: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float
+    error: str | None = None
+    steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ErrorEvent:
+    request_id: str
+    message: str
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class RequestHandle:
+    def __init__(self, request_id: str, prompt_ids: list[int], cancel: Callable[[str], None],
+                 loop: asyncio.AbstractEventLoop | None = None):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self._cancel = cancel
+        self._loop = loop
+        self._async_queue: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
+        self._sync_queue: queue.Queue[Event] | None = None if loop else queue.Queue()
+        self.finish: FinishEvent | None = None
+
+    def push(self, event: Event) -> None:
+        """Called on the engine thread."""
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        if self._async_queue is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+        else:
+            self._sync_queue.put(event)
+
+    def cancel(self) -> None:
+        """Stop the request; takes effect before the engine's next step. Safe from any thread."""
+        self._cancel(self.request_id)
+
+    def __iter__(self) -> Iterator[Event]:
+        if self._sync_queue is None:
+            raise RuntimeError("this handle delivers events to asyncio: use `async for`")
+        while True:
+            event = self._sync_queue.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        if self._async_queue is None:
+            raise RuntimeError("this handle delivers events to a thread: use `for`")
+        while True:
+            event = await self._async_queue.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    def result(self) -> FinishEvent:
+        """Block until the request ends (thread consumers)."""
+        for _ in self:
+            pass
+        return self.finish

@@ -1,0 +1,65 @@
+"""The paged KV pool: real storage for keys and values, addressed by block tables.
+
+Per layer, keys and values live in one array of shape (num_blocks * block_size, kv_heads,
+head_dim): slot = block_id * block_size + offset. A step writes its new rows with one scatter
+and each sequence reads its context with one gather through its block table. The list holds the
+only reference to each array, so MLX can update it in place instead of copying the pool.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int):
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # Allocated at the first write, in the dtype the model produces (matches mlx-lm's cache).
+        self._keys: list[mx.array] | None = None
+        self._values: list[mx.array] | None = None
+
+    def reset(self) -> None:
+        """Drop the storage (after an error left it unusable); reallocated at the next write."""
+        self._keys = None
+        self._values = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def dtype(self) -> mx.Dtype | None:
+        return self._keys[0].dtype if self._keys else None
+
+    def nbytes(self) -> int:
+        if not self._keys:
+            return 0
+        return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values, strict=True))
+
+    def _allocate(self, dtype: mx.Dtype) -> None:
+        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+        self._values = [mx.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+        mx.eval(self._keys, self._values)
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store rows (rows, kv_heads, head_dim) at the given slots of one layer."""
+        if self._keys is None:
+            self._allocate(keys.dtype)
+        self._keys[layer][slots] = keys
+        self._values[layer][slots] = values
+
+    def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """Gather the keys and values at `slots` (in order) -> (len(slots), kv_heads, head_dim)."""
+        return self._keys[layer][slots], self._values[layer][slots]
+
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate with a step, so the pool updates land before the next one."""
+        return (self._keys or []) + (self._values or [])
+
+

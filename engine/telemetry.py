@@ -1,0 +1,82 @@
+"""What the engine did in each step, recorded as it did it: the only shapes the dashboard reads."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepEntry:
+    request_id: str
+    phase: str  # "prefill" or "decode"
+    rows: int  # token positions this request contributed to the step
+    context_len: int  # tokens with KV in the cache after the step
+    blocks_held: int
+    sampled: bool  # the step produced a token for this request
+
+
+@dataclass
+class StepRecord:
+    step: int
+    started_at: float  # epoch seconds
+    wall_time: float  # seconds, whole step
+    model_time: float  # forward + sampling, evaluated
+    scheduler_time: float  # scheduling + bookkeeping + events (everything else)
+    entries: list[StepEntry]
+    total_rows: int
+    prefill_rows: int
+    decode_rows: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by at least one request
+    kv_blocks_free: int  # never used or evicted
+    kv_blocks_cached: int  # no holder but kept for prefix reuse (evictable)
+    num_running: int
+    num_waiting: int
+    preempted: list[str] = field(default_factory=list)
+    kernel_path: str = "gemm"  # "gemm": one batched call per linear layer; "gemv": one per row
+    linear_calls_per_layer: int = 1
+    prefix_cache_queries: int = 0  # cumulative, tokens
+    prefix_cache_hits: int = 0  # cumulative, tokens
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class StepLog:
+    """A ring buffer of recent steps plus live subscribers (called on the engine thread)."""
+
+    def __init__(self, capacity: int):
+        self._records: deque[StepRecord] = deque(maxlen=capacity)
+        self._subscribers: list[Callable[[StepRecord], None]] = []
+        self._lock = threading.Lock()
+
+    def append(self, record: StepRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            try:
+                callback(record)
+            except Exception:  # a broken subscriber must never stop the engine
+                pass
+
+    def recent(self, n: int | None = None) -> list[StepRecord]:
+        with self._lock:
+            records = list(self._records)
+        return records if n is None else records[-n:]
+
+    def subscribe(self, callback: Callable[[StepRecord], None]) -> Callable[[], None]:
+        """Follow steps live; returns a function that unsubscribes. Callbacks must be quick."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe

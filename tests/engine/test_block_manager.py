@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager, NoFreeBlocksError
+
+
+def test_allocate_grows_table_on_demand_and_free_returns_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate("a", 1) == [0]
+    assert bm.allocate("a", 4) == []  # still fits in block 0
+    assert bm.allocate("a", 5) == [1]
+    assert bm.block_table("a") == [0, 1]
+    assert bm.num_free_blocks == 6
+    bm.free("a")
+    assert bm.num_free_blocks == 8 and bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_allocation_beyond_the_pool_raises_and_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    bm.allocate("a", 8)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate("b", 1)
+    assert bm.block_table("b") == []
+    assert not bm.can_allocate(1)
+    bm.check_invariants()
+
+
+def test_prefix_hit_shares_full_blocks_by_ref_count():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(10))  # two full blocks + 2 tokens
+    assert bm.match_prefix("a", prompt) == 0
+    bm.allocate("a", 10)
+    bm.register_full_blocks("a", prompt, num_computed=10)
+    assert bm.match_prefix("b", prompt) == 8
+    assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
+    shared = bm.block_table("a")[0]
+    assert bm.blocks[shared].ref_count == 2
+    assert bm.stats.queries == 20 and bm.stats.hits == 8
+    bm.check_invariants()
+
+
+def test_prefix_match_leaves_the_last_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(8))  # exactly two blocks
+    bm.match_prefix("a", prompt)
+    bm.allocate("a", 8)
+    bm.register_full_blocks("a", prompt, 8)
+    # Only the first block may be reused: the last token needs its logits, and a shared
+    # block must never be written again.
+    assert bm.match_prefix("b", prompt) == 4
+
+
+def test_different_prefix_does_not_hit_even_if_a_later_block_matches():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = [1, 2, 3, 4, 5]
+    bm.match_prefix("a", a)
+    bm.allocate("a", 5)
+    bm.register_full_blocks("a", a, 5)
+    assert bm.match_prefix("b", [9, 9, 3, 4, 5]) == 0  # block [3,4] follows another parent
+
+
+def test_released_prefix_blocks_stay_cached_and_are_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    for name, prompt in (("a", [1, 2, 3]), ("b", [7, 8, 9])):
+        bm.match_prefix(name, prompt)
+        bm.allocate(name, 3)
+        bm.register_full_blocks(name, prompt, 3)
+        bm.free(name)
+    assert bm.num_cached_blocks == 2  # [1,2] and [7,8]; partial blocks went to the free list
+    assert bm.num_free_blocks == 4
+    # Taking 3 blocks uses the 2 free ones, then evicts the least recently used cached block.
+    bm.allocate("c", 6)
+    assert bm.stats.evictions == 1
+    assert bm.match_prefix("d", [1, 2, 3]) == 0  # [1,2] was older: evicted
+    assert bm.match_prefix("e", [7, 8, 9]) == 2  # [7,8] survived
+    bm.check_invariants()
+
+
+def test_hit_on_a_cached_block_revives_it():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.match_prefix("a", [1, 2, 3])
+    bm.allocate("a", 3)
+    bm.register_full_blocks("a", [1, 2, 3], 3)
+    bm.free("a")
+    assert bm.num_cached_blocks == 1
+    assert bm.match_prefix("b", [1, 2, 5]) == 2
+    assert bm.num_cached_blocks == 0 and bm.num_used_blocks == 1
+    bm.check_invariants()
+
+
+def test_free_is_idempotent_and_disabled_prefix_cache_never_hits():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    bm.match_prefix("a", [1, 2, 3])
+    bm.allocate("a", 3)
+    bm.register_full_blocks("a", [1, 2, 3], 3)
+    bm.free("a")
+    bm.free("a")
+    assert bm.match_prefix("b", [1, 2, 3]) == 0
+    assert bm.num_cached_blocks == 0
+    bm.check_invariants()
+
+
+# ---- property-based: random operation sequences never leak or double-free ---------------------
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["start", "grow", "commit", "free"]), st.integers(0, 5),
+              st.integers(1, 12), st.integers(0, 2)),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, prefix_caching=st.booleans())
+def test_random_operations_keep_every_block_accounted_for(ops, prefix_caching):
+    bm = BlockManager(num_blocks=10, block_size=3, enable_prefix_caching=prefix_caching)
+    tokens: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    for op, sid, n, flavour in ops:
+        seq = f"s{sid}"
+        if op == "start" and seq not in tokens:
+            # Few distinct token patterns, so prefixes are often shared.
+            prompt = [flavour] * n + [sid]
+            tokens[seq] = prompt
+            computed[seq] = bm.match_prefix(seq, prompt)
+            assert computed[seq] < len(prompt)
+            assert computed[seq] % bm.block_size == 0
+        elif op == "grow" and seq in tokens:
+            target = min(len(tokens[seq]), computed[seq] + n)
+            needed = bm.blocks_needed(seq, target)
+            if bm.can_allocate(needed):
+                bm.allocate(seq, target)
+                computed[seq] = target
+            else:
+                with pytest.raises(NoFreeBlocksError):
+                    bm.allocate(seq, target)
+        elif op == "commit" and seq in tokens:
+            bm.register_full_blocks(seq, tokens[seq], computed[seq])
+        elif op == "free" and seq in tokens:
+            bm.free(seq)
+            del tokens[seq], computed[seq]
+        bm.check_invariants()
+        assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
+    for seq in list(tokens):
+        bm.free(seq)
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0  # only evictable cached blocks remain
