@@ -23,6 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
 from engine.output import OutputText
+from engine.platform import backend_info
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -205,6 +206,11 @@ class Engine:
         self.pool = KVPool(self.loaded.num_layers, cfg.num_kv_blocks, cfg.block_size,
                            self.loaded.num_kv_heads, self.loaded.head_dim)
         self.runner = ModelRunner(self.loaded.model, self.pool)
+        info = backend_info()
+        log.info("model %s (%s weights) on %s, BLAS %s; KV pool %d blocks x %d tokens; "
+                 "context %d", self.loaded.name, self.loaded.weights, info["backend"],
+                 info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
+                 self.max_model_len)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine.attention import attend, use_fused_attention
 from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
 
@@ -75,6 +76,7 @@ class ModelRunner:
                 raise UnsupportedModelError(f"MLP lacks {name!r}: not a llama-style SwiGLU MLP")
         self.inner = inner
         self.layers = layers
+        self.fused_attention = use_fused_attention()
 
     # The one place a linear layer runs: the kernel-path policy hooks in here.
     def linear(self, module, x: mx.array) -> mx.array:
@@ -139,14 +141,7 @@ class ModelRunner:
         for g, slots in zip(groups, read_slots, strict=True):
             n = g.num_rows
             keys, values = self.pool.read(layer_index, slots)  # (context, kv_heads, head_dim)
-            o = mx.fast.scaled_dot_product_attention(
-                q[r:r + n].transpose(1, 0, 2)[None],
-                keys.transpose(1, 0, 2)[None],
-                values.transpose(1, 0, 2)[None],
-                scale=attn.scale,
-                mask="causal" if n > 1 else None,
-            )
-            outs.append(o[0].transpose(1, 0, 2).reshape(n, -1))
+            outs.append(attend(q[r:r + n], keys, values, attn.scale, self.fused_attention))
             r += n
         o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.linear(attn.o_proj, o[None])

