@@ -63,6 +63,11 @@ class BlockManager:
         return len(self._free) + len(self._cached)
 
     @property
+    def num_empty_blocks(self) -> int:
+        """Blocks holding nothing worth keeping (never used, or released without a hash)."""
+        return len(self._free)
+
+    @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 

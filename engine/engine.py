@@ -263,6 +263,9 @@ class Engine:
                 log.error("step %d failed: %s\n%s", step, error, traceback.format_exc())
                 model_time = time.perf_counter() - t1
         t2 = time.perf_counter()
+        bm = self.block_manager
+        # KV usage as the step ran, before finished requests give their blocks back.
+        kv_used, kv_free, kv_cached = bm.num_used_blocks, bm.num_empty_blocks, bm.num_cached_blocks
 
         entries = []
         for g in plan.groups:
@@ -286,14 +289,13 @@ class Engine:
         if error is not None:
             self._recover_pool()
 
-        bm = self.block_manager
         record = StepRecord(
             step=step, started_at=started_at, wall_time=0.0, model_time=model_time,
             scheduler_time=0.0, entries=entries, total_rows=plan.num_rows,
             prefill_rows=sum(g.num_rows for g in plan.groups if g.phase == "prefill"),
             decode_rows=sum(g.num_rows for g in plan.groups if g.phase == "decode"),
-            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_free=len(bm._free), kv_blocks_cached=bm.num_cached_blocks,
+            kv_blocks_total=bm.num_blocks, kv_blocks_used=kv_used, kv_blocks_free=kv_free,
+            kv_blocks_cached=kv_cached,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             preempted=[s.seq_id for s in plan.preempted],
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)

@@ -1,8 +1,9 @@
 """The paged KV pool: real storage for keys and values, addressed by block tables.
 
-Per layer, keys and values live in one array of shape (num_blocks * block_size, kv_heads,
-head_dim): slot = block_id * block_size + offset. A step writes its new rows with one scatter
-and each sequence reads its context with one gather through its block table. The list holds the
+Per layer, keys and values live in one array of shape (kv_heads, num_blocks * block_size,
+head_dim): slot = block_id * block_size + offset. Head-major, so that a gathered context is
+already in the (kv_heads, ctx, head_dim) layout attention multiplies with. A step writes its new
+rows with one scatter and reads all its sequences' contexts with one gather per layer. The list holds the
 only reference to each array, so MLX can update it in place instead of copying the pool.
 """
 
@@ -42,7 +43,7 @@ class KVPool:
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values, strict=True))
 
     def _allocate(self, dtype: mx.Dtype) -> None:
-        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        shape = (self.num_kv_heads, self.num_slots, self.head_dim)
         self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
         self._values = [mx.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
         mx.eval(self._keys, self._values)
@@ -51,12 +52,12 @@ class KVPool:
         """Store rows (rows, kv_heads, head_dim) at the given slots of one layer."""
         if self._keys is None:
             self._allocate(keys.dtype)
-        self._keys[layer][slots] = keys
-        self._values[layer][slots] = values
+        self._keys[layer][:, slots] = keys.swapaxes(0, 1)
+        self._values[layer][:, slots] = values.swapaxes(0, 1)
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """Gather the keys and values at `slots` (in order) -> (len(slots), kv_heads, head_dim)."""
-        return self._keys[layer][slots], self._values[layer][slots]
+        """Gather the keys and values at `slots` (in order) -> (kv_heads, len(slots), head_dim)."""
+        return self._keys[layer][:, slots], self._values[layer][:, slots]
 
     def state(self) -> list[mx.array]:
         """Arrays to evaluate with a step, so the pool updates land before the next one."""

@@ -97,15 +97,17 @@ class ModelRunner:
             positions.extend(range(g.start, g.start + g.num_rows))
             slots = _slots(g.block_table, g.start + g.num_rows, bs)
             write_slots.append(slots[g.start:])
-            read_slots.append(mx.array(slots))
+            read_slots.append(slots)
         write = mx.array(np.concatenate(write_slots))
+        context_lens = [len(s) for s in read_slots]
+        read = mx.array(np.concatenate(read_slots))
         pos = mx.array(positions, dtype=mx.int32)
         rows = len(tokens)
 
         x = self.inner.embed_tokens(mx.array(tokens)[None])  # (1, rows, hidden)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), pos, write, groups,
-                                    read_slots, rows)
+            x = x + self._attention(i, layer, layer.input_layernorm(x), pos, write, read,
+                                    groups, context_lens, rows)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
 
         sampled = [g for g in groups if g.sample]
@@ -124,7 +126,7 @@ class ModelRunner:
             logits = self.inner.embed_tokens.as_linear(h)
         return logits[0], sampled
 
-    def _attention(self, layer_index, layer, h, pos, write, groups, read_slots, rows):
+    def _attention(self, layer_index, layer, h, pos, write, read, groups, context_lens, rows):
         attn = layer.self_attn
         n_heads, n_kv = attn.n_heads, attn.n_kv_heads
         q = self.linear(attn.q_proj, h).reshape(rows, n_heads, -1)
@@ -137,12 +139,14 @@ class ModelRunner:
         k = attn.rope(k[:, :, None, :], offset=pos)[:, :, 0, :]
         self.pool.write(layer_index, write, k, v)
 
-        outs, r = [], 0
-        for g, slots in zip(groups, read_slots, strict=True):
+        keys, values = self.pool.read(layer_index, read)  # every group's context, concatenated
+        outs, r, c = [], 0, 0
+        for g, ctx in zip(groups, context_lens, strict=True):
             n = g.num_rows
-            keys, values = self.pool.read(layer_index, slots)  # (context, kv_heads, head_dim)
-            outs.append(attend(q[r:r + n], keys, values, attn.scale, self.fused_attention))
+            outs.append(attend(q[r:r + n], keys[:, c:c + ctx], values[:, c:c + ctx], attn.scale,
+                               self.fused_attention))
             r += n
+            c += ctx
         o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.linear(attn.o_proj, o[None])
 

@@ -139,16 +139,22 @@ def test_logprobs_and_top_alternatives(make_engine):
 
 def test_step_records_describe_the_batch(make_engine):
     engine = make_engine(block_size=4)
-    together(engine, ["abc", "defgh"], greedy(3))
-    first = engine.steps.recent()[0]
-    assert first.total_rows == 3 + 5 == first.prefill_rows
-    assert {e.request_id.split("-")[0] for e in first.entries} == {"req"}
-    assert [e.context_len for e in first.entries] == [3, 5]
-    assert [e.blocks_held for e in first.entries] == [1, 2]
-    assert first.kv_blocks_used == 3
-    last = engine.steps.recent()[-1]
-    assert last.decode_rows == 2 and last.kernel_path == "gemm"
+    together(engine, ["abc", "defgh"], greedy(6))
+    records = engine.steps.recent()
+    assert sum(r.prefill_rows for r in records) == 3 + 5
+    assert all(r.total_rows == r.prefill_rows + r.decode_rows for r in records)
+    shared = [r for r in records if len(r.entries) == 2]
+    assert shared, "the two requests never shared a step"
+    for r in shared:
+        assert r.kv_blocks_used == sum(e.blocks_held for e in r.entries)
+        assert r.kv_blocks_used + r.kv_blocks_free + r.kv_blocks_cached == r.kv_blocks_total
+        for e in r.entries:
+            assert e.blocks_held == -(-e.context_len // 4)
+            assert e.rows == (1 if e.phase == "decode" else e.rows)
+    last = records[-1]
+    assert last.decode_rows == len(last.entries) and last.kernel_path == "gemm"
     assert last.wall_time >= last.model_time > 0
+    assert [r.step for r in records] == list(range(1, len(records) + 1))
 
 
 def test_subscribers_follow_steps_live(make_engine):

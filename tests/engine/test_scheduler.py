@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, prefix=True):
