@@ -16,10 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+# isort: off
+import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 import mlx.core as mx
 from mlx_lm.generate import batch_generate, generate_step
+# isort: on
 
-import engine  # noqa: F401  (binds MLX to the optimized BLAS before mlx is imported)
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import load_model

@@ -2,9 +2,10 @@
 
 Per layer, keys and values live in one array of shape (kv_heads, num_blocks * block_size,
 head_dim): slot = block_id * block_size + offset. Head-major, so that a gathered context is
-already in the (kv_heads, ctx, head_dim) layout attention multiplies with. A step writes its new
-rows with one scatter and reads all its sequences' contexts with one gather per layer. The list holds the
-only reference to each array, so MLX can update it in place instead of copying the pool.
+already in the (kv_heads, ctx, head_dim) layout attention multiplies with. A step writes its
+new rows with one scatter and reads all its sequences' contexts with one gather per layer. The
+list holds the only reference to each array, so MLX can update it in place instead of copying
+the pool.
 """
 
 from __future__ import annotations

