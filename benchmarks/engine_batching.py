@@ -98,13 +98,42 @@ def rates(m: dict) -> dict:
             "overall_tps": m["generated"] / m["wall"]}
 
 
+def render_table(rows, model, weights, info, max_tokens) -> str:
+    lines = [
+        f"Model {model}, weights {weights}, backend {info['backend']}, BLAS "
+        f"{'OpenBLAS' if info.get('blas') else 'bundled reference'}; {max_tokens} new tokens "
+        "per request, prompts of 20-120 tokens, greedy. Ratios are engine / batch_generate.",
+        "",
+        "| requests | decode tok/s: engine | batch_generate | serial | ratio "
+        "| prefill tok/s: engine | batch_generate | serial | ratio "
+        "| overall tok/s: engine | batch_generate | ratio | engine time outside forward |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        e, b, s = r["engine"], r["batch_generate"], r["serial"]
+        lines.append(
+            f"| {r['concurrency']} | {e['decode_tps']:.1f} | {b['decode_tps']:.1f} | "
+            f"{s['decode_tps']:.1f} | {e['decode_tps'] / b['decode_tps']:.2f}x | "
+            f"{e['prefill_tps']:.0f} | {b['prefill_tps']:.0f} | {s['prefill_tps']:.0f} | "
+            f"{e['prefill_tps'] / b['prefill_tps']:.2f}x | {e['overall_tps']:.1f} | "
+            f"{b['overall_tps']:.1f} | {e['overall_tps'] / b['overall_tps']:.2f}x | "
+            f"{e['outside_model'] * 100:.1f}% |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", default="benchmarks/results/engine_batching.json")
+    ap.add_argument("--render", action="store_true", help="only re-print the table of --out")
     args = ap.parse_args()
+    if args.render:
+        data = json.loads(Path(args.out).read_text())
+        print(render_table(data["rows"], "SmolLM2-135M-Instruct", data["weights"],
+                           data["backend"], args.max_tokens))
+        return 0
 
     max_c = max(args.concurrency)
     config = EngineConfig(weights=args.weights, max_num_seqs=max_c,
@@ -135,23 +164,14 @@ def main() -> int:
                      "batch_generate": {**b, **rates(b)}, "serial": {**s, **rates(s)}})
     eng.stop()
 
-    print(f"\nModel {loaded.name}, weights {loaded.weights}, backend {info['backend']}, "
-          f"{args.max_tokens} new tokens per request, prompts of 20-120 tokens.\n")
-    print("| requests | decode tok/s engine | batch_generate | serial | engine/batch_generate "
-          "| prefill tok/s engine | batch_generate | serial | engine/batch_generate "
-          "| time outside forward |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        e, b, s = r["engine"], r["batch_generate"], r["serial"]
-        print(f"| {r['concurrency']} | {e['decode_tps']:.1f} | {b['decode_tps']:.1f} | "
-              f"{s['decode_tps']:.1f} | {e['decode_tps'] / b['decode_tps']:.2f}x | "
-              f"{e['prefill_tps']:.0f} | {b['prefill_tps']:.0f} | {s['prefill_tps']:.0f} | "
-              f"{e['prefill_tps'] / b['prefill_tps']:.2f}x | {e['outside_model'] * 100:.1f}% |")
+    table = render_table(rows, loaded.name, loaded.weights, info, args.max_tokens)
+    print("\n" + table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"weights": loaded.weights, "backend": info, "rows": rows},
                               indent=2))
-    print(f"\n(raw numbers in {out})")
+    out.with_suffix(".md").write_text(table + "\n")
+    print(f"(written to {out} and {out.with_suffix('.md')})")
     return 0
 
 
