@@ -1,0 +1,24 @@
+# make serve: set up (first time) and start the server with the embedded model
+# make test:  set up (first time) and run the whole test suite, slow end-to-end tests included
+.PHONY: setup serve generate test test-fast bench lint
+
+setup:
+	./scripts/setup.sh
+
+serve: setup
+	.venv/bin/batchscope serve
+
+generate: setup
+	.venv/bin/batchscope generate --chat "$${PROMPT:-Tell me a short story about a robot.}"
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not slow"
+
+bench: setup
+	.venv/bin/python benchmarks/engine_batching.py
+
+lint:
+	.venv/bin/ruff check engine app tests benchmarks
