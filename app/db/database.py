@@ -1,0 +1,196 @@
+"""Opening the runs database: SQLite in WAL mode, foreign keys on, migrated to head on open.
+
+We issue BEGIN ourselves (pysqlite's implicit transactions are turned off) so that writers can
+take the write lock up front with BEGIN IMMEDIATE: a deferred transaction that reads and then
+writes can fail with "database is locked" without waiting, whatever busy_timeout says.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import sqlalchemy.exc
+from sqlalchemy import Connection, Engine, create_engine, event, update
+
+from app.db.models import Run
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+class DatabaseError(RuntimeError):
+    """The database cannot be opened or written; the message names the path and the problem."""
+
+
+def create_sqlite_engine(path: str | os.PathLike, busy_timeout: float = 5.0) -> Engine:
+    """An engine whose connections use WAL, foreign keys and a busy timeout.
+
+    Connections begin with plain BEGIN; `engine.execution_options(begin_immediate=True)` gives
+    an engine (sharing the same pool) whose transactions begin with BEGIN IMMEDIATE.
+    """
+    engine = create_engine(f"sqlite:///{os.fspath(path)}",
+                           connect_args={"check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:
+        dbapi_conn.isolation_level = None  # no implicit BEGIN: see the module docstring
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.execute("PRAGMA journal_mode = WAL")  # persistent; re-asserting it is a no-op
+        cur.execute("PRAGMA synchronous = NORMAL")  # durable enough with WAL, far fewer fsyncs
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        immediate = conn.get_execution_options().get("begin_immediate", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+class Database:
+    """The engine for one SQLite file. Reads: `read()`. Writes: `write_engine` (the recorder)."""
+
+    def __init__(self, path: Path, engine: Engine):
+        self.path = path
+        self.engine = engine
+        self.write_engine = engine.execution_options(begin_immediate=True)
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A connection for reads; everything read through it sees one snapshot."""
+        with self.engine.connect() as conn:
+            yield conn
+
+    def mark_interrupted(self) -> int:
+        """Mark runs left "running" by an earlier server as "interrupted"; call before serving.
+
+        Their text and tokens stay as written: output_text is appended to with every token.
+        """
+        try:
+            with self.write_engine.begin() as conn:
+                result = conn.execute(
+                    update(Run).where(Run.status == "running").values(status="interrupted"))
+        except sqlalchemy.exc.DBAPIError as e:
+            raise _database_error(self.path, e) from e
+        if result.rowcount:
+            log.info("marked %d unfinished runs as interrupted", result.rowcount)
+        return result.rowcount
+
+    def upgrade(self) -> None:
+        """Apply every migration not yet applied (idempotent)."""
+        try:
+            run_migrations(self.engine)
+        except sqlalchemy.exc.DBAPIError as e:
+            raise _database_error(self.path, e) from e
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def alembic_config():
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return config
+
+
+def run_migrations(engine: Engine, revision: str = "head") -> None:
+    from alembic import command
+
+    config = alembic_config()
+    with engine.connect() as conn:
+        # Batch migrations rebuild tables (copy, drop, rename); with foreign keys on, dropping
+        # a parent would cascade into its children. The pragma is a no-op inside a
+        # transaction, so it is set before BEGIN, on the raw connection.
+        raw = conn.connection.dbapi_connection
+        raw.execute("PRAGMA foreign_keys = OFF")
+        try:
+            with conn.execution_options(begin_immediate=True).begin():
+                config.attributes["connection"] = conn
+                command.upgrade(config, revision)
+                problems = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                if problems:
+                    raise DatabaseError(f"migration left broken foreign keys: {problems[:5]}")
+        finally:
+            raw.execute("PRAGMA foreign_keys = ON")
+
+
+def open_database(path: str | os.PathLike, *, busy_timeout: float = 5.0,
+                  migrate: bool = True) -> Database:
+    """Open (creating if needed) the SQLite database at `path` and migrate it to head.
+
+    Raises DatabaseError, naming the path, when the directory is missing, the file is read-only
+    or not a database, or another process holds it locked for longer than busy_timeout.
+    """
+    path = Path(path)
+    _check_path(path)
+    engine = create_sqlite_engine(path, busy_timeout)
+    db = Database(path, engine)
+    started = time.monotonic()
+    try:
+        if migrate:
+            db.upgrade()
+        else:
+            with db.read() as conn:
+                conn.exec_driver_sql("SELECT 1")
+    except sqlalchemy.exc.DBAPIError as e:
+        db.close()
+        raise _database_error(path, e, time.monotonic() - started) from e
+    except DatabaseError:
+        db.close()
+        raise
+    return db
+
+
+def _check_path(path: Path) -> None:
+    """Fail early with a plain message for what SQLite would report obscurely (or not at all)."""
+    parent = path.parent
+    if not parent.exists():
+        raise DatabaseError(f"cannot open database {path}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise DatabaseError(f"cannot open database {path}: {parent} is not a directory")
+    if path.exists():
+        if path.is_dir():
+            raise DatabaseError(f"cannot open database {path}: it is a directory")
+        mode = path.stat().st_mode
+        # Checking the mode bits as well as access() so a read-only file counts as read-only
+        # even for root, whom the kernel lets write anyway.
+        if not os.access(path, os.W_OK) or not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+            raise DatabaseError(f"cannot open database {path}: the file is read-only")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        # SQLite creates the file, and in WAL mode its -wal and -shm companions, next to it.
+        raise DatabaseError(f"cannot open database {path}: directory {parent} is not writable")
+
+
+def _database_error(path: Path, e: sqlalchemy.exc.DBAPIError,
+                    waited: float | None = None) -> DatabaseError:
+    message = str(e.orig) if e.orig is not None else str(e)
+    lowered = message.lower()
+    if "locked" in lowered or "busy" in lowered:
+        after = f" (waited {waited:.1f} s)" if waited is not None else ""
+        problem = f"the database is locked by another process{after}"
+    elif "readonly" in lowered or "read-only" in lowered:
+        problem = "the database is read-only"
+    elif "not a database" in lowered or "malformed" in lowered:
+        problem = "the file is not a valid SQLite database"
+    elif "unable to open" in lowered:
+        problem = "SQLite cannot open the file"
+    else:
+        problem = message
+    return DatabaseError(f"cannot use database {path}: {problem}")

@@ -1,0 +1,168 @@
+"""The runs database: one row per engine session, run, output token, engine step and step entry.
+
+Times are epoch seconds (floats) as the engine reports them. JSON columns hold small structured
+values that are only ever read whole (params, token id lists, top logprobs).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Named constraints so that batch migrations on SQLite can refer to them by name.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+# None is stored as SQL NULL rather than the JSON text 'null'.
+NullableJSON = JSON(none_as_null=True)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class EngineSession(Base):
+    """One server start: engine step numbers restart with each, so steps are keyed by session."""
+
+    __tablename__ = "engine_sessions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    model: Mapped[str] = mapped_column(String(200))
+    weights: Mapped[str] = mapped_column(String(50))
+    kernel_policy: Mapped[str] = mapped_column(String(50))
+    config_json: Mapped[dict] = mapped_column(JSON)
+
+
+class Run(Base):
+    """One request served; its id is the engine request id."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    session_id: Mapped[int | None] = mapped_column(
+        ForeignKey("engine_sessions.id", ondelete="SET NULL"), index=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(20))  # playground | api | cli | bench
+    endpoint: Mapped[str] = mapped_column(String(20))  # completions | chat
+    model: Mapped[str] = mapped_column(String(200))
+    weights: Mapped[str] = mapped_column(String(50))
+    kernel_policy: Mapped[str] = mapped_column(String(50))
+    prompt_text: Mapped[str] = mapped_column(Text)
+    messages_json: Mapped[list | None] = mapped_column(NullableJSON)
+    prompt_token_ids_json: Mapped[list] = mapped_column(JSON)
+    params_json: Mapped[dict] = mapped_column(JSON)
+    # running | finished | interrupted (the server stopped before the run finished)
+    status: Mapped[str] = mapped_column(String(20), default="running")
+    finish_reason: Mapped[str | None] = mapped_column(String(20))  # stop|length|cancelled|error
+    error: Mapped[str | None] = mapped_column(Text)
+    # Appended token by token, so a run whose finish never arrives still shows its text.
+    output_text: Mapped[str] = mapped_column(Text, default="")
+    output_token_ids_json: Mapped[list | None] = mapped_column(NullableJSON)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    preemptions: Mapped[int | None] = mapped_column(Integer)
+    queued_at: Mapped[float] = mapped_column(Float)
+    first_scheduled_at: Mapped[float | None] = mapped_column(Float)
+    first_token_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (
+        # The runs page lists newest first, optionally filtered by one of these columns.
+        Index("ix_runs_created_at", "created_at"),
+        Index("ix_runs_model_created_at", "model", "created_at"),
+        Index("ix_runs_kernel_policy_created_at", "kernel_policy", "created_at"),
+        Index("ix_runs_finish_reason_created_at", "finish_reason", "created_at"),
+        Index("ix_runs_status", "status"),  # mark_interrupted at startup
+    )
+
+
+class RunToken(Base):
+    """One output token of a run, as the engine released it."""
+
+    __tablename__ = "run_tokens"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token_id: Mapped[int] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text)
+    logprob: Mapped[float | None] = mapped_column(Float)
+    # [[token_id, logprob], ...], most likely first
+    top_logprobs_json: Mapped[list | None] = mapped_column(NullableJSON)
+    t: Mapped[float] = mapped_column(Float)
+    step: Mapped[int | None] = mapped_column(Integer)
+
+
+class Step(Base):
+    """One engine step (StepRecord), keyed by (session, step number)."""
+
+    __tablename__ = "steps"
+
+    session_id: Mapped[int] = mapped_column(
+        ForeignKey("engine_sessions.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    wall_time: Mapped[float] = mapped_column(Float)
+    model_time: Mapped[float] = mapped_column(Float)
+    scheduler_time: Mapped[float] = mapped_column(Float)
+    total_rows: Mapped[int] = mapped_column(Integer)
+    prefill_rows: Mapped[int] = mapped_column(Integer)
+    decode_rows: Mapped[int] = mapped_column(Integer)
+    kv_blocks_total: Mapped[int] = mapped_column(Integer)
+    kv_blocks_used: Mapped[int] = mapped_column(Integer)
+    kv_blocks_free: Mapped[int] = mapped_column(Integer)
+    kv_blocks_cached: Mapped[int] = mapped_column(Integer)
+    num_running: Mapped[int] = mapped_column(Integer)
+    num_waiting: Mapped[int] = mapped_column(Integer)
+    kernel_path: Mapped[str] = mapped_column(String(20))
+    linear_calls_per_layer: Mapped[int] = mapped_column(Integer)
+    prefix_cache_queries: Mapped[int] = mapped_column(Integer, default=0)  # cumulative, tokens
+    prefix_cache_hits: Mapped[int] = mapped_column(Integer, default=0)  # cumulative, tokens
+    preempted_json: Mapped[list] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_steps_started_at", "started_at"),)
+
+
+class StepEntry(Base):
+    """One request's part in one step.
+
+    run_id is deliberately not a foreign key: steps are engine telemetry and may include
+    requests that were never recorded as runs (or whose run row was written later).
+    """
+
+    __tablename__ = "step_entries"
+
+    session_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    phase: Mapped[str] = mapped_column(String(20))  # prefill | decode
+    rows: Mapped[int] = mapped_column(Integer)
+    context_len: Mapped[int] = mapped_column(Integer)
+    blocks_held: Mapped[int] = mapped_column(Integer)
+    sampled: Mapped[bool] = mapped_column(Boolean)
+
+    __table_args__ = (
+        ForeignKeyConstraint(["session_id", "step"], ["steps.session_id", "steps.step"],
+                             ondelete="CASCADE"),
+        Index("ix_step_entries_run_id", "run_id"),
+    )

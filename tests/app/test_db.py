@@ -1,0 +1,347 @@
+"""The runs database: migrations, opening errors, interrupted runs and the read side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import stat
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect
+from sqlalchemy.orm import Session
+
+from app.db import Database, DatabaseError, Recorder, open_database
+from app.db.cli import add_db_commands
+from app.db.database import alembic_config
+from app.db.models import Base
+from app.db.queries import distinct_values, get_run, list_runs, run_metrics
+from engine.events import FinishEvent, TokenEvent
+from engine.telemetry import StepEntry, StepRecord
+
+
+@pytest.fixture
+def db(tmp_path):
+    database = open_database(tmp_path / "runs.db")
+    yield database
+    database.close()
+
+
+@pytest.fixture
+def recorder(db):
+    rec = Recorder(db, flush_interval=0.01)
+    rec.start()
+    yield rec
+    rec.close()
+
+
+def head_revision() -> str:
+    heads = ScriptDirectory.from_config(alembic_config()).get_heads()
+    assert len(heads) == 1, f"migrations have several heads: {heads}"
+    return heads[0]
+
+
+def current_revision(db: Database) -> str | None:
+    with db.read() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def start_run(rec: Recorder, run_id: str, session_id: int, *, model="m", kernel_policy="auto",
+              prompt="hello", queued_at=1000.0, source="api") -> None:
+    rec.run_started(run_id, session_id=session_id, source=source, endpoint="completions",
+                    model=model, weights="q4", kernel_policy=kernel_policy, prompt_text=prompt,
+                    messages=None, prompt_token_ids=[1, 2, 3],
+                    params={"max_tokens": 8, "temperature": 0.0, "stop": ["\n"]},
+                    queued_at=queued_at)
+
+
+def token(run_id: str, index: int, t: float, text: str | None = None, step: int = 0) -> TokenEvent:
+    return TokenEvent(request_id=run_id, index=index, token_id=100 + index,
+                      text=f"t{index} " if text is None else text, logprob=-0.5 * index,
+                      top_logprobs=[(100 + index, -0.5 * index), (7, -3.0)], time=t, step=step)
+
+
+def finish(run_id: str, *, reason="length", text="", n=0, queued=1000.0, scheduled=None,
+           first=None, end=1002.0) -> FinishEvent:
+    return FinishEvent(request_id=run_id, reason=reason, text=text, text_delta="",
+                       token_ids=[100 + i for i in range(n)], prompt_tokens=3, completion_tokens=n,
+                       cached_prompt_tokens=1, preemptions=0, arrival_time=queued,
+                       first_scheduled_time=scheduled, first_token_time=first, finish_time=end)
+
+
+def step_record(step: int, started: float, entries: list[tuple[str, str, int]]) -> StepRecord:
+    es = [StepEntry(request_id=rid, phase=phase, rows=rows, context_len=10 + step,
+                    blocks_held=1, sampled=True) for rid, phase, rows in entries]
+    prefill = sum(e.rows for e in es if e.phase == "prefill")
+    decode = sum(e.rows for e in es if e.phase == "decode")
+    return StepRecord(step=step, started_at=started, wall_time=0.05, model_time=0.04,
+                      scheduler_time=0.01, entries=es, total_rows=prefill + decode,
+                      prefill_rows=prefill, decode_rows=decode, kv_blocks_total=64,
+                      kv_blocks_used=len(es), kv_blocks_free=64 - len(es), kv_blocks_cached=0,
+                      num_running=len(es), num_waiting=0, kernel_path="gemv",
+                      linear_calls_per_layer=len(es))
+
+
+# ---- migrations and opening ----
+def test_open_creates_and_migrates_to_head(tmp_path):
+    with open_database(tmp_path / "new.db") as db:
+        assert current_revision(db) == head_revision()
+        tables = set(inspect(db.engine).get_table_names())
+        assert {"engine_sessions", "runs", "run_tokens", "steps", "step_entries"} <= tables
+        with db.read() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
+
+
+def test_reopening_is_idempotent_and_keeps_data(tmp_path):
+    path = tmp_path / "runs.db"
+    with open_database(path) as db:
+        session_id = Recorder(db).start_session("m", "q4", "auto", {"max_num_seqs": 4})
+    for _ in range(2):
+        with open_database(path) as db:
+            assert current_revision(db) == head_revision()
+            with db.read() as conn:
+                rows = conn.exec_driver_sql("SELECT id, config_json FROM engine_sessions").all()
+            assert rows == [(session_id, '{"max_num_seqs": 4}')]
+
+
+def test_schema_matches_models(db):
+    with db.read() as conn:
+        context = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+
+
+def test_db_upgrade_command(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_db_commands(parser.add_subparsers(dest="command", required=True))
+    path = tmp_path / "cli.db"
+    args = parser.parse_args(["db", "upgrade", "--db", str(path)])
+    assert args.func(args) == 0
+    assert head_revision() in capsys.readouterr().out
+    with open_database(path, migrate=False) as db:
+        assert current_revision(db) == head_revision()
+    args = parser.parse_args(["db", "upgrade", "--db", str(tmp_path / "missing" / "x.db")])
+    assert args.func(args) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    path = tmp_path / "no" / "such" / "runs.db"
+    with pytest.raises(DatabaseError, match="directory .* does not exist") as info:
+        open_database(path)
+    assert str(path) in str(info.value)
+
+
+def test_read_only_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "runs.db"
+    open_database(path).close()
+    os.chmod(path, stat.S_IRUSR | stat.S_IRGRP)
+    try:
+        with pytest.raises(DatabaseError, match="read-only") as info:
+            open_database(path)
+        assert str(path) in str(info.value)
+    finally:
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+
+
+def test_locked_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "runs.db"
+    other = sqlite3.connect(path, isolation_level=None)  # another process, in effect
+    try:
+        other.execute("CREATE TABLE t (x)")
+        other.execute("BEGIN EXCLUSIVE")
+        other.execute("INSERT INTO t VALUES (1)")
+        with pytest.raises(DatabaseError, match="locked") as info:
+            open_database(path, busy_timeout=0.1)
+        assert str(path) in str(info.value)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
+def test_not_a_database_is_a_clear_error(tmp_path):
+    path = tmp_path / "runs.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(DatabaseError, match="not a valid SQLite database"):
+        open_database(path)
+
+
+# ---- recorded runs read back ----
+def test_get_run_returns_tokens_steps_and_metrics(db, recorder):
+    session = recorder.start_session("m", "q4", "auto", {})
+    start_run(recorder, "A", session, queued_at=1000.0, prompt="tell me")
+    start_run(recorder, "B", session, queued_at=1000.1)
+    start_run(recorder, "C", session, queued_at=1000.3)
+    times = [1000.5, 1000.6, 1000.8, 1001.1]  # gaps 0.1, 0.2, 0.3
+    for i, t in enumerate(times):
+        recorder.token(token("A", i, t, step=i + 1))
+    recorder.step(session, step_record(1, 1000.2, [("A", "prefill", 5), ("B", "prefill", 3)]))
+    recorder.step(session, step_record(2, 1000.55, [("A", "decode", 1), ("B", "decode", 1),
+                                                    ("C", "prefill", 4)]))
+    recorder.step(session, step_record(3, 1000.7, [("B", "decode", 1)]))  # without A
+    recorder.run_finished(finish("A", reason="length", text="t0 t1 t2 t3 ", n=4, queued=999.9,
+                                 scheduled=1000.2, first=1000.5, end=1001.2))
+    assert recorder.flush()
+
+    run = get_run(db, "A")
+    assert run["status"] == "finished" and run["finish_reason"] == "length"
+    assert run["output_text"] == "t0 t1 t2 t3 "
+    assert run["output_token_ids"] == [100, 101, 102, 103]
+    assert run["prompt_token_ids"] == [1, 2, 3]
+    assert run["params"] == {"max_tokens": 8, "temperature": 0.0, "stop": ["\n"]}
+    assert run["messages"] is None
+    assert (run["prompt_tokens"], run["completion_tokens"]) == (3, 4)
+    assert run["cached_prompt_tokens"] == 1 and run["preemptions"] == 0
+    assert run["queued_at"] == 1000.0  # the app's queue time, not the engine's arrival
+    assert [t["idx"] for t in run["tokens"]] == [0, 1, 2, 3]
+    assert run["tokens"][2] == {"idx": 2, "token_id": 102, "text": "t2 ", "logprob": -1.0,
+                                "top_logprobs": [[102, -1.0], [7, -3.0]], "t": 1000.8, "step": 3}
+
+    assert [s["step"] for s in run["steps"]] == [1, 2]
+    first, second = run["steps"]
+    assert first["entry"] == {"run_id": "A", "phase": "prefill", "rows": 5, "context_len": 11,
+                              "blocks_held": 1, "sampled": True}
+    assert [m["run_id"] for m in first["batch_mates"]] == ["B"]
+    assert [(m["run_id"], m["phase"]) for m in second["batch_mates"]] == [
+        ("B", "decode"), ("C", "prefill")]
+    assert second["total_rows"] == 6 and second["prefill_rows"] == 4
+    assert second["kernel_path"] == "gemv" and second["preempted"] == []
+
+    m = run["metrics"]
+    assert m["ttft"] == pytest.approx(0.5)
+    assert m["tpot"] == pytest.approx(0.2)
+    assert m["itl_p50"] == pytest.approx(0.2)
+    assert m["itl_p90"] == pytest.approx(0.28)
+    assert m["itl_p99"] == pytest.approx(0.298)
+    assert m["e2e_latency"] == pytest.approx(1.2)
+    assert m["queue_time"] == pytest.approx(0.2)
+
+    b = get_run(db, "B")  # still running: no finish, no tokens
+    assert b["status"] == "running" and b["tokens"] == [] and len(b["steps"]) == 3
+    assert b["metrics"] == {k: None for k in m}
+    assert get_run(db, "nope") is None
+
+
+def test_metrics_with_one_token():
+    m = run_metrics({"queued_at": 1.0, "first_token_at": 1.5, "finished_at": 1.6}, [1.5])
+    assert m["ttft"] == 0.5 and m["tpot"] is None and m["itl_p50"] is None
+    assert m["e2e_latency"] == pytest.approx(0.6) and m["queue_time"] is None
+
+
+def test_mark_interrupted_keeps_text_and_tokens(tmp_path):
+    path = tmp_path / "runs.db"
+    with open_database(path) as db:
+        rec = Recorder(db)
+        rec.start()
+        session = rec.start_session("m", "q4", "auto", {})
+        start_run(rec, "cut", session)
+        start_run(rec, "done", session)
+        for i in range(3):
+            rec.token(token("cut", i, 1000.5 + i))
+            rec.token(token("done", i, 1000.5 + i))
+        rec.run_finished(finish("done", reason="stop", text="final", n=3, first=1000.5))
+        rec.close()  # the server stops; "cut" never finishes
+
+    with open_database(path) as db:  # the next start
+        assert db.mark_interrupted() == 1
+        assert db.mark_interrupted() == 0
+        cut = get_run(db, "cut")
+        assert cut["status"] == "interrupted" and cut["finish_reason"] is None
+        assert cut["output_text"] == "t0 t1 t2 "
+        assert cut["completion_tokens"] == 3 and len(cut["tokens"]) == 3
+        assert cut["first_token_at"] == 1000.5
+        assert cut["metrics"]["ttft"] == pytest.approx(0.5)
+        assert cut["metrics"]["e2e_latency"] is None
+        done = get_run(db, "done")
+        assert done["status"] == "finished" and done["output_text"] == "final"
+        assert list_runs(db, status="interrupted")["total"] == 1
+
+
+# ---- listing and filtering ----
+@pytest.fixture
+def listed(db, recorder):
+    session = recorder.start_session("m", "q4", "auto", {})
+    specs = [  # id, model, kernel_policy, finish reason (None: still running), prompt
+        ("r0", "small", "auto", "stop", "the cat sat"),
+        ("r1", "small", "gemv", "length", "a dog ran"),
+        ("r2", "big", "auto", "stop", "100% sure"),
+        ("r3", "big", "gemm", None, "under_score"),
+        ("r4", "small", "auto", "cancelled", "x" * 500),
+        ("r5", "big", "auto", "length", "CATS and dogs"),
+        ("r6", "small", "gemv", "stop", "plain"),
+    ]
+    for rid, model, policy, reason, prompt in specs:
+        start_run(recorder, rid, session, model=model, kernel_policy=policy, prompt=prompt)
+        recorder.token(token(rid, 0, 1000.4, text=f"out-{rid}"))
+        if reason:
+            recorder.run_finished(finish(rid, reason=reason, text=f"out-{rid} done", n=1,
+                                         first=1000.4, end=1001.0))
+        assert recorder.flush()  # one at a time, so created_at orders them
+    return db
+
+
+def test_list_runs_newest_first_with_summary(listed):
+    page = list_runs(listed)
+    assert page["total"] == 7 and page["page"] == 1 and page["per_page"] == 50
+    assert [r["id"] for r in page["runs"]] == ["r6", "r5", "r4", "r3", "r2", "r1", "r0"]
+    r5 = page["runs"][1]
+    assert r5["model"] == "big" and r5["finish_reason"] == "length" and r5["status"] == "finished"
+    assert r5["prompt_preview"] == "CATS and dogs" and r5["output_preview"] == "out-r5 done"
+    assert r5["ttft"] == pytest.approx(0.4) and r5["e2e_latency"] == pytest.approx(1.0)
+    assert (r5["prompt_tokens"], r5["completion_tokens"]) == (3, 1)
+    assert set(r5) >= {"id", "created_at", "source", "endpoint", "weights", "kernel_policy"}
+    r4 = page["runs"][2]
+    assert len(r4["prompt_preview"]) == 121 and r4["prompt_preview"].endswith("…")
+    r3 = page["runs"][3]
+    assert r3["status"] == "running" and r3["output_preview"] == "out-r3"
+    assert r3["e2e_latency"] is None
+
+
+def test_list_runs_filters(listed):
+    def ids(**kw):
+        return [r["id"] for r in list_runs(listed, **kw)["runs"]]
+
+    assert ids(model="big") == ["r5", "r3", "r2"]
+    assert ids(kernel_policy="gemv") == ["r6", "r1"]
+    assert ids(finish_reason="stop") == ["r6", "r2", "r0"]
+    assert ids(model="small", finish_reason="stop") == ["r6", "r0"]
+    assert ids(status="running") == ["r3"]
+    assert ids(q="cat") == ["r5", "r0"]  # case-insensitive, in the prompt
+    assert ids(q="out-r2") == ["r2"]  # in the output
+    assert ids(q="0%") == ["r2"]  # % and _ are literal characters
+    assert ids(q="r_s") == ["r3"]
+    assert ids(q="nothing like this") == []
+
+
+def test_list_runs_pagination(listed):
+    pages = [list_runs(listed, page=p, per_page=3) for p in (1, 2, 3, 4)]
+    assert [[r["id"] for r in p["runs"]] for p in pages] == [
+        ["r6", "r5", "r4"], ["r3", "r2", "r1"], ["r0"], []]
+    assert all(p["total"] == 7 for p in pages)
+    assert list_runs(listed, model="small", page=2, per_page=2)["total"] == 4
+    with pytest.raises(ValueError, match="page"):
+        list_runs(listed, page=0)
+    with pytest.raises(ValueError, match="per_page"):
+        list_runs(listed, per_page=0)
+
+
+def test_distinct_values(listed):
+    assert distinct_values(listed) == {
+        "models": ["big", "small"], "kernel_policies": ["auto", "gemm", "gemv"],
+        "finish_reasons": ["cancelled", "length", "stop"]}
+
+
+def test_queries_accept_a_connection_or_session_and_return_json(listed):
+    with listed.read() as conn:
+        assert list_runs(conn, per_page=1)["total"] == 7
+        assert get_run(conn, "r0")["id"] == "r0"
+    with Session(listed.engine) as session:
+        assert distinct_values(session)["models"] == ["big", "small"]
+        run = get_run(session, "r1")
+    assert json.loads(json.dumps(run)) == run
+    assert json.loads(json.dumps(list_runs(listed)))["total"] == 7
