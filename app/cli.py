@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -80,6 +81,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if finish.reason != "error" else 1
 
 
+@contextlib.contextmanager
+def sqlite_recorder(settings):
+    """The runs database at settings.db_path and its writer thread, for the app's lifespan."""
+    from app.db import Recorder, open_database
+
+    with open_database(settings.db_path) as db:
+        db.mark_interrupted()  # runs an earlier server left open will never finish
+        recorder = Recorder(db)
+        recorder.start()
+        try:
+            yield recorder
+        finally:
+            recorder.close()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    settings = Settings.from_args(args)
+    app = create_app(settings, recorder_factory=sqlite_recorder)
+    logging.getLogger("batchscope").info(
+        "batchscope serving at %s (OpenAI-compatible API at %s/v1)", settings.url, settings.url)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                lifespan="on", timeout_graceful_shutdown=10)
+    return 0
+
+
 def cmd_export_model(args: argparse.Namespace) -> int:
     from engine.model_loader import export_model
 
@@ -109,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with token ids")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the web app and the OpenAI-compatible API")
+    srv.add_argument("--host", default=None,
+                     help="address to bind (default 127.0.0.1, or $BATCHSCOPE_HOST)")
+    srv.add_argument("--port", type=int, default=None,
+                     help="port to bind (default 8000, or $BATCHSCOPE_PORT)")
+    srv.add_argument("--db", default=None,
+                     help="SQLite file for recorded runs (default ./batchscope.db, or "
+                          "$BATCHSCOPE_DB)")
+    srv.add_argument("--max-body-bytes", type=int, default=None,
+                     help="largest request body accepted (default 1 MiB)")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     exp = sub.add_parser("export-model", help="write the embedded model as an mlx-lm folder")
     exp.add_argument("dir")

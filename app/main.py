@@ -1,0 +1,96 @@
+"""create_app: the Starlette app, with the engine and recorder living in its lifespan.
+
+Everything long-lived is created in the lifespan and put on `app.state` (never module globals),
+so every test gets its own engine and two apps can share a process:
+
+    app.state.settings    Settings
+    app.state.engine      the started Engine
+    app.state.recorder    the recorder, or None
+    app.state.session_id  the recorder's session for this engine run, or None
+    app.state.runs        RunService (routes submit through it)
+    app.state.started_at  epoch seconds
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, ExitStack, asynccontextmanager
+from typing import Any
+
+import anyio.to_thread
+from starlette.applications import Starlette
+
+from app import api, dashboard, metrics
+from app.runs import Recorder, RunService, kernel_policy, session_config
+from app.settings import Settings
+from engine.config import EngineConfig
+
+log = logging.getLogger("batchscope.app")
+
+EngineFactory = Callable[[EngineConfig], Any]  # returns an Engine (started or not)
+# Returns a ready recorder (closed with its close() at shutdown), or a context manager that
+# yields one (exited at shutdown: lets the factory own a database and close it after).
+RecorderFactory = Callable[[Settings], "Recorder | AbstractContextManager[Recorder]"]
+
+
+def _default_engine(config: EngineConfig) -> Any:
+    from engine.engine import Engine
+
+    return Engine(config)
+
+
+def _open_recorder(factory: RecorderFactory, settings: Settings, stack: ExitStack) -> Recorder:
+    made = factory(settings)
+    if isinstance(made, AbstractContextManager):
+        return stack.enter_context(made)
+    closer = getattr(made, "close", None)
+    if closer is not None:
+        stack.callback(closer)
+    return made
+
+
+def create_app(settings: Settings, *, engine_factory: EngineFactory | None = None,
+               recorder_factory: RecorderFactory | None = None) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine = (engine_factory or _default_engine)(settings.engine)
+        # Loading the model takes seconds: keep the event loop free meanwhile.
+        await anyio.to_thread.run_sync(engine.start)
+        recorder = session_id = unsubscribe = None
+        stack = ExitStack()  # closes the recorder (and whatever its factory opened)
+        try:
+            if recorder_factory is not None:
+                recorder = await anyio.to_thread.run_sync(
+                    _open_recorder, recorder_factory, settings, stack)
+                # Blocking (it returns the new row's id), so off the loop.
+                session_id = await anyio.to_thread.run_sync(lambda: recorder.start_session(
+                    model=engine.loaded.name, weights=engine.loaded.weights,
+                    kernel_policy=kernel_policy(engine), config=session_config(engine)))
+                # Called on the engine thread; the recorder only enqueues.
+                unsubscribe = engine.subscribe(lambda record: recorder.step(session_id, record))
+            runs = RunService(engine, recorder, session_id)
+            app.state.settings = settings
+            app.state.engine = engine
+            app.state.recorder = recorder
+            app.state.session_id = session_id
+            app.state.runs = runs
+            app.state.started_at = time.time()
+            log.info("serving %s (%s weights, context %d) with the OpenAI API at /v1",
+                     engine.loaded.name, engine.loaded.weights, engine.max_model_len)
+            yield
+            # Stopping the engine finishes every open request ("cancelled"); let their
+            # finishes reach the recorder before it closes.
+            await anyio.to_thread.run_sync(engine.stop)
+            await runs.drain()
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+            await anyio.to_thread.run_sync(engine.stop)  # idempotent
+            await anyio.to_thread.run_sync(stack.close)
+
+    app = Starlette(routes=list(api.routes) + dashboard.routes + metrics.routes,
+                    exception_handlers=api.exception_handlers, lifespan=lifespan)
+    app.state.settings = settings  # routes read limits from here even before startup ends
+    return app

@@ -1,0 +1,62 @@
+"""Server settings: one dataclass, built from CLI flags with environment variables as defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+
+# Environment variables that override the built-in defaults (CLI flags override both).
+ENV_HOST = "BATCHSCOPE_HOST"
+ENV_PORT = "BATCHSCOPE_PORT"
+ENV_DB = "BATCHSCOPE_DB"
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"  # loopback by default: the API has no authentication
+    port: int = 8000
+    db_path: str = "./batchscope.db"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_body_bytes: int = 1 << 20  # larger request bodies get a 413 before being parsed
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an integer from 0 to 65535, got {self.port!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(
+                f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        if not self.host:
+            raise ValueError("host must not be empty")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace,
+                  environ: Mapping[str, str] | None = None) -> Settings:
+        """Flags left unset (None) fall back to the environment, then to the defaults."""
+        from app.cli import engine_config
+
+        env = os.environ if environ is None else environ
+        defaults = cls.__dataclass_fields__
+        port = args.port if args.port is not None else env.get(ENV_PORT)
+        try:
+            port = int(port) if port is not None else defaults["port"].default
+        except ValueError:
+            raise ValueError(f"{ENV_PORT} must be an integer, got {port!r}") from None
+        return cls(
+            host=args.host or env.get(ENV_HOST) or defaults["host"].default,
+            port=port,
+            db_path=args.db or env.get(ENV_DB) or defaults["db_path"].default,
+            engine=engine_config(args),
+            max_body_bytes=(getattr(args, "max_body_bytes", None)
+                            or defaults["max_body_bytes"].default),
+            log_level="debug" if getattr(args, "verbose", False) else "info",
+        )
