@@ -1,4 +1,4 @@
-"""The `batchscope` command: serve, generate, export-model."""
+"""The `batchscope` command: serve, generate, export-model, db upgrade."""
 
 from __future__ import annotations
 
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("dir")
     exp.add_argument("--weights", default="q4", choices=["q4", "f32", "bf16"])
     exp.set_defaults(func=cmd_export_model)
+
+    from app.db.cli import add_db_commands
+
+    add_db_commands(sub)
     return parser
 
 
@@ -165,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per migration is enough
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
