@@ -11,7 +11,9 @@ serve: setup
 generate: setup
 	.venv/bin/batchscope generate --chat "$${PROMPT:-Tell me a short story about a robot.}"
 
-test: setup
+# The browser test drives Debian's chromium through chromium-driver.
+test:
+	BATCHSCOPE_EXTRA_APT="chromium chromium-driver" ./scripts/setup.sh
 	.venv/bin/python -m pytest -q
 
 test-fast: setup

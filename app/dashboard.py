@@ -1,0 +1,223 @@
+"""The live dashboard: what the scheduler does each step, as HTML, JSON and an SSE stream.
+
+    GET /dashboard           the page (rendered with the current state, then kept live over SSE)
+    GET /dashboard.json      its JSON twin: the same state + the recent steps the charts draw
+    GET /dashboard/stream    SSE: one `frame` event per update, at most FRAMES_PER_S a second,
+                             each with every step since the previous frame + the current state
+    GET /steps.json?since=N  full step records after step N (for scripts)
+
+One function builds the state; the page, the twin and the stream all show that dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.templating import Jinja2Templates
+
+from app.api import error_body
+from app.steps_feed import FeedClient, compact_steps, feed_for
+
+CHART_STEPS = 300  # steps the charts and the kernel-path strip show
+FRAMES_PER_S = 10  # the most updates a client gets; steps in between ride in the next frame
+PING_S = 15  # SSE keep-alive comment while the engine is idle
+MAX_STEPS_PAGE = 2048  # most records one /steps.json answer holds
+
+templates = Jinja2Templates(directory=str(Path(__file__).resolve().parent.parent / "templates"))
+
+
+# ---- the state -------------------------------------------------------------------------------
+def hue(request_id: str) -> int:
+    """A stable colour per request (FNV-1a), the same on the page and in every frame."""
+    h = 0x811C9DC5
+    for byte in request_id.encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h % 360
+
+
+def label(request_id: str) -> str:
+    return request_id if len(request_id) <= 14 else request_id[:13] + "…"
+
+
+def _request(request_id: str) -> dict[str, Any]:
+    return {"id": request_id, "label": label(request_id), "hue": hue(request_id)}
+
+
+def _kv_snapshot(engine: Any) -> dict[str, Any]:
+    # Read while the engine thread may change the tables: retry a torn read.
+    for _ in range(5):
+        try:
+            return engine.kv_snapshot()
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+    return engine.kv_snapshot()
+
+
+def kv_map(engine: Any) -> dict[str, Any]:
+    """Every block as one small int: 0 free, -1 cached (no holder, kept for prefix reuse),
+    k >= 1 held by requests[k - 1]; blocks with several holders list them all in `shared`."""
+    snap = _kv_snapshot(engine)
+    cells = [0] * snap["num_blocks"]
+    for block in snap["cached"]:
+        cells[block] = -1
+    requests: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    shared: dict[str, list[int]] = {}
+    for block, holders in sorted(snap["holders"].items(), key=lambda kv: int(kv[0])):
+        ks = []
+        for request_id in holders:
+            if request_id not in index:
+                requests.append(_request(request_id))
+                index[request_id] = len(requests)
+            ks.append(index[request_id])
+        cells[int(block)] = ks[0]
+        if len(ks) > 1:
+            shared[block] = ks
+    used = sum(1 for c in cells if c > 0)
+    cached = sum(1 for c in cells if c < 0)
+    return {"num_blocks": snap["num_blocks"], "block_size": snap["block_size"], "used": used,
+            "cached": cached, "free": len(cells) - used - cached, "requests": requests,
+            "cells": cells, "shared": shared}
+
+
+def dashboard_state(engine: Any) -> dict[str, Any]:
+    """What the engine is doing now: live queue lengths, the latest step's batch, the KV map."""
+    latest = engine.steps.recent(1)
+    batch = None
+    if latest:
+        record = latest[0]
+        batch = {"step": record.step, "started_at": record.started_at,
+                 "wall_time": record.wall_time, "kernel_path": record.kernel_path,
+                 "total_rows": record.total_rows, "prefill_rows": record.prefill_rows,
+                 "decode_rows": record.decode_rows, "error": record.error,
+                 "entries": [{**_request(e.request_id), "phase": e.phase, "rows": e.rows,
+                              "context_len": e.context_len, "blocks_held": e.blocks_held,
+                              "sampled": e.sampled} for e in record.entries]}
+    scheduler = engine.scheduler
+    running, waiting = len(scheduler.running), len(scheduler.waiting)
+    return {"time": time.time(), "step": engine.step_count, "running": running,
+            "waiting": waiting, "idle": running == 0 and waiting == 0, "batch": batch,
+            "kv": kv_map(engine)}
+
+
+def dashboard_context(engine: Any) -> dict[str, Any]:
+    config = engine.config
+    return {
+        "model": engine.loaded.name,
+        "config": {"max_num_seqs": config.max_num_seqs,
+                   "max_num_batched_tokens": config.max_num_batched_tokens,
+                   "block_size": config.block_size, "num_kv_blocks": config.num_kv_blocks},
+        "frames_per_s": FRAMES_PER_S,
+        "chart_steps": CHART_STEPS,
+        "state": dashboard_state(engine),
+        "steps": compact_steps(engine.steps.recent(CHART_STEPS)),
+    }
+
+
+# ---- routes ----------------------------------------------------------------------------------
+class ParamError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), param=self.param, code="invalid_value"),
+                            status_code=400)
+
+
+def _int_param(request: Request, name: str, default: int | None, lo: int,
+               hi: int | None = None) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ParamError(f"{name} must be an integer, got {raw!r}", name) from None
+    if value < lo or (hi is not None and value > hi):
+        span = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
+        raise ParamError(f"{name} must be {span}, got {value}", name)
+    return value
+
+
+async def dashboard_page(request: Request) -> Response:
+    context = dashboard_context(request.app.state.engine)
+    return templates.TemplateResponse(request, "dashboard.html", {"data": context, **context})
+
+
+async def dashboard_json(request: Request) -> Response:
+    return JSONResponse(dashboard_context(request.app.state.engine))
+
+
+async def steps_json(request: Request) -> Response:
+    try:
+        since = _int_param(request, "since", 0, 0)
+        limit = _int_param(request, "limit", MAX_STEPS_PAGE, 1, MAX_STEPS_PAGE)
+    except ParamError as e:
+        return e.response()
+    engine = request.app.state.engine
+    records = engine.steps.recent()
+    newer = [r for r in records if r.step > since]
+    page = newer[:limit]
+    oldest = records[0].step if records else None
+    return JSONResponse({
+        "since": since, "last_step": engine.step_count, "oldest_step": oldest,
+        # Steps after `since` that fell out of the ring buffer before this call.
+        "missed": max(0, (oldest - since - 1)) if oldest is not None else 0,
+        "next_since": page[-1].step if page else since, "more": len(newer) > len(page),
+        "steps": [r.to_dict() for r in page]})
+
+
+def _frame(engine: Any, client: FeedClient) -> ServerSentEvent:
+    steps = client.take()
+    data = {"steps": steps, "dropped": client.dropped, "state": dashboard_state(engine)}
+    # The id is the last step sent: a reconnecting EventSource resumes from it.
+    return ServerSentEvent(json.dumps(data, separators=(",", ":")), event="frame",
+                           id=str(client.last_step))
+
+
+async def _frames(request: Request, since: int | None):
+    engine = request.app.state.engine
+    feed = feed_for(request.app.state)
+    client = feed.connect(since)
+    loop = asyncio.get_running_loop()
+    interval = 1.0 / FRAMES_PER_S
+    try:
+        yield _frame(engine, client)  # the current state at once (with any backlog)
+        sent_at = loop.time()
+        while True:
+            await client.wait()  # idle engine: nothing runs here until the next step
+            delay = sent_at + interval - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)  # steps arriving meanwhile join this frame
+            yield _frame(engine, client)
+            sent_at = loop.time()
+    finally:
+        feed.disconnect(client)
+
+
+async def dashboard_stream(request: Request) -> Response:
+    try:
+        since = _int_param(request, "since", None, 0)
+    except ParamError as e:
+        return e.response()
+    last_event = request.headers.get("last-event-id", "")
+    if last_event.isdigit():  # an EventSource reconnecting: resume after the last step it got
+        since = int(last_event)
+    return EventSourceResponse(_frames(request, since), ping=PING_S, sep="\n")
+
+
+routes = [
+    Route("/dashboard", dashboard_page, methods=["GET"]),
+    Route("/dashboard.json", dashboard_json, methods=["GET"]),
+    Route("/dashboard/stream", dashboard_stream, methods=["GET"]),
+    Route("/steps.json", steps_json, methods=["GET"]),
+]

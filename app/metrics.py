@@ -1,0 +1,234 @@
+"""Prometheus exposition at /metrics, with vLLM's metric names under the `batchscope:` prefix.
+
+Each app gets its own registry (never prometheus-client's global one), so tests and two apps in
+one process do not collide. Three sources fill it:
+
+    live state, read at scrape time   requests running / waiting, KV usage
+    step records (engine thread)      tokens, preemptions, prefix cache, steps by kernel path,
+                                      rows per step, inter-token latency (from step end times,
+                                      as vLLM measures it: per engine iteration)
+    finished requests (event loop)    finish reasons, TTFT, end-to-end, queue time, TPOT
+
+Step callbacks only bump counters (prometheus-client is thread-safe), so they stay cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from engine.events import FinishEvent
+from engine.telemetry import StepRecord
+
+log = logging.getLogger("batchscope.metrics")
+
+PREFIX = "batchscope:"
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+KERNEL_PATHS = ("gemm", "gemv")
+# A CPU engine: first tokens in tens of milliseconds to a minute, tokens every few ms to seconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+MAX_TRACKED_REQUESTS = 10_000  # last-token times kept for ITL (least recently active dropped)
+
+
+class EngineMetrics:
+    """The app's registry and the code that fills it."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.registry = r = CollectorRegistry()
+
+        def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
+            Gauge(PREFIX + name, doc, registry=r).set_function(read)
+
+        gauge("num_requests_running", "Requests in the running batch.",
+              lambda: len(self._scheduler().running) if self._scheduler() else 0)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+              lambda: len(self._scheduler().waiting) if self._scheduler() else 0)
+        gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0 to 1; cached "
+              "prefix blocks nobody holds count as free).", self._kv_usage)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted when "
+                                     "a request's prefill completes; cached tokens included).")
+        self.generation_tokens = counter("generation_tokens", "Tokens sampled (an "
+                                         "end-of-sequence token included).")
+        self.request_success = counter("request_success", "Requests finished, by reason.",
+                                       ("finished_reason",))
+        self.preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix "
+                                   "cache.")
+        self.steps = counter("steps", "Engine steps, by the kernel path their linear layers "
+                             "took.", ("kernel_path",))
+        for reason in FINISH_REASONS:  # present at zero, so rates work from the start
+            self.request_success.labels(reason)
+        for path in KERNEL_PATHS:
+            self.steps.labels(path)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two consecutive "
+                             "tokens of a request (engine step end times).", TOKEN_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Per request: decode "
+                              "time over its output tokens after the first.", TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                             REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
+                                    "scheduled.", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Rows (token positions) "
+                                          "per engine step.", ROW_BUCKETS)
+
+        self._lock = threading.Lock()  # steps arrive on the engine thread, backfill on the loop
+        self._last_step = 0
+        self._prefix_seen = (0, 0)  # cumulative (queries, hits) at the last step
+        self._last_token: OrderedDict[str, float] = OrderedDict()  # request -> last token time
+        self._unsubscribe: list[Callable[[], None]] = []
+
+    # ---- live state ----------------------------------------------------------------------
+    def _scheduler(self) -> Any:
+        return getattr(self.engine, "scheduler", None)
+
+    def _kv_usage(self) -> float:
+        bm = getattr(self.engine, "block_manager", None)
+        return bm.num_used_blocks / bm.num_blocks if bm is not None else 0.0
+
+    # ---- following the engine and the runs -----------------------------------------------
+    def follow(self, runs: Any | None = None) -> None:
+        """Subscribe to steps (and to finishes through `runs`), catching up on the steps still
+        in the engine's ring buffer. Call once, on the event loop."""
+        with self._lock:  # steps arriving meanwhile wait, then skip what the backfill covered
+            self._unsubscribe.append(self.engine.subscribe(self.observe_step))
+            for record in self.engine.steps.recent():
+                self._observe_step(record)
+        if runs is not None:
+            self._unsubscribe.append(follow_finishes(runs, self.observe_finish))
+
+    def close(self) -> None:
+        while self._unsubscribe:
+            self._unsubscribe.pop()()
+
+    def observe_step(self, record: StepRecord) -> None:
+        with self._lock:
+            self._observe_step(record)
+
+    def _observe_step(self, record: StepRecord) -> None:
+        if record.step <= self._last_step:
+            return  # already counted by the backfill
+        self._last_step = record.step
+        self.steps.labels(record.kernel_path).inc()
+        self.iteration_tokens.observe(record.total_rows)
+        if record.preempted:
+            self.preemptions.inc(len(record.preempted))
+        queries, hits = record.prefix_cache_queries, record.prefix_cache_hits
+        seen_q, seen_h = self._prefix_seen
+        # The totals are cumulative; they restart from zero if the engine rebuilds its pool.
+        self.prefix_queries.inc(queries - seen_q if queries >= seen_q else queries)
+        self.prefix_hits.inc(hits - seen_h if hits >= seen_h else hits)
+        self._prefix_seen = (queries, hits)
+        token_time = record.started_at + record.wall_time
+        for entry in record.entries:
+            if not entry.sampled:
+                continue
+            self.generation_tokens.inc()
+            last = self._last_token.pop(entry.request_id, None)
+            if last is None:  # the request's first token: its prompt is all in the cache now
+                self.prompt_tokens.inc(entry.context_len)
+            else:
+                self.itl.observe(token_time - last)
+            self._last_token[entry.request_id] = token_time
+        while len(self._last_token) > MAX_TRACKED_REQUESTS:
+            self._last_token.popitem(last=False)
+
+    def observe_finish(self, event: FinishEvent) -> None:
+        self.request_success.labels(event.reason).inc()
+        # A cancelled or failed request's timings say when it ended, not how fast we serve.
+        if event.reason not in ("stop", "length"):
+            return
+        self.e2e.observe(event.finish_time - event.arrival_time)
+        if event.first_scheduled_time is not None:
+            self.queue_time.observe(event.first_scheduled_time - event.arrival_time)
+        if event.first_token_time is not None:
+            self.ttft.observe(event.first_token_time - event.arrival_time)
+            if event.completion_tokens > 1:
+                self.tpot.observe((event.finish_time - event.first_token_time)
+                                  / (event.completion_tokens - 1))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _FinishTee:
+    """Interim: stands in for RunService's recorder, forwarding every call to it and reporting
+    finishes. Remove once RunService offers an `on_finish` callback list."""
+
+    def __init__(self, inner: Any, on_finish: Callable[[FinishEvent], None]):
+        self.inner = inner
+        self.on_finish = on_finish
+
+    def run_finished(self, event: FinishEvent) -> None:
+        try:
+            self.on_finish(event)
+        finally:
+            if self.inner is not None:
+                self.inner.run_finished(event)
+
+    def __getattr__(self, name: str) -> Any:
+        if self.inner is None:
+            return lambda *args, **kwargs: None
+        return getattr(self.inner, name)
+
+
+def follow_finishes(runs: Any, callback: Callable[[FinishEvent], None]) -> Callable[[], None]:
+    """Call `callback` with every FinishEvent of the runs; returns the unsubscribe function."""
+    hooks = getattr(runs, "on_finish", None)
+    if isinstance(hooks, list):
+        hooks.append(callback)
+        return lambda: hooks.remove(callback) if callback in hooks else None
+    tee = _FinishTee(runs.recorder, callback)
+    runs.recorder = tee
+
+    def unfollow() -> None:
+        if runs.recorder is tee:
+            runs.recorder = tee.inner
+
+    return unfollow
+
+
+def install(app_state: Any) -> EngineMetrics:
+    """The app's metrics, created and following the engine on first call (idempotent).
+
+    Best called from the lifespan right after the RunService exists; until then the first
+    route that needs metrics installs them (steps since startup are caught up from the ring
+    buffer, finishes before that moment are not counted)."""
+    metrics = getattr(app_state, "metrics", None)
+    if metrics is None:
+        metrics = app_state.metrics = EngineMetrics(app_state.engine)
+        metrics.follow(getattr(app_state, "runs", None))
+    return metrics
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    metrics = install(request.app.state)
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+routes = [Route("/metrics", metrics_endpoint, methods=["GET"])]

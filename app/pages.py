@@ -1,0 +1,691 @@
+"""HTML pages and their JSON twins: playground, runs list, run detail, compare.
+
+Each view builds one context dict and renders it as HTML (templates/) or as JSON (the `.json`
+twin, or `Accept: application/json`), so scripts and tests read the numbers people see.
+
+The playground's result panels stream over SSE. Playground runs live in a per-app registry
+(`app.state.live_runs`): a task drains each run's events into a list that is replayed to every
+stream that follows the run, so a panel that connects late (or twice) still sees every token,
+and a closed tab does not cancel the run. Runs no longer in the registry are replayed from the
+database as their final state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+import anyio.to_thread
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from app.api import MAX_STOP, error_body
+from app.db import queries
+from app.runs import Run, RunRequest, RunService
+from engine.engine import EngineError
+from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
+from engine.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES_DIR = ROOT / "templates"
+STATIC_DIR = ROOT / "static"
+
+MAX_COPIES = 8
+MAX_STOP_CHARS = 200
+PLAYGROUND_LOGPROBS = 5  # alternatives kept per token, shown on hover
+DEFAULTS = {"mode": "chat", "temperature": 0.0, "top_p": 1.0, "max_tokens": 64, "seed": None,
+            "stop": "", "copies": 1, "ignore_eos": False}
+NO_DATABASE = ("no database: this server was started without one, so runs are not recorded "
+               "(the playground still works)")
+
+
+# ---- formatting (templates and tests share these, so a shown number equals its JSON value) ---
+def fmt_ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def fmt_rate(per_s: float | None) -> str:
+    return "—" if per_s is None else f"{per_s:.1f}"
+
+
+def fmt_lp(logprob: float | None) -> str:
+    return "—" if logprob is None else f"{logprob:.3f}"
+
+
+def fmt_time(epoch: float | None) -> str:
+    if epoch is None:
+        return "—"
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def visible(text: str | None) -> str:
+    """Whitespace and control characters made visible, for single-token cells."""
+    if text is None:
+        return ""
+    out = []
+    for ch in text:
+        if ch == " ":
+            out.append("␣")
+        elif ch == "\n":
+            out.append("↵")
+        elif ch == "\t":
+            out.append("⇥")
+        elif ord(ch) < 32 or ord(ch) == 127:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def tokens_per_s(tpot: float | None) -> float | None:
+    """Decode speed: one over the mean gap between output tokens."""
+    return 1.0 / tpot if tpot else None
+
+
+# ---- per-app state -------------------------------------------------------------------------
+def _templates(request: Request) -> Environment:
+    env = getattr(request.app.state, "page_templates", None)
+    if env is None:
+        # autoescape everywhere: prompts and outputs are untrusted.
+        env = Environment(loader=FileSystemLoader(TEMPLATES_DIR), autoescape=True,
+                          undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        env.filters.update(ms=fmt_ms, rate=fmt_rate, lp=fmt_lp, ts=fmt_time, visible=visible)
+        request.app.state.page_templates = env
+    return env
+
+
+def _database(request: Request) -> Any:
+    """The runs database behind the recorder, or None when runs are not recorded."""
+    recorder = getattr(request.app.state, "recorder", None)
+    return getattr(recorder, "database", None)
+
+
+def _service(request: Request) -> RunService:
+    return request.app.state.runs
+
+
+def _decoder(request: Request, model: str | None) -> Callable[[int], str | None]:
+    """Token id -> text with the served tokenizer, only for runs of the served model."""
+    service = getattr(request.app.state, "runs", None)
+    if service is None or model != service.model_name:
+        return lambda token_id: None
+    return service.token_text
+
+
+# ---- rendering -----------------------------------------------------------------------------
+def _wants_json(request: Request) -> bool:
+    if request.url.path.endswith(".json"):
+        return True
+    accept = request.headers.get("accept", "")
+    return "application/json" in accept and "text/html" not in accept
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN or infinities (a -inf logprob): they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _html(request: Request, template: str, context: dict, status: int = 200) -> HTMLResponse:
+    return HTMLResponse(_render(request, template, context), status_code=status)
+
+
+def _render(request: Request, template: str, context: dict) -> str:
+    service = getattr(request.app.state, "runs", None)
+    extras = {"served_model": service.model_name if service else None,
+              "path": request.url.path}
+    return _templates(request).get_template(template).render({**extras, **context})
+
+
+def _page(request: Request, template: str, context: dict, status: int = 200) -> Response:
+    """One context, two renderings: the template, or the context itself as JSON."""
+    if _wants_json(request):
+        return JSONResponse(_json_safe(context), status_code=status)
+    return _html(request, template, context, status)
+
+
+def _error(request: Request, status: int, message: str, param: str | None = None,
+           code: str | None = None, fragment: bool = False) -> Response:
+    if _wants_json(request):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(error_body(message, kind, param, code), status_code=status)
+    template = "_error.html" if fragment else "error.html"
+    return _html(request, template, {"status": status, "message": message, "param": param},
+                 status)
+
+
+async def _read(request: Request, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A database read off the event loop."""
+    db = _database(request)
+    return await anyio.to_thread.run_sync(lambda: fn(db, *args, **kwargs))
+
+
+# ---- live runs -----------------------------------------------------------------------------
+class LiveRun:
+    """A run's events so far; each follower gets them all, then the rest as they come."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.events: list[Event] = []
+        self.finish: FinishEvent | None = None
+        self._followers: set[asyncio.Queue] = set()
+        self.task = asyncio.get_running_loop().create_task(self._drain(), name=f"live-{run.id}")
+
+    @property
+    def id(self) -> str:
+        return self.run.id
+
+    async def _drain(self) -> None:
+        async for event in self.run.events():
+            self.events.append(event)
+            if isinstance(event, FinishEvent):
+                self.finish = event
+            for queue in list(self._followers):
+                queue.put_nowait((self, event))
+        self._followers.clear()
+
+    def follow(self, queue: asyncio.Queue) -> None:
+        for event in self.events:
+            queue.put_nowait((self, event))
+        if self.finish is None:
+            self._followers.add(queue)
+
+    def unfollow(self, queue: asyncio.Queue) -> None:
+        self._followers.discard(queue)
+
+
+class LiveRuns:
+    """Playground runs by id: every unfinished one, and the latest finished ones."""
+
+    keep_finished = 256
+
+    def __init__(self) -> None:
+        self._runs: OrderedDict[str, LiveRun] = OrderedDict()
+
+    def add(self, run: Run) -> LiveRun:
+        live = self._runs[run.id] = LiveRun(run)
+        finished = [k for k, v in self._runs.items() if v.finish is not None]
+        for run_id in finished[:max(0, len(finished) - self.keep_finished)]:
+            del self._runs[run_id]
+        return live
+
+    def get(self, run_id: str) -> LiveRun | None:
+        return self._runs.get(run_id)
+
+
+def live_runs(app: Any) -> LiveRuns:
+    registry = getattr(app.state, "live_runs", None)
+    if registry is None:
+        registry = app.state.live_runs = LiveRuns()
+    return registry
+
+
+# ---- playground ----------------------------------------------------------------------------
+@dataclass
+class PlaygroundInput:
+    mode: str
+    system: str
+    prompt: str
+    params: SamplingParams
+    copies: int
+
+
+def _form_number(form: dict[str, str], name: str, label: str, errors: dict[str, str],
+                 lo: float, hi: float, *, integer: bool = False, lo_open: bool = False,
+                 optional: bool = False) -> Any:
+    raw = form.get(name, "").strip()
+    if not raw:
+        if optional:
+            return None
+        if name in DEFAULTS and DEFAULTS[name] is not None:
+            return DEFAULTS[name]
+        errors[name] = f"{label} is required"
+        return None
+    try:
+        value: float = int(raw) if integer else float(raw)
+    except ValueError:
+        errors[name] = f"{label} must be {'a whole number' if integer else 'a number'}, " \
+                       f"got {raw[:40]!r}"
+        return None
+    low_ok = value > lo if lo_open else value >= lo
+    if not math.isfinite(value) or not low_ok or value > hi:
+        shown = (str(int(lo)), str(int(hi))) if integer else (f"{lo:g}", f"{hi:g}")
+        errors[name] = f"{label} must be {'above' if lo_open else 'at least'} {shown[0]} and " \
+                       f"at most {shown[1]}, got {raw[:40]}"
+        return None
+    return value
+
+
+def parse_playground(form: dict[str, str], max_tokens_limit: int) -> tuple[PlaygroundInput | None,
+                                                                             dict[str, str]]:
+    """The playground form checked field by field: (input, {}) or (None, {field: message})."""
+    errors: dict[str, str] = {}
+    mode = form.get("mode", DEFAULTS["mode"])
+    if mode not in ("chat", "raw"):
+        errors["mode"] = f"prompt mode must be chat or raw, got {mode[:40]!r}"
+    prompt = form.get("prompt", "")
+    if not prompt.strip():
+        errors["prompt"] = "prompt must not be empty"
+    system = form.get("system", "") if mode == "chat" else ""
+    temperature = _form_number(form, "temperature", "temperature", errors, 0.0, 2.0)
+    top_p = _form_number(form, "top_p", "top-p", errors, 0.0, 1.0, lo_open=True)
+    max_tokens = _form_number(form, "max_tokens", "max tokens", errors, 1, max_tokens_limit,
+                              integer=True)
+    seed = _form_number(form, "seed", "seed", errors, 0, 2**63 - 1, integer=True,
+                        optional=True)
+    copies = _form_number(form, "copies", "copies", errors, 1, MAX_COPIES, integer=True)
+    # Stop strings: one per line, or comma separated on a line.
+    stops = [s.strip() for line in form.get("stop", "").splitlines() for s in line.split(",")]
+    stops = [s for s in stops if s]
+    if len(stops) > MAX_STOP:
+        errors["stop"] = f"at most {MAX_STOP} stop strings, got {len(stops)}"
+    elif any(len(s) > MAX_STOP_CHARS for s in stops):
+        errors["stop"] = f"stop strings must be at most {MAX_STOP_CHARS} characters"
+    if errors:
+        return None, errors
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            seed=seed, stop=tuple(stops), logprobs=PLAYGROUND_LOGPROBS,
+                            ignore_eos=form.get("ignore_eos", "") not in ("", "0", "off"))
+    return PlaygroundInput(mode, system, prompt, params, copies), {}
+
+
+async def _read_form(request: Request) -> dict[str, str] | Response:
+    """An urlencoded body (what htmx sends), size-capped; a 400/413 fragment otherwise."""
+    limit: int = request.app.state.settings.max_body_bytes
+    if "multipart/" in request.headers.get("content-type", ""):
+        return _error(request, 400, "send the form urlencoded, not as multipart",
+                      fragment=True)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return _error(request, 413, f"the form is larger than {limit} bytes",
+                          fragment=True)
+    try:
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
+    except (UnicodeDecodeError, ValueError):
+        return _error(request, 400, "could not read the form", fragment=True)
+    return dict(pairs)
+
+
+async def playground(request: Request) -> Response:
+    service = _service(request)
+    context = {"model": service.model_name, "max_model_len": service.max_model_len,
+               "max_tokens_limit": service.max_context_tokens(), "max_copies": MAX_COPIES,
+               "max_stop": MAX_STOP, "defaults": DEFAULTS,
+               "database": _database(request) is not None}
+    return _page(request, "playground.html", context)
+
+
+async def start_runs(request: Request) -> Response:
+    service = _service(request)
+    form = await _read_form(request)
+    if isinstance(form, Response):
+        return form
+    data, errors = parse_playground(form, service.max_context_tokens())
+    if data is None:
+        return _form_errors(request, errors)
+    if data.mode == "chat":
+        messages = ([{"role": "system", "content": data.system}] if data.system.strip() else [])
+        messages.append({"role": "user", "content": data.prompt})
+        prompt_ids, prompt_text = service.encode_chat(messages), None
+    else:
+        messages, prompt_ids, prompt_text = None, service.encode(data.prompt), data.prompt
+    registry = live_runs(request.app)
+    started: list[LiveRun] = []
+    for _ in range(data.copies):
+        run_request = RunRequest(prompt_ids, data.params, "/playground", "playground",
+                                 prompt_text, messages)
+        try:
+            run = service.start(run_request)
+        except EngineError as e:
+            return _error(request, 503, f"the engine is not running: {e}", fragment=True)
+        except ValueError as e:  # too long for the context window, and the like
+            param = "max_tokens" if "max_tokens" in str(e) else "prompt"
+            return _form_errors(request, {param: str(e)})
+        started.append(registry.add(run))
+    ids = [live.id for live in started]
+    context = {"runs": [{"id": i, "url": f"/runs/{i}", "cancel_url": f"/runs/{i}/cancel",
+                         "stream_url": f"/runs/{i}/stream"} for i in ids],
+               "stream_url": _stream_url(ids), "saved": _database(request) is not None,
+               "prompt_tokens": len(prompt_ids), "params": _params_dict(data.params)}
+    return _page(request, "_run_panels.html", context)
+
+
+def _form_errors(request: Request, errors: dict[str, str]) -> Response:
+    if _wants_json(request):
+        name, message = next(iter(errors.items()))
+        return JSONResponse(error_body(message, param=name, code="invalid_value"),
+                            status_code=400)
+    return _html(request, "_form_errors.html", {"errors": errors}, 400)
+
+
+def _params_dict(params: SamplingParams) -> dict:
+    return {**asdict(params), "stop": list(params.stop)}
+
+
+def _stream_url(ids: list[str]) -> str:
+    """One stream for a group of copies: browsers allow ~6 connections per host."""
+    query = urlencode([("with", i) for i in ids[1:]])
+    return f"/runs/{ids[0]}/stream" + (f"?{query}" if query else "")
+
+
+async def cancel_run(request: Request) -> Response:
+    run_id = request.path_params["run_id"]
+    live = live_runs(request.app).get(run_id)
+    if live is None:
+        return _error(request, 404, f"no live run {run_id!r} (only playground runs of this "
+                                    "server can be stopped here)", "run_id", "not_found")
+    running = live.finish is None
+    if running:
+        live.run.cancel()
+    context = {"id": run_id, "cancelled": running,
+               "finish_reason": live.finish.reason if live.finish else None}
+    return _page(request, "_cancelled.html", context)
+
+
+# ---- the SSE stream of result panels --------------------------------------------------------
+@dataclass
+class PanelStats:
+    tokens: int = 0
+    ttft: float | None = None
+    tokens_per_s: float | None = None
+    e2e: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class _Meter:
+    """Panel stats of a live run, computed as the saved run's metrics are (app.db.queries)."""
+
+    def __init__(self, queued_at: float):
+        self.queued_at = queued_at
+        self.first: float | None = None
+        self.last: float | None = None
+        self.stats = PanelStats()
+
+    def token(self, event: TokenEvent) -> None:
+        s = self.stats
+        s.tokens += 1
+        self.first = event.time if self.first is None else self.first
+        self.last = event.time
+        s.ttft = self.first - self.queued_at
+        if s.tokens > 1:
+            s.tokens_per_s = tokens_per_s((self.last - self.first) / (s.tokens - 1))
+
+    def finish(self, event: FinishEvent, error: str | None) -> None:
+        s = self.stats
+        s.tokens = event.completion_tokens
+        s.ttft = (None if event.first_token_time is None
+                  else event.first_token_time - self.queued_at)
+        s.e2e = event.finish_time - self.queued_at
+        s.finish_reason = event.reason
+        s.error = event.error or error
+
+
+def token_view(idx: int, token_id: int, text: str | None, logprob: float | None,
+               top: list | None, t: float | None, queued_at: float | None, step: int | None,
+               decode: Callable[[int], str | None]) -> dict:
+    """One output token as pages and JSON show it; alternatives decoded when possible."""
+    return {
+        "idx": idx, "token_id": token_id, "text": text, "logprob": logprob,
+        "offset": None if t is None or queued_at is None else t - queued_at, "step": step,
+        "alternatives": [{"token_id": tid, "text": decode(tid), "logprob": lp}
+                         for tid, lp in (top or [])],
+    }
+
+
+def _sse(event: str, html: str) -> dict:
+    # A lone CR would split an SSE data line; as a character reference it stays text.
+    # Empty data is never dispatched by EventSource, hence the fallback.
+    return {"event": event, "data": html.replace("\r", "&#13;") or " "}
+
+
+async def stream_runs(request: Request) -> Response:
+    """SSE for one run's panel, or a group of copies (`?with=ID&with=ID`), ending with `done`.
+
+    Events per run: token-ID (a token's HTML, appended), stats-ID (the stats), end-ID (finish
+    reason and link); then one `done` for the whole stream."""
+    ids = list(dict.fromkeys([request.path_params["run_id"],
+                              *request.query_params.getlist("with")]))
+    if len(ids) > MAX_COPIES:
+        return _error(request, 400, f"a stream follows at most {MAX_COPIES} runs", "with")
+    registry = live_runs(request.app)
+    lives = [live for i in ids if (live := registry.get(i)) is not None]
+    saved: list[dict] = []
+    for run_id in ids:
+        if registry.get(run_id) is not None:
+            continue
+        record = await _read(request, queries.get_run, run_id) if _database(request) else None
+        if record is None:
+            return _error(request, 404, f"no run {run_id!r}", "run_id", "not_found")
+        saved.append(record)
+    env = _templates(request)
+    has_db = _database(request) is not None
+    service = _service(request)
+
+    def fragment(name: str, **context: Any) -> str:
+        return env.get_template(name).render(context)
+
+    def end(run_id: str, stats: PanelStats) -> dict:
+        return _sse(f"end-{run_id}", fragment("_end.html", id=run_id, stats=stats, saved=has_db))
+
+    async def events() -> AsyncIterator[dict]:
+        for record in saved:  # finished before this stream: the final state at once
+            run = run_context(record, _decoder(request, record["model"]))
+            tokens = run["tokens"] + ([{"text": run["text_tail"]}] if run["text_tail"] else [])
+            stats = _saved_stats(record)
+            yield _sse(f"token-{record['id']}", fragment("_tokens.html", tokens=tokens))
+            yield _sse(f"stats-{record['id']}", fragment("_stats.html", stats=stats))
+            yield end(record["id"], stats)
+        queue: asyncio.Queue = asyncio.Queue()
+        meters = {live.id: _Meter(live.run.created) for live in lives}
+        errors: dict[str, str] = {}
+        pending = set(meters)
+        for live in lives:
+            live.follow(queue)
+        try:
+            while pending:
+                live, event = await queue.get()
+                meter = meters[live.id]
+                if isinstance(event, TokenEvent):
+                    meter.token(event)
+                    token = token_view(event.index, event.token_id, event.text, event.logprob,
+                                       event.top_logprobs, event.time, live.run.created,
+                                       event.step, service.token_text)
+                    yield _sse(f"token-{live.id}", fragment("_tokens.html", tokens=[token]))
+                    yield _sse(f"stats-{live.id}", fragment("_stats.html", stats=meter.stats))
+                elif isinstance(event, ErrorEvent):
+                    errors[live.id] = event.message
+                elif isinstance(event, FinishEvent):
+                    if event.text_delta:  # text held back for a possible stop string
+                        yield _sse(f"token-{live.id}",
+                                   fragment("_tokens.html", tokens=[{"text": event.text_delta}]))
+                    meter.finish(event, errors.get(live.id))
+                    yield _sse(f"stats-{live.id}", fragment("_stats.html", stats=meter.stats))
+                    yield end(live.id, meter.stats)
+                    pending.discard(live.id)
+            yield {"event": "done", "data": "done"}
+        finally:
+            for live in lives:
+                live.unfollow(queue)
+
+    return EventSourceResponse(events(), sep="\n", ping=15)
+
+
+def _saved_stats(record: dict) -> PanelStats:
+    metrics = record["metrics"]
+    return PanelStats(tokens=record["completion_tokens"], ttft=metrics["ttft"],
+                      tokens_per_s=tokens_per_s(metrics["tpot"]), e2e=metrics["e2e_latency"],
+                      finish_reason=record["finish_reason"] or record["status"],
+                      error=record["error"])
+
+
+# ---- runs list -----------------------------------------------------------------------------
+FILTERS = ("model", "kernel_policy", "finish_reason", "q")
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, got {raw[:40]!r}") from None
+
+
+def _runs_url(filters: dict, page: int, per_page: int, json: bool = False) -> str:
+    query = {k: v for k, v in filters.items() if v}
+    if page != 1:
+        query["page"] = page
+    if per_page != 50:
+        query["per_page"] = per_page
+    return ("/runs.json" if json else "/runs") + (f"?{urlencode(query)}" if query else "")
+
+
+async def runs_list(request: Request) -> Response:
+    if _database(request) is None:
+        return _error(request, 503, NO_DATABASE, None, "no_database")
+    filters = {k: request.query_params.get(k, "").strip() for k in FILTERS}
+    try:
+        page = _int_param(request, "page", 1)
+        per_page = _int_param(request, "per_page", 50)
+        listing = await _read(request, queries.list_runs, page=page, per_page=per_page,
+                              **{k: v or None for k, v in filters.items()})
+    except ValueError as e:
+        return _error(request, 400, str(e), str(e).split(" ", 1)[0], "invalid_value")
+    options = await _read(request, queries.distinct_values)
+    pages = max(1, math.ceil(listing["total"] / per_page))
+    window = range(max(1, page - 3), min(pages, page + 3) + 1)
+    context = {
+        **listing, "pages": pages, "filters": filters, "options": options,
+        "links": {
+            "prev": _runs_url(filters, page - 1, per_page) if page > 1 else None,
+            "next": _runs_url(filters, page + 1, per_page) if page < pages else None,
+            "pages": [{"page": p, "url": _runs_url(filters, p, per_page)} for p in window],
+            "json": _runs_url(filters, page, per_page, json=True),
+        },
+    }
+    return _page(request, "runs.html", context)
+
+
+# ---- one run -------------------------------------------------------------------------------
+def run_context(record: dict, decode: Callable[[int], str | None]) -> dict:
+    """A saved run (queries.get_run) with decoded tokens, time offsets and decode speed."""
+    queued = record["queued_at"]
+    tokens = []
+    previous: float | None = None
+    for t in record["tokens"]:
+        view = token_view(t["idx"], t["token_id"], t["text"], t["logprob"], t["top_logprobs"],
+                          t["t"], queued, t["step"], decode)
+        view["gap"] = None if previous is None or t["t"] is None else t["t"] - previous
+        previous = t["t"]
+        tokens.append(view)
+    steps = [{**s, "offset": s["started_at"] - queued if queued else None}
+             for s in record["steps"]]
+    metrics = {**record["metrics"], "tokens_per_s": tokens_per_s(record["metrics"]["tpot"])}
+    # Text released only with the finish (held back for a stop string, or a partial character).
+    released = "".join(t["text"] or "" for t in tokens)
+    output = record["output_text"] or ""
+    tail = output[len(released):] if output.startswith(released) else ""
+    return {**record, "tokens": tokens, "text_tail": tail, "steps": steps, "metrics": metrics}
+
+
+async def run_detail(request: Request) -> Response:
+    run_id = request.path_params["run_id"]
+    if _database(request) is None:
+        return _error(request, 503, NO_DATABASE, None, "no_database")
+    record = await _read(request, queries.get_run, run_id)
+    if record is None:
+        live = live_runs(request.app).get(run_id)
+        if live is not None:  # the recorder has not written its row yet
+            context = {"id": run_id, "status": "running" if live.finish is None else "saving",
+                       "message": f"run {run_id} is not in the database yet; this page "
+                                  "reloads until it is"}
+            return _page(request, "pending.html", context, 202)
+        return _error(request, 404, f"no run {run_id!r}", "run_id", "not_found")
+    return _page(request, "run.html", run_context(record, _decoder(request, record["model"])))
+
+
+# ---- compare -------------------------------------------------------------------------------
+def compare_context(a: dict, b: dict) -> dict:
+    """Two saved runs (run_context shapes): parameter differences and outputs by token."""
+    fields = [("model", a["model"], b["model"]), ("weights", a["weights"], b["weights"]),
+              ("kernel_policy", a["kernel_policy"], b["kernel_policy"]),
+              ("source", a["source"], b["source"]), ("endpoint", a["endpoint"], b["endpoint"]),
+              ("prompt", a["prompt_text"], b["prompt_text"])]
+    names = list(dict.fromkeys([*(a["params"] or {}), *(b["params"] or {})]))
+    fields += [(n, (a["params"] or {}).get(n), (b["params"] or {}).get(n)) for n in names]
+    params = [{"name": n, "a": va, "b": vb, "differs": va != vb} for n, va, vb in fields]
+    rows = []
+    first: int | None = None
+    for i in range(max(len(a["tokens"]), len(b["tokens"]))):
+        ta = a["tokens"][i] if i < len(a["tokens"]) else None
+        tb = b["tokens"][i] if i < len(b["tokens"]) else None
+        same = ta is not None and tb is not None and ta["token_id"] == tb["token_id"]
+        if not same and first is None:
+            first = i
+        both = ta is not None and tb is not None
+        lp_diff = (tb["logprob"] - ta["logprob"]
+                   if both and ta["logprob"] is not None and tb["logprob"] is not None
+                   else None)
+        rows.append({"idx": i, "a": ta, "b": tb, "same": same, "logprob_diff": lp_diff})
+
+    def side(r: dict) -> dict:
+        keys = ("id", "created_at", "model", "status", "finish_reason", "prompt_tokens",
+                "completion_tokens", "output_text", "text_tail")
+        return {**{k: r[k] for k in keys}, "metrics": r["metrics"]}
+
+    return {"a": side(a), "b": side(b), "params": params,
+            "params_differing": [p["name"] for p in params if p["differs"]],
+            "tokens": rows, "first_difference": first,
+            "same_tokens": sum(1 for r in rows if r["same"])}
+
+
+async def compare(request: Request) -> Response:
+    if _database(request) is None:
+        return _error(request, 503, NO_DATABASE, None, "no_database")
+    records = {}
+    for side in ("a", "b"):
+        run_id = request.query_params.get(side, "").strip()
+        if not run_id:
+            return _error(request, 400, f"{side} is missing: compare takes two run ids, as in "
+                                        "/compare?a=RUN_ID&b=RUN_ID", side, "missing")
+        record = await _read(request, queries.get_run, run_id)
+        if record is None:
+            return _error(request, 400, f"{side}: there is no run with id {run_id!r}", side,
+                          "not_found")
+        records[side] = run_context(record, _decoder(request, record["model"]))
+    return _page(request, "compare.html", compare_context(records["a"], records["b"]))
+
+
+routes = [
+    Route("/", playground, methods=["GET"]),
+    Route("/playground", start_runs, methods=["POST"]),
+    Route("/runs", runs_list, methods=["GET"]),
+    Route("/runs.json", runs_list, methods=["GET"]),
+    Route("/runs/{run_id}.json", run_detail, methods=["GET"]),
+    Route("/runs/{run_id}", run_detail, methods=["GET"]),
+    Route("/runs/{run_id}/stream", stream_runs, methods=["GET"]),
+    Route("/runs/{run_id}/cancel", cancel_run, methods=["POST"]),
+    Route("/compare", compare, methods=["GET"]),
+    Route("/compare.json", compare, methods=["GET"]),
+    Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
+]

@@ -1,0 +1,161 @@
+"""The bridge from the engine thread's step callbacks to asyncio subscribers (the SSE clients).
+
+    engine thread   StepFeed._on_step: append the record to an inbox; wake the loop once
+    event loop      StepFeed._deliver: compact the records, hand them to every client
+    each client     a bounded buffer of steps + an event; its stream takes everything buffered
+                    at most `max_hz` times a second, so fast steps coalesce into few frames
+
+The engine never waits on the loop, and a slow client never holds anyone up: its buffer only
+grows until it is full, then its oldest steps are dropped (and counted). The feed follows the
+engine only while a client is connected; with no steps, nothing runs (no polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from engine.telemetry import StepRecord
+
+# The fields of a StepRecord the charts and the kernel-path strip need (entries stay out: only
+# the latest step's batch is shown, and it comes with the live state).
+STEP_FIELDS = (
+    "step", "started_at", "wall_time", "model_time", "total_rows", "prefill_rows", "decode_rows",
+    "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "num_running",
+    "num_waiting", "kernel_path", "linear_calls_per_layer", "error",
+)
+
+
+class RollingRate:
+    """Decode tokens per second of wall time over the steps that ended in the last `window_s`."""
+
+    def __init__(self, window_s: float = 1.0):
+        self.window_s = window_s
+        self._steps: deque[tuple[float, float, int]] = deque()  # (start, end, decode rows)
+        self._rows = 0
+
+    def add(self, record: StepRecord) -> float:
+        end = record.started_at + record.wall_time
+        self._steps.append((record.started_at, end, record.decode_rows))
+        self._rows += record.decode_rows
+        while self._steps[0][1] <= end - self.window_s:
+            self._rows -= self._steps.popleft()[2]
+        span = end - self._steps[0][0]  # from the first step's start: the gaps count too
+        return self._rows / span if span > 0 else 0.0
+
+
+def compact_step(record: StepRecord, rate: RollingRate) -> dict[str, Any]:
+    """A step as the dashboard charts it (records must be fed to `rate` in step order)."""
+    out = {name: getattr(record, name) for name in STEP_FIELDS}
+    out["preemptions"] = len(record.preempted)
+    out["tokens_per_s"] = round(rate.add(record), 2)
+    return out
+
+
+def compact_steps(records: list[StepRecord], window_s: float = 1.0) -> list[dict[str, Any]]:
+    rate = RollingRate(window_s)
+    return [compact_step(r, rate) for r in records]
+
+
+class FeedClient:
+    """One subscriber's bounded buffer of steps not yet sent."""
+
+    def __init__(self, max_steps: int):
+        self._steps: deque[dict[str, Any]] = deque(maxlen=max_steps)
+        self._ready = asyncio.Event()
+        self.last_step = 0  # the newest step handed to this client
+        self.dropped = 0  # steps lost because this client fell too far behind
+
+    def push(self, steps: list[dict[str, Any]]) -> None:
+        # A backlog read at connect time may overlap the first live steps: keep each step once.
+        steps = [s for s in steps if s["step"] > self.last_step]
+        if not steps:
+            return
+        self.last_step = steps[-1]["step"]
+        overflow = len(self._steps) + len(steps) - (self._steps.maxlen or 0)
+        if overflow > 0:
+            self.dropped += overflow
+        self._steps.extend(steps)
+        self._ready.set()
+
+    async def wait(self) -> None:
+        await self._ready.wait()
+
+    def take(self) -> list[dict[str, Any]]:
+        self._ready.clear()
+        steps = list(self._steps)
+        self._steps.clear()
+        return steps
+
+
+class StepFeed:
+    """Fans engine steps out to asyncio clients. Create and use it on the event loop."""
+
+    def __init__(self, engine: Any, *, max_steps: int = 1000, rate_window_s: float = 1.0):
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._max_steps = max_steps
+        self._lock = threading.Lock()
+        self._inbox: list[StepRecord] = []
+        self._wake_pending = False
+        self._clients: set[FeedClient] = set()
+        self._unsubscribe: Callable[[], None] | None = None
+        self._rate = RollingRate(rate_window_s)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._clients)
+
+    @property
+    def following(self) -> bool:
+        """Whether the feed is subscribed to the engine (only while it has clients)."""
+        return self._unsubscribe is not None
+
+    def connect(self, since: int | None = None) -> FeedClient:
+        """A new client; with `since`, it first gets the steps after that one still in the
+        engine's ring buffer (read after subscribing, so no step falls in between)."""
+        client = FeedClient(self._max_steps)
+        self._clients.add(client)
+        if self._unsubscribe is None:
+            self._unsubscribe = self._engine.subscribe(self._on_step)
+        if since is not None:
+            backlog = [r for r in self._engine.steps.recent() if r.step > since]
+            client.push(compact_steps(backlog[-self._max_steps:]))
+        return client
+
+    def disconnect(self, client: FeedClient) -> None:
+        self._clients.discard(client)
+        if not self._clients and self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def _on_step(self, record: StepRecord) -> None:
+        """Engine thread: must be quick. One loop wake-up covers any number of queued steps."""
+        with self._lock:
+            self._inbox.append(record)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            records, self._inbox = self._inbox, []
+            self._wake_pending = False
+        steps = [compact_step(r, self._rate) for r in records]
+        for client in list(self._clients):
+            client.push(steps)
+
+
+def feed_for(app_state: Any) -> StepFeed:
+    """The app's feed, created on first use (on the event loop, next to the engine)."""
+    feed = getattr(app_state, "step_feed", None)
+    if feed is None:
+        feed = app_state.step_feed = StepFeed(app_state.engine)
+    return feed

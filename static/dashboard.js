@@ -1,0 +1,197 @@
+// The live dashboard: the page embeds the state and recent steps, then /dashboard/stream sends
+// at most ~10 `frame` events a second, each with every step since the last frame + the state.
+// Charts are plain inline SVG, redrawn at most once per animation frame.
+(() => {
+  "use strict";
+  const script = document.currentScript;
+  const data = JSON.parse(document.getElementById("dashboard-data").textContent);
+  const MAX = data.chart_steps;
+  let steps = data.steps;
+  let state = data.state;
+  let queued = false;
+
+  const $ = (id) => document.getElementById(id);
+  const esc = (s) => String(s).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+  const SVG = "http://www.w3.org/2000/svg";
+
+  // ---- the current batch and the summary -------------------------------------------------
+  function renderSummary() {
+    const live = $("live");
+    live.textContent = state.idle ? "idle" : "running";
+    live.className = "live " + (state.idle ? "idle" : "on");
+    $("sum-step").textContent = state.step;
+    $("sum-running").textContent = state.running;
+    $("sum-waiting").textContent = state.waiting;
+    $("sum-kv").textContent = Math.round(100 * state.kv.used / state.kv.num_blocks) + "%";
+    const last = steps[steps.length - 1];
+    $("sum-tps").textContent = (last ? last.tokens_per_s : 0).toFixed(1);
+  }
+
+  function renderBatch() {
+    const b = state.batch;
+    $("batch-caption").innerHTML = b
+      ? `step <b>${b.step}</b> · ${b.total_rows} rows (${b.prefill_rows} prefill, ` +
+        `${b.decode_rows} decode) · <span class="path path-${esc(b.kernel_path)}">` +
+        `${esc(b.kernel_path)}</span> · ${(b.wall_time * 1000).toFixed(1)} ms`
+      : "no step yet";
+    const rows = (b ? b.entries : []).map((e) =>
+      `<tr data-request="${esc(e.id)}"><td title="${esc(e.id)}">` +
+      `<span class="swatch" style="--h: ${e.hue}"></span>${esc(e.label)}</td>` +
+      `<td class="phase phase-${esc(e.phase)}">${esc(e.phase)}` +
+      `${e.sampled ? ' <span title="sampled a token">✓</span>' : ""}</td>` +
+      `<td class="num">${e.rows}</td><td class="num">${e.context_len}</td>` +
+      `<td class="num">${e.blocks_held}</td></tr>`);
+    $("batch-table").tBodies[0].innerHTML = rows.length ? rows.join("")
+      : '<tr class="empty"><td colspan="5">no request in the latest step</td></tr>';
+  }
+
+  // ---- the KV block map: cells are kept and only changed ones touched ---------------------
+  let kvKeys = [];
+  function renderKV() {
+    const kv = state.kv;
+    const map = $("kv-map");
+    if (map.children.length !== kv.num_blocks) {
+      map.innerHTML = '<i class="kv free"></i>'.repeat(kv.num_blocks);
+      kvKeys = [];
+    }
+    const cells = map.children;
+    for (let b = 0; b < kv.num_blocks; b++) {
+      const c = kv.cells[b];
+      const holders = kv.shared[b] || (c > 0 ? [c] : []);
+      const key = c > 0 ? holders.join(",") : c;
+      if (kvKeys[b] === key) continue;
+      kvKeys[b] = key;
+      const el = cells[b];
+      if (c > 0) {
+        el.className = "kv held" + (holders.length > 1 ? " shared" : "");
+        el.style.setProperty("--h", kv.requests[c - 1].hue);
+        el.title = `block ${b}: ` + holders.map((k) => kv.requests[k - 1].id).join(", ");
+      } else {
+        el.className = c < 0 ? "kv cached" : "kv free";
+        el.style.removeProperty("--h");
+        el.title = `block ${b}: ` + (c < 0 ? "cached prefix (evictable)" : "free");
+      }
+    }
+    $("kv-caption").innerHTML =
+      `${kv.num_blocks} blocks × ${kv.block_size} tokens · ` +
+      `<span class="key key-held"></span> held <b>${kv.used}</b> · ` +
+      `<span class="key key-cached"></span> cached prefix <b>${kv.cached}</b> · ` +
+      `<span class="key key-free"></span> free <b>${kv.free}</b>`;
+  }
+
+  // ---- kernel-path strip ------------------------------------------------------------------
+  function renderStrip() {
+    const top = Math.max(1, ...steps.map((s) => s.total_rows));
+    $("kernel-strip").innerHTML = steps.map((s) =>
+      `<i class="mark path-${esc(s.kernel_path)}" ` +
+      `style="--f: ${Math.sqrt(s.total_rows / top).toFixed(3)}" ` +
+      `title="step ${s.step}: ${esc(s.kernel_path)}, ${s.total_rows} rows"></i>`).join("");
+  }
+
+  // ---- charts -----------------------------------------------------------------------------
+  function niceMax(v) {
+    if (!(v > 0)) return 1;
+    const p = Math.pow(10, Math.floor(Math.log10(v)));
+    return [1, 2, 5, 10].map((m) => m * p).find((m) => m >= v);
+  }
+
+  // series: [{label, color, value(step)}]; kind: "line" | "bars" (stacked) | "area" (stacked)
+  function chart(id, series, kind, fixedMax) {
+    const box = $(id);
+    const svg = box.querySelector("svg");
+    const w = svg.clientWidth || 600, h = svg.clientHeight || 140;
+    const left = 34, top = 6, bottom = h - 4, dx = (w - left) / MAX;
+    const x0 = left + (MAX - steps.length) * dx; // the newest step sits at the right edge
+    const stacked = kind !== "line";
+    const totals = steps.map((s) => series.reduce((a, se) => a + se.value(s), 0));
+    const peak = stacked ? Math.max(0, ...totals)
+      : Math.max(0, ...series.flatMap((se) => steps.map(se.value)));
+    const ymax = fixedMax || niceMax(peak);
+    const y = (v) => bottom - (v / ymax) * (bottom - top);
+    let out = `<line class="axis" x1="${left}" x2="${w}" y1="${y(0)}" y2="${y(0)}"/>` +
+      `<line class="axis" x1="${left}" x2="${w}" y1="${y(ymax)}" y2="${y(ymax)}"/>` +
+      `<text x="${left - 4}" y="${y(ymax) + 8}" text-anchor="end">${ymax}</text>` +
+      `<text x="${left - 4}" y="${bottom}" text-anchor="end">0</text>`;
+    const base = steps.map(() => 0);
+    for (const se of series) {
+      const vals = steps.map(se.value);
+      let d = "";
+      if (kind === "line") {
+        d = vals.map((v, i) => `${i ? "L" : "M"}${(x0 + (i + 0.5) * dx).toFixed(1)} ` +
+          `${y(v).toFixed(1)}`).join("");
+        out += `<path d="${d}" fill="none" stroke="${se.color}" stroke-width="1.5"/>`;
+      } else if (kind === "bars") {
+        const bw = Math.max(1, dx - (dx > 3 ? 1 : 0)).toFixed(1);
+        vals.forEach((v, i) => {
+          if (v > 0) {
+            const ya = y(base[i]), yb = y(base[i] + v);
+            d += `M${(x0 + i * dx).toFixed(1)} ${ya.toFixed(1)}h${bw}V${yb.toFixed(1)}h-${bw}Z`;
+          }
+          base[i] += v;
+        });
+        out += `<path d="${d}" fill="${se.color}"/>`;
+      } else {
+        const upper = vals.map((v, i) => base[i] + v);
+        const pts = (arr) => arr.map((v, i) => `${(x0 + (i + 0.5) * dx).toFixed(1)} ` +
+          `${y(v).toFixed(1)}`);
+        if (steps.length) {
+          d = "M" + pts(upper).join("L") + "L" + pts(base).reverse().join("L") + "Z";
+        }
+        upper.forEach((v, i) => { base[i] = v; });
+        out += `<path d="${d}" fill="${se.color}" stroke="none"/>`;
+      }
+    }
+    svg.innerHTML = out;
+    svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+    const last = steps[steps.length - 1];
+    box.querySelector(".legend").innerHTML = series.map((se) =>
+      `<span><i style="background:${se.color}"></i>${se.label}` +
+      `${last ? " " + (+se.value(last).toFixed(1)) : ""}</span>`).join("");
+  }
+
+  const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+  function renderCharts() {
+    chart("chart-requests", [
+      {label: "running", color: "#2563eb", value: (s) => s.num_running},
+      {label: "waiting", color: "#f97316", value: (s) => s.num_waiting},
+    ], "line");
+    chart("chart-rows", [
+      {label: "prefill", color: css("--prefill"), value: (s) => s.prefill_rows},
+      {label: "decode", color: css("--decode"), value: (s) => s.decode_rows},
+    ], "bars");
+    chart("chart-kv", [
+      {label: "used", color: "#6366f1", value: (s) => s.kv_blocks_used},
+      {label: "cached", color: css("--cached"), value: (s) => s.kv_blocks_cached},
+      {label: "free", color: css("--free"), value: (s) => s.kv_blocks_free},
+    ], "area", state.kv.num_blocks);
+    chart("chart-tokens", [
+      {label: "tok/s", color: "#059669", value: (s) => s.tokens_per_s},
+    ], "line");
+  }
+
+  function render() {
+    queued = false;
+    renderSummary();
+    renderBatch();
+    renderKV();
+    renderStrip();
+    renderCharts();
+  }
+  const schedule = () => { if (!queued) { queued = true; requestAnimationFrame(render); } };
+
+  // ---- the stream -------------------------------------------------------------------------
+  const since = steps.length ? steps[steps.length - 1].step : state.step;
+  const source = new EventSource(`${script.dataset.stream}?since=${since}`);
+  source.addEventListener("frame", (ev) => {
+    const frame = JSON.parse(ev.data);
+    state = frame.state;
+    if (frame.steps.length) steps = steps.concat(frame.steps).slice(-MAX);
+    schedule();
+  });
+  source.addEventListener("error", () => {
+    $("live").textContent = "reconnecting";
+    $("live").className = "live idle";
+  });
+  window.addEventListener("resize", schedule);
+  renderCharts(); // the server drew everything but the charts
+})();

@@ -1,0 +1,395 @@
+"""/dashboard, its JSON twin, /steps.json and the live SSE stream, on a real server (tiny model).
+
+SSE needs a real server: the test client would wait for an endless stream to end. Streams here
+stay finite: a test reads frames until it has seen the steps it caused, then disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from bs4 import BeautifulSoup
+
+from app.dashboard import CHART_STEPS, hue
+from app.main import create_app
+from app.settings import Settings
+from app.steps_feed import FeedClient, RollingRate, StepFeed, compact_steps
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.telemetry import StepRecord
+from engine.testing import tiny_model
+
+TIMEOUT = 30.0
+NUM_BLOCKS = 96
+PROMPTS = ["the quick brown fox", "jumps over the lazy dog", "a shared prefix, then one",
+           "a shared prefix, then two"]
+
+
+@dataclass
+class Live:
+    url: str
+    app: Any
+    engine: Engine
+    http: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    settings = Settings(port=port, engine=EngineConfig(num_kv_blocks=NUM_BLOCKS, block_size=4))
+    app = create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_model))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        yield Live(url, app, app.state.engine, http)
+    server.should_exit = True
+    thread.join(TIMEOUT)
+    sock.close()
+
+
+def complete(live: Live, prompts: list[str], max_tokens: int) -> list[dict]:
+    """The prompts as concurrent /v1/completions requests (so they share steps)."""
+    results: list[dict] = [{}] * len(prompts)
+
+    def one(i: int) -> None:
+        response = live.http.post("/v1/completions", json={
+            "model": "tiny-llama", "prompt": prompts[i], "max_tokens": max_tokens,
+            "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        results[i] = response.json()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert all(results)
+    return results
+
+
+@pytest.fixture(scope="module")
+def ran(live) -> list[dict]:
+    return complete(live, PROMPTS, 24)
+
+
+# ---- the page --------------------------------------------------------------------------------
+def test_page_shows_batch_block_map_strip_and_charts(live, ran):
+    response = live.http.get("/dashboard")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    soup = BeautifulSoup(response.text, "html.parser")
+    engine = live.engine
+    latest = engine.steps.recent(1)[0]
+
+    table = soup.select_one("table#batch-table")
+    assert [th.get_text() for th in table.select("thead th")] == [
+        "request", "phase", "rows", "context", "blocks"]
+    rows = table.select("tbody tr[data-request]")
+    assert [r["data-request"] for r in rows] == [e.request_id for e in latest.entries]
+    for row, entry in zip(rows, latest.entries, strict=True):
+        cells = [td.get_text(" ", strip=True) for td in row.select("td")]
+        assert cells[1].split()[0] == entry.phase
+        assert cells[2:] == [str(entry.rows), str(entry.context_len), str(entry.blocks_held)]
+        assert f"--h: {hue(entry.request_id)}" in row.select_one(".swatch")["style"]
+    caption = " ".join(soup.select_one("#batch-caption").get_text(" ").split())
+    assert caption.startswith(f"step {latest.step} · {latest.total_rows} rows")
+
+    cells = soup.select("#kv-map i.kv")
+    assert len(cells) == NUM_BLOCKS
+    bm = engine.block_manager
+    assert len(soup.select("#kv-map i.kv.cached")) == bm.num_cached_blocks > 0  # the prefixes
+    assert len(soup.select("#kv-map i.kv.held")) == bm.num_used_blocks == 0  # all finished
+    assert cells[bm.cached_block_ids()[0]]["title"].endswith("cached prefix (evictable)")
+
+    marks = soup.select("#kernel-strip i.mark")
+    steps = engine.steps.recent(CHART_STEPS)
+    assert len(marks) == len(steps) == engine.step_count
+    for mark, record in zip(marks, steps, strict=True):
+        assert f"path-{record.kernel_path}" in mark["class"]
+        assert mark["title"] == (f"step {record.step}: {record.kernel_path}, "
+                                 f"{record.total_rows} rows")
+
+    for chart in ("requests", "rows", "kv", "tokens"):
+        assert soup.select_one(f"#chart-{chart} svg") is not None, chart
+    data = json.loads(soup.select_one("script#dashboard-data").string)
+    assert [s["step"] for s in data["steps"]] == [r.step for r in steps]
+    assert soup.select_one('script[src="/static/dashboard.js"]')["data-stream"] \
+        == "/dashboard/stream"
+    assert soup.select_one("#sum-step").get_text() == str(engine.step_count)
+
+
+def test_page_shows_held_blocks_while_requests_run(live, ran):
+    """Stop the engine mid-batch (a test hook that blocks it) and look at the page."""
+    engine = live.engine
+    gate, reached = threading.Event(), threading.Event()
+    decode_steps = 0
+
+    def hold(plan: Any) -> None:
+        nonlocal decode_steps
+        if len(plan.groups) == 2 and all(g.phase == "decode" for g in plan.groups):
+            decode_steps += 1
+            if decode_steps == 3:
+                reached.set()
+                gate.wait(TIMEOUT)
+
+    engine.before_forward = hold
+    worker = threading.Thread(target=complete, args=(live, ["one held", "two held"], 20))
+    worker.start()
+    try:
+        assert reached.wait(TIMEOUT)
+        soup = BeautifulSoup(live.http.get("/dashboard").text, "html.parser")
+        state = live.http.get("/dashboard.json").json()["state"]
+    finally:
+        engine.before_forward = None
+        gate.set()
+        worker.join(TIMEOUT)
+    assert state["running"] == 2 and not state["idle"]
+    held = soup.select("#kv-map i.kv.held")
+    assert len(held) == state["kv"]["used"] > 0
+    ids = {r["id"] for r in state["kv"]["requests"]}
+    assert len(ids) == 2
+    for cell in held:
+        assert cell["title"].split(": ", 1)[1] in ids
+    assert sum(1 for c in state["kv"]["cells"] if c > 0) == state["kv"]["used"]
+
+
+# ---- the JSON twins --------------------------------------------------------------------------
+def test_dashboard_json_reflects_the_steps_that_ran(live, ran):
+    data = live.http.get("/dashboard.json").json()
+    engine = live.engine
+    records = engine.steps.recent(CHART_STEPS)
+    assert [s["step"] for s in data["steps"]] == [r.step for r in records]
+    for s, r in zip(data["steps"], records, strict=True):
+        for name in ("total_rows", "prefill_rows", "decode_rows", "num_running", "num_waiting",
+                     "kv_blocks_used", "kv_blocks_cached", "kv_blocks_free", "kernel_path"):
+            assert s[name] == getattr(r, name), name
+        assert s["preemptions"] == len(r.preempted)
+    assert sum(s["decode_rows"] for s in data["steps"]) > 0
+    assert max(len(r.entries) for r in records) > 1  # the concurrent requests shared steps
+    state = data["state"]
+    assert state["step"] == engine.step_count and state["idle"]
+    assert [e["id"] for e in state["batch"]["entries"]] \
+        == [e.request_id for e in records[-1].entries]
+    kv = state["kv"]
+    assert kv["num_blocks"] == NUM_BLOCKS == len(kv["cells"])
+    assert kv["used"] + kv["cached"] + kv["free"] == NUM_BLOCKS
+    assert sorted(i for i, c in enumerate(kv["cells"]) if c < 0) \
+        == sorted(engine.block_manager.cached_block_ids())
+    assert data["config"]["num_kv_blocks"] == NUM_BLOCKS
+
+
+def test_steps_json_since(live, ran):
+    engine = live.engine
+    last = engine.step_count
+    data = live.http.get("/steps.json", params={"since": last - 3}).json()
+    assert [s["step"] for s in data["steps"]] == [last - 2, last - 1, last]
+    assert data["steps"][-1] == engine.steps.recent(1)[0].to_dict()  # full records, entries too
+    assert data["last_step"] == last and data["missed"] == 0 and not data["more"]
+    page = live.http.get("/steps.json", params={"since": 0, "limit": 2}).json()
+    assert [s["step"] for s in page["steps"]] == [1, 2]
+    assert page["more"] and page["next_since"] == 2
+    assert live.http.get("/steps.json", params={"since": last}).json()["steps"] == []
+    everything = live.http.get("/steps.json").json()["steps"]
+    assert [s["step"] for s in everything] == list(range(1, last + 1))
+    for bad in ({"since": "x"}, {"since": "-1"}, {"limit": "0"}):
+        response = live.http.get("/steps.json", params=bad)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == next(iter(bad))
+
+
+# ---- the stream ------------------------------------------------------------------------------
+class Frames:
+    """Reads `frame` events from an open /dashboard/stream response."""
+
+    def __init__(self, response: httpx.Response):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        self._lines = response.iter_lines()
+        self.ids: list[str] = []
+
+    def next(self) -> dict:
+        event = data = None
+        for line in self._lines:
+            if line.startswith("event: "):
+                event = line[len("event: "):]
+            elif line.startswith("id: "):
+                self.ids.append(line[len("id: "):])
+            elif line.startswith("data: "):
+                data = line[len("data: "):]
+            elif line == "" and data is not None:
+                assert event == "frame"
+                return json.loads(data)
+        raise AssertionError("stream ended")
+
+
+def wait_until(condition, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_stream_coalesces_steps_and_disconnect_unsubscribes(live, ran):
+    engine = live.engine
+    with httpx.Client(base_url=live.url, timeout=TIMEOUT) as http:
+        with http.stream("GET", "/dashboard/stream") as response:
+            frames = Frames(response)
+            first = frames.next()  # the current state at once, no history
+            assert first["steps"] == [] and first["state"]["step"] == engine.step_count
+            feed = live.app.state.step_feed
+            assert feed.following and feed.num_clients == 1
+            start = engine.step_count
+            started_at = time.monotonic()
+            results: list[list[dict]] = []
+            worker = threading.Thread(
+                target=lambda: results.append(complete(live, PROMPTS + ["x", "y"], 30)))
+            worker.start()
+            seen: list[dict] = []
+            received: list[dict] = []
+            while not (results and seen and seen[-1]["step"] == engine.step_count):
+                frame = frames.next()
+                received.append(frame)
+                seen += frame["steps"]
+                assert time.monotonic() - started_at < TIMEOUT
+            elapsed = time.monotonic() - started_at
+            worker.join(TIMEOUT)
+        end = engine.step_count
+    print("STEPS", len(seen), "FRAMES", len(received), "ELAPSED", elapsed)
+    # Every step exactly once, in order, none lost.
+    assert [s["step"] for s in seen] == list(range(start + 1, end + 1))
+    records = {r.step: r for r in engine.steps.recent()}
+    for s in seen:
+        assert s["total_rows"] == records[s["step"]].total_rows
+        assert s["decode_rows"] == records[s["step"]].decode_rows
+    # Coalesced: far fewer frames than steps, at most ~10 a second.
+    assert len(seen) > 30
+    assert len(received) < len(seen) / 2
+    assert len(received) <= elapsed * 10 + 2
+    # Each frame's id is its last step, for an EventSource to resume from.
+    with_steps = [f for f in received if f["steps"]]
+    assert frames.ids[-len(with_steps):] == [str(f["steps"][-1]["step"]) for f in with_steps]
+    assert all(f["dropped"] == 0 for f in received)
+    assert received[-1]["state"]["batch"]["step"] == end
+    # The client went away: the feed lets go of the engine.
+    wait_until(lambda: live.app.state.step_feed.num_clients == 0)
+    assert not live.app.state.step_feed.following
+
+
+def test_stream_resumes_after_a_step(live, ran):
+    last = live.engine.step_count
+    with httpx.Client(base_url=live.url, timeout=TIMEOUT) as http:
+        with http.stream("GET", "/dashboard/stream", params={"since": last - 4}) as response:
+            first = Frames(response).next()
+        assert [s["step"] for s in first["steps"]] == list(range(last - 3, last + 1))
+        # A reconnecting EventSource sends the last id it saw; it wins over `since`.
+        with http.stream("GET", "/dashboard/stream", params={"since": 0},
+                         headers={"Last-Event-ID": str(last - 1)}) as response:
+            first = Frames(response).next()
+        assert [s["step"] for s in first["steps"]] == [last]
+        assert http.get("/dashboard/stream", params={"since": "soon"}).status_code == 400
+    wait_until(lambda: live.app.state.step_feed.num_clients == 0)
+
+
+# ---- the bridge, without a server ------------------------------------------------------------
+def record(step: int, start: float, wall: float = 0.01, decode: int = 1) -> StepRecord:
+    return StepRecord(step=step, started_at=start, wall_time=wall, model_time=wall / 2,
+                      scheduler_time=wall / 2, entries=[], total_rows=decode, prefill_rows=0,
+                      decode_rows=decode, kv_blocks_total=8, kv_blocks_used=1,
+                      kv_blocks_free=7, kv_blocks_cached=0, num_running=decode, num_waiting=0)
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.subscribers: list = []
+        self.steps = self
+        self.records: list[StepRecord] = []
+
+    def subscribe(self, callback):
+        self.subscribers.append(callback)
+        return lambda: self.subscribers.remove(callback)
+
+    def recent(self, n: int | None = None) -> list[StepRecord]:
+        return self.records if n is None else self.records[-n:]
+
+    def emit(self, rec: StepRecord) -> None:
+        self.records.append(rec)
+        for callback in list(self.subscribers):
+            callback(rec)
+
+
+def test_feed_wakes_the_loop_once_per_burst_and_follows_only_with_clients():
+    async def scenario() -> None:
+        engine = FakeEngine()
+        feed = StepFeed(engine)
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args):
+            nonlocal wakeups
+            wakeups += 1
+            return original(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        assert not feed.following
+        a, b = feed.connect(), feed.connect()
+        assert feed.following and len(engine.subscribers) == 1
+        # A burst of steps from another thread: one wake-up for all of them.
+        burst = threading.Thread(target=lambda: [engine.emit(record(i, 100.0 + i * 0.01))
+                                                 for i in range(1, 51)])
+        burst.start()
+        burst.join()
+        await asyncio.wait_for(a.wait(), 5)
+        await asyncio.sleep(0)
+        assert wakeups == 1
+        assert [s["step"] for s in a.take()] == list(range(1, 51))
+        assert [s["step"] for s in b.take()] == list(range(1, 51))
+        feed.disconnect(a)
+        assert feed.following
+        feed.disconnect(b)
+        assert not feed.following and engine.subscribers == []
+        del loop.call_soon_threadsafe
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_client_keeps_the_newest_steps_and_counts_the_rest():
+    async def scenario() -> None:
+        client = FeedClient(max_steps=10)
+        steps = compact_steps([record(i, 100.0 + i) for i in range(1, 26)])
+        client.push(steps[:15])
+        client.push(steps[15:])
+        client.push(steps[20:])  # a repeat (backlog overlap) is ignored
+        await asyncio.wait_for(client.wait(), 1)
+        assert [s["step"] for s in client.take()] == list(range(16, 26))
+        assert client.dropped == 15 and client.last_step == 25
+
+    asyncio.run(scenario())
+
+
+def test_rolling_rate_is_decode_rows_per_second_of_wall_time():
+    rate = RollingRate(window_s=1.0)
+    # Steps of 10 ms, 4 decode rows each, back to back: 400 rows/s.
+    values = [rate.add(record(i, 100.0 + i * 0.01, 0.01, 4)) for i in range(200)]
+    assert values[-1] == pytest.approx(400.0)
+    # After a 5 s idle gap the window holds only the new step.
+    assert rate.add(record(201, 107.0, 0.02, 4)) == pytest.approx(200.0)
