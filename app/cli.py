@@ -21,7 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="rows (token positions) one step may hold; longer prompts are chunked")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=int, default=2048, help="blocks in the KV pool")
+    g.add_argument("--num-kv-blocks", type=int, default=1024,
+                   help="blocks in the KV pool (x block size = tokens of KV cache)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context window (default: the model's)")

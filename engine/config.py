@@ -14,7 +14,7 @@ class EngineConfig:
     max_num_seqs: int = 16  # requests that may share one step
     max_num_batched_tokens: int = 512  # rows (token positions) one step may hold
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int = 2048  # blocks in the pool (x block_size = KV capacity in tokens)
+    num_kv_blocks: int = 1024  # blocks in the pool (x block_size = KV capacity in tokens)
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # defaults to the model's context length
     step_history: int = 2048  # step records kept in the ring buffer

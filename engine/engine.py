@@ -193,7 +193,7 @@ class Engine:
 
     def _setup(self) -> None:
         from engine.kv_cache import KVPool
-        from engine.model_runner import ModelRunner
+        from engine.model_runner import ModelRunner, RowGroup
 
         self.loaded = self._loader()
         self.tokenizer = self.loaded.tokenizer
@@ -206,6 +206,13 @@ class Engine:
         self.pool = KVPool(self.loaded.num_layers, cfg.num_kv_blocks, cfg.block_size,
                            self.loaded.num_kv_heads, self.loaded.head_dim)
         self.runner = ModelRunner(self.loaded.model, self.pool)
+        # One throwaway row allocates the KV pool (in the dtype the model produces) and warms
+        # the kernels now, not inside the first request's time to first token. It writes slot 0
+        # of a free block, which any later owner overwrites before reading.
+        t0 = time.perf_counter()
+        self.runner.run([RowGroup("warmup", [0], 0, [0], sample=False)])
+        log.info("KV pool allocated: %.0f MiB (%s) in %.1f s", self.pool.nbytes() / 2**20,
+                 self.pool.dtype, time.perf_counter() - t0)
         info = backend_info()
         log.info("model %s (%s weights) on %s, BLAS %s; KV pool %d blocks x %d tokens; "
                  "context %d", self.loaded.name, self.loaded.weights, info["backend"],
