@@ -26,6 +26,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context window (default: the model's)")
+    g.add_argument("--kernel-policy", default="gemm", choices=["gemm", "gemv", "auto"],
+                   help="linear layers per step: one batched call (gemm), one call per row "
+                        "(gemv), or row-wise up to --kernel-threshold rows (auto)")
+    g.add_argument("--kernel-threshold", type=int, default=1,
+                   help="for --kernel-policy auto: row-wise at or below this many rows")
 
 
 def engine_config(args: argparse.Namespace):
@@ -35,7 +40,8 @@ def engine_config(args: argparse.Namespace):
         model=args.model, weights=args.weights, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-        max_model_len=args.max_model_len)
+        max_model_len=args.max_model_len, kernel_policy=args.kernel_policy,
+        kernel_threshold=args.kernel_threshold)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

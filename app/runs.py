@@ -44,8 +44,8 @@ class Recorder(Protocol):
 
 
 def kernel_policy(engine: Any) -> str:
-    # The engine has no kernel-path setting yet: every step makes one batched call ("gemm").
-    return str(getattr(engine.config, "kernel_policy", None) or "gemm")
+    policy = getattr(engine, "kernel_policy", None)
+    return policy.describe() if policy is not None else "gemm"
 
 
 def session_config(engine: Any) -> dict:

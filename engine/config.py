@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kernels import KernelPolicy
+
 WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
 
 
@@ -18,6 +20,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # defaults to the model's context length
     step_history: int = 2048  # step records kept in the ring buffer
+    kernel_policy: str = "gemm"  # "gemm", "gemv" or "auto" (see engine/kernels.py)
+    kernel_threshold: int = 1  # for "auto": row-wise at or below this many rows in a step
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -28,5 +32,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        KernelPolicy(self.kernel_policy, self.kernel_threshold)  # raises on bad values
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")

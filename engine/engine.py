@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
+from engine.kernels import KernelPolicy
 from engine.output import OutputText
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
@@ -61,6 +62,7 @@ class Engine:
         self.runner = None
         self.pool = None
         self.steps = StepLog(config.step_history)
+        self.kernel_policy = KernelPolicy(config.kernel_policy, config.kernel_threshold)
         self.step_count = 0
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._requests: dict[str, _Request] = {}
@@ -255,6 +257,7 @@ class Engine:
         groups = [RowGroup(g.seq.seq_id, g.seq.token_ids[g.start:g.start + g.num_rows], g.start,
                            self.block_manager.block_table(g.seq.seq_id), g.sample,
                            g.seq.params, len(g.seq.output_ids)) for g in plan.groups]
+        path = self.kernel_policy.path_for(plan.num_rows)
         t1 = time.perf_counter()
         error = None
         samples: dict = {}
@@ -263,7 +266,7 @@ class Engine:
             try:
                 if self.before_forward is not None:
                     self.before_forward(plan)
-                result = self.runner.run(groups)
+                result = self.runner.run(groups, path)
                 samples, model_time = result.samples, result.model_time
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
@@ -304,7 +307,8 @@ class Engine:
             kv_blocks_total=bm.num_blocks, kv_blocks_used=kv_used, kv_blocks_free=kv_free,
             kv_blocks_cached=kv_cached,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            preempted=[s.seq_id for s in plan.preempted],
+            preempted=[s.seq_id for s in plan.preempted], kernel_path=path,
+            linear_calls_per_layer=1 if path == "gemm" else plan.num_rows,
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
         t3 = time.perf_counter()
         record.wall_time = t3 - t0

@@ -17,6 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.attention import Span, attend, use_fused_attention
+from engine.kernels import apply_linear
 from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
 
@@ -77,13 +78,16 @@ class ModelRunner:
         self.inner = inner
         self.layers = layers
         self.fused_attention = use_fused_attention()
+        self.path = "gemm"
 
-    # The one place a linear layer runs: the kernel-path policy hooks in here.
+    # The one place a linear layer runs: the step's kernel path decides how.
     def linear(self, module, x: mx.array) -> mx.array:
-        return module(x)
+        return apply_linear(module, x, self.path)
 
-    def run(self, groups: list[RowGroup]) -> StepOutput:
+    def run(self, groups: list[RowGroup], path: str = "gemm") -> StepOutput:
+        """One forward over the groups' rows, every linear layer along `path`."""
         t0 = time.perf_counter()
+        self.path = path
         logits_rows, sampled = self._forward(groups)
         samples = self._sample(logits_rows, sampled) if sampled else {}
         return StepOutput(samples=samples, model_time=time.perf_counter() - t0)
@@ -127,7 +131,7 @@ class ModelRunner:
         if hasattr(self.model, "lm_head"):
             logits = self.linear(self.model.lm_head, h)
         else:
-            logits = self.inner.embed_tokens.as_linear(h)
+            logits = apply_linear(self.inner.embed_tokens.as_linear, h, self.path)
         return logits[0], sampled
 
     def _attention(self, layer_index, layer, h, pos, write, read, spans, rows):

@@ -237,3 +237,32 @@ def test_float32_model_also_batches_correctly_or_shows_the_difference(make_engin
             margin = s.top_logprobs[0][1] - s.top_logprobs[1][1]
             pytest.fail(f"token {s.index} differs ({s.token_id} vs {b.token_id}); "
                         f"top-2 margin alone was {margin:.2e}")
+
+
+@pytest.mark.parametrize("policy,threshold", [("gemv", 1), ("auto", 4)])
+def test_kernel_paths_give_identical_tokens_on_a_row_independent_backend(make_engine, policy,
+                                                                         threshold):
+    """4-bit on MLX's CPU backend computes each row alone: the path must not change a bit."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    gemm = make_engine(block_size=4)
+    other = make_engine(block_size=4, kernel_policy=policy, kernel_threshold=threshold)
+    a = [[(e.token_id, e.logprob) for e in h if hasattr(e, "token_id")]
+         for h in [gemm.submit(p, params) for p in PROMPTS[:4]]]
+    b = [[(e.token_id, e.logprob) for e in h if hasattr(e, "token_id")]
+         for h in [other.submit(p, params) for p in PROMPTS[:4]]]
+    assert a == b  # tokens and logprobs, bit for bit
+    paths = {(r.kernel_path, r.total_rows, r.linear_calls_per_layer) for r in other.steps.recent()}
+    for path, rows, calls in paths:
+        expected = "gemv" if policy == "gemv" or rows <= threshold else "gemm"
+        assert path == expected
+        assert calls == (rows if path == "gemv" else 1)
+    assert all(r.kernel_path == "gemm" for r in gemm.steps.recent())
+
+
+def test_bad_kernel_policy_is_rejected():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kernel policy"):
+        EngineConfig(kernel_policy="fast")
+    with pytest.raises(ValueError, match="threshold"):
+        EngineConfig(kernel_policy="auto", kernel_threshold=-1)

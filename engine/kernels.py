@@ -1,0 +1,49 @@
+"""Kernel-path policy: how a step's linear layers run over its rows.
+
+- "gemm": one batched call per linear layer over all of the step's rows.
+- "gemv": one call per row, results concatenated (each call is a matrix-vector product).
+- "auto": row-wise while the step holds at most `threshold` rows, batched above.
+
+Rows are the step's token positions (prefill chunk rows plus decode rows), not requests: a
+request joining with a 120-token prompt chunk pushes a step far past any threshold (seed 000).
+On Metal, MLX itself switches kernels inside one batched call (qmv below a row limit, qmm
+above); forcing "gemv" there means one single-row call per row, which always takes qmv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+POLICIES = ("gemm", "gemv", "auto")
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    mode: str = "gemm"
+    threshold: int = 1  # for "auto": row-wise at or below this many rows
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise ValueError(f"kernel policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.mode!r}")
+        if not isinstance(self.threshold, int) or self.threshold < 0:
+            raise ValueError(f"kernel threshold must be a non-negative integer, "
+                             f"got {self.threshold!r}")
+
+    def path_for(self, rows: int) -> str:
+        if self.mode == "auto":
+            return "gemv" if rows <= self.threshold else "gemm"
+        return self.mode
+
+    def describe(self) -> str:
+        return f"auto(T={self.threshold})" if self.mode == "auto" else self.mode
+
+
+def apply_linear(fn, x: mx.array, path: str) -> mx.array:
+    """Run `fn` (a linear layer) on x of shape (1, rows, features) along `path`."""
+    rows = x.shape[1]
+    if path == "gemm" or rows == 1:
+        return fn(x)
+    return mx.concatenate([fn(x[:, i:i + 1]) for i in range(rows)], axis=1)
