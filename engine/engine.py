@@ -46,6 +46,7 @@ class _Request:
     arrival_wall: float = field(default_factory=time.time)
     first_scheduled_wall: float | None = None
     steps: list[int] = field(default_factory=list)
+    trace: list[dict] | None = None  # per step, when the request asked to be traced
 
 
 class Engine:
@@ -114,8 +115,13 @@ class Engine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                request_id: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        """Queue a request. Raises ValueError on a prompt the engine cannot serve."""
+               loop: asyncio.AbstractEventLoop | None = None, trace: bool = False) -> RequestHandle:
+        """Queue a request. Raises ValueError on a prompt the engine cannot serve.
+
+        trace=True records, for every step the request takes part in, the kernel path, the
+        keys and values it wrote (all layers) and its logits: FinishEvent.trace. Memory-heavy
+        (~50 KB per token for the embedded model, plus the vocabulary's logits per sampled
+        token): for divergence experiments, not for serving."""
         if not self.running:
             raise EngineError("engine is not running")
         params = params or SamplingParams()
@@ -124,7 +130,9 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(request_id, prompt_ids, self.cancel, loop)
         seq = Sequence(request_id, prompt_ids, params)
-        self._inbox.put(("add", _Request(seq, handle, OutputText(self.tokenizer, params.stop))))
+        request = _Request(seq, handle, OutputText(self.tokenizer, params.stop),
+                           trace=[] if trace else None)
+        self._inbox.put(("add", request))
         return handle
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -256,18 +264,20 @@ class Engine:
         step = self.step_count
         groups = [RowGroup(g.seq.seq_id, g.seq.token_ids[g.start:g.start + g.num_rows], g.start,
                            self.block_manager.block_table(g.seq.seq_id), g.sample,
-                           g.seq.params, len(g.seq.output_ids)) for g in plan.groups]
+                           g.seq.params, len(g.seq.output_ids), self._traced(g.seq.seq_id))
+                  for g in plan.groups]
         path = self.kernel_policy.path_for(plan.num_rows)
         t1 = time.perf_counter()
         error = None
         samples: dict = {}
+        traces: dict = {}
         model_time = 0.0
         if groups:
             try:
                 if self.before_forward is not None:
                     self.before_forward(plan)
                 result = self.runner.run(groups, path)
-                samples, model_time = result.samples, result.model_time
+                samples, model_time, traces = result.samples, result.model_time, result.traces
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 log.error("step %d failed: %s\n%s", step, error, traceback.format_exc())
@@ -294,6 +304,11 @@ class Engine:
             self.block_manager.register_full_blocks(g.seq.seq_id, g.seq.token_ids,
                                                     g.seq.num_computed)
             entries.append(self._entry(g, sampled=g.sample))
+            if req.trace is not None and g.seq.seq_id in traces:
+                t = traces[g.seq.seq_id]
+                req.trace.append({"step": step, "path": path, "step_rows": plan.num_rows,
+                                  "phase": g.phase, "start": g.start, "rows": g.num_rows,
+                                  "kv": t.kv, "logits": t.logits})
             if g.sample:
                 self._accept(req, samples[g.seq.seq_id], step)
         if error is not None:
@@ -314,6 +329,10 @@ class Engine:
         record.wall_time = t3 - t0
         record.scheduler_time = (t1 - t0) + (t3 - t2)
         self.steps.append(record)
+
+    def _traced(self, seq_id: str) -> bool:
+        req = self._requests.get(seq_id)
+        return req is not None and req.trace is not None
 
     def _entry(self, g, sampled: bool) -> StepEntry:
         return StepEntry(g.seq.seq_id, g.phase, g.num_rows, g.seq.num_computed,
@@ -351,7 +370,7 @@ class Engine:
             completion_tokens=len(seq.output_ids), cached_prompt_tokens=seq.num_cached_prompt,
             preemptions=seq.num_preemptions, arrival_time=req.arrival_wall,
             first_scheduled_time=req.first_scheduled_wall, first_token_time=req.first_token_time,
-            finish_time=time.time(), error=error, steps=req.steps))
+            finish_time=time.time(), error=error, steps=req.steps, trace=req.trace))
 
     def _recover_pool(self) -> None:
         """After a failed step, make sure the pool's pending writes can still be evaluated."""

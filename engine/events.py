@@ -42,6 +42,9 @@ class FinishEvent:
     finish_time: float
     error: str | None = None
     steps: list[int] = field(default_factory=list)
+    # With submit(trace=True): per step {step, path, step_rows, phase, start, rows, kv, logits}
+    # (see ModelRunner.StepTrace); None otherwise.
+    trace: list[dict] | None = None
 
 
 @dataclass

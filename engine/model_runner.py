@@ -35,6 +35,7 @@ class RowGroup:
     sample: bool  # the group ends at the sequence's last token: sample the next one
     params: SamplingParams | None = None
     output_index: int = 0  # index of the token to be sampled (seeds the per-request RNG)
+    trace: bool = False  # return this group's written KV rows and its logits (divergence view)
 
     @property
     def num_rows(self) -> int:
@@ -52,6 +53,15 @@ class Sample:
 class StepOutput:
     samples: dict[str, Sample]  # seq_id -> sampled token, for groups with sample=True
     model_time: float  # seconds: forward + sampling, evaluated
+    traces: dict[str, StepTrace] = field(default_factory=dict)  # seq_id -> what it wrote
+
+
+@dataclass
+class StepTrace:
+    """What one traced sequence's rows produced in a step, copied out of MLX."""
+
+    kv: np.ndarray  # (layers, 2 [keys, values], kv_heads, rows, head_dim), float32
+    logits: np.ndarray | None  # (vocab,) float32 at the sampled row, or None (no sample)
 
 
 class UnsupportedModelError(ValueError):
@@ -90,7 +100,24 @@ class ModelRunner:
         self.path = path
         logits_rows, sampled = self._forward(groups)
         samples = self._sample(logits_rows, sampled) if sampled else {}
-        return StepOutput(samples=samples, model_time=time.perf_counter() - t0)
+        traces = self._traces(groups, logits_rows, sampled) if any(g.trace for g in groups) else {}
+        return StepOutput(samples=samples, model_time=time.perf_counter() - t0, traces=traces)
+
+    def _traces(self, groups, logits_rows, sampled) -> dict[str, StepTrace]:
+        """Copy the keys and values each traced group just wrote, and its logits."""
+        bs = self.pool.block_size
+        out = {}
+        for g in groups:
+            if not g.trace:
+                continue
+            slots = mx.array(_slots(g.block_table, g.start + g.num_rows, bs)[g.start:])
+            kv = mx.stack([mx.stack(self.pool.read(layer, slots))
+                           for layer in range(len(self.layers))])
+            logits = None
+            if g.sample:
+                logits = np.array(logits_rows[sampled.index(g)].astype(mx.float32))
+            out[g.seq_id] = StepTrace(np.array(kv.astype(mx.float32)), logits)
+        return out
 
     # ---- forward ---------------------------------------------------------------------------
     def _forward(self, groups: list[RowGroup]) -> tuple[mx.array | None, list[RowGroup]]:

@@ -266,3 +266,24 @@ def test_bad_kernel_policy_is_rejected():
         EngineConfig(kernel_policy="fast")
     with pytest.raises(ValueError, match="threshold"):
         EngineConfig(kernel_policy="auto", kernel_threshold=-1)
+
+
+def test_trace_records_what_each_step_wrote_for_the_request(make_engine):
+    engine = make_engine(block_size=4, max_num_batched_tokens=8)
+    prompt = "a prompt of twenty chars"  # 24 tokens: three prefill chunks of 8
+    handle = engine.submit(prompt, greedy(5), trace=True)
+    other = engine.submit("untraced", greedy(5))
+    finish = handle.result()
+    assert other.result().trace is None
+    trace = finish.trace
+    assert [t["step"] for t in trace] == finish.steps
+    assert sum(t["rows"] for t in trace) == len(engine.encode(prompt)) + 5 - 1
+    cfg = engine.loaded.config
+    for t in trace:
+        assert t["kv"].shape == (cfg["num_hidden_layers"], 2, cfg["num_key_value_heads"],
+                                 t["rows"], cfg["head_dim"])
+        assert t["path"] == "gemm" and t["step_rows"] >= t["rows"]
+    sampled = [t for t in trace if t["logits"] is not None]
+    assert len(sampled) == 5
+    # The logits are the ones sampled from: greedy picks their argmax.
+    assert [int(t["logits"].argmax()) for t in sampled] == finish.token_ids
