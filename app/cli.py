@@ -31,6 +31,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(gemv), or row-wise up to --kernel-threshold rows (auto)")
     g.add_argument("--kernel-threshold", type=int, default=1,
                    help="for --kernel-policy auto: row-wise at or below this many rows")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's output does not depend on what shares its batch: every "
+                        "linear call gets exactly --invariant-tile rows (costs throughput)")
+    g.add_argument("--invariant-tile", type=int, default=16,
+                   help="rows per linear call in --batch-invariant mode")
 
 
 def engine_config(args: argparse.Namespace):
@@ -41,7 +46,8 @@ def engine_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len, kernel_policy=args.kernel_policy,
-        kernel_threshold=args.kernel_threshold)
+        kernel_threshold=args.kernel_threshold, batch_invariant=args.batch_invariant,
+        invariant_tile=args.invariant_tile)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

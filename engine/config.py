@@ -22,13 +22,17 @@ class EngineConfig:
     step_history: int = 2048  # step records kept in the ring buffer
     kernel_policy: str = "gemm"  # "gemm", "gemv" or "auto" (see engine/kernels.py)
     kernel_threshold: int = 1  # for "auto": row-wise at or below this many rows in a step
+    # A request's output must not depend on what shares its batch: every linear call gets
+    # exactly `invariant_tile` rows (padded), whatever the step holds. Overrides kernel_policy.
+    batch_invariant: bool = False
+    invariant_tile: int = 16
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(
                 f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                     "step_history"):
+                     "step_history", "invariant_tile"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

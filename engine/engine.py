@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
-from engine.kernels import KernelPolicy
+from engine.kernels import TILED, KernelPolicy
 from engine.output import OutputText
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
@@ -216,6 +216,7 @@ class Engine:
         self.pool = KVPool(self.loaded.num_layers, cfg.num_kv_blocks, cfg.block_size,
                            self.loaded.num_kv_heads, self.loaded.head_dim)
         self.runner = ModelRunner(self.loaded.model, self.pool)
+        self.runner.tile = cfg.invariant_tile
         # One throwaway row allocates the KV pool (in the dtype the model produces) and warms
         # the kernels now, not inside the first request's time to first token. It writes slot 0
         # of a free block, which any later owner overwrites before reading.
@@ -266,7 +267,7 @@ class Engine:
                            self.block_manager.block_table(g.seq.seq_id), g.sample,
                            g.seq.params, len(g.seq.output_ids), self._traced(g.seq.seq_id))
                   for g in plan.groups]
-        path = self.kernel_policy.path_for(plan.num_rows)
+        path = TILED if self.config.batch_invariant else self.kernel_policy.path_for(plan.num_rows)
         t1 = time.perf_counter()
         error = None
         samples: dict = {}
@@ -323,12 +324,17 @@ class Engine:
             kv_blocks_cached=kv_cached,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             preempted=[s.seq_id for s in plan.preempted], kernel_path=path,
-            linear_calls_per_layer=1 if path == "gemm" else plan.num_rows,
+            linear_calls_per_layer=self._calls_per_layer(path, plan.num_rows),
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
         t3 = time.perf_counter()
         record.wall_time = t3 - t0
         record.scheduler_time = (t1 - t0) + (t3 - t2)
         self.steps.append(record)
+
+    def _calls_per_layer(self, path: str, rows: int) -> int:
+        if path == TILED:
+            return -(-rows // self.config.invariant_tile)
+        return 1 if path == "gemm" else rows
 
     def _traced(self, seq_id: str) -> bool:
         req = self._requests.get(seq_id)

@@ -115,12 +115,12 @@ def resolve_weights(requested: str, backend_info: dict | None = None) -> str:
         memory bandwidth, which 4-bit weights cut ~4x against bf16.
       - CPU with an optimized BLAS (OpenBLAS preloaded on Linux; Accelerate on macOS):
         "f32". MLX's CPU quantized matmul ignores BLAS and costs the same per row at any
-        batch size, while f32 matmuls go to the BLAS: decode ~2.6x q4 at batch 1 and ~4x
-        at batch 4, prefill ~20x.
+        batch size, while f32 matmuls go to the BLAS: decode 1.5-2.6x q4 at batch 1 and
+        4.4-7.4x at batch 4, prefill 20-35x (2-core x86, OpenBLAS 0.3.21).
       - CPU with only MLX's bundled reference BLAS: "bf16". At batch 1 all three formats
         decode at about the same speed, but bf16 matmuls use MLX's own kernels (not the
-        slow reference BLAS): ~1.8x q4 and f32 at batch 4, ~2.3x for prefill. bf16 rounds
-        the dequantized weights, so logits drift (top-1 agreement with q4 ~98%, not 100%).
+        slow reference BLAS): ~1.7-1.8x q4 and f32 at batch 4, ~2.2x for prefill. bf16
+        rounds the dequantized weights, so logits drift (top-1 agreement with q4 ~98%).
     """
     _validate_weights(requested)
     if requested != "auto":
@@ -423,7 +423,6 @@ def load_embedded(weights: str = "q4") -> LoadedModel:
     weights: "q4" keeps the GGUF's quantization (4-bit linears, 8-bit embedding); "f32" or
     "bf16" dequantize every layer at load; "auto" picks per backend (resolve_weights).
     """
-    _validate_weights(weights)
     weights = resolve_weights(weights)
     path = embedded_gguf_path()
     tensors, metadata = mx.load(str(path), return_metadata=True)
@@ -443,7 +442,7 @@ def load_embedded(weights: str = "q4") -> LoadedModel:
         tokenizer=tokenizer,
         config=config,
         name=_embedded_name(path),
-        weights=weights if weights != "q4" else _describe_weights(model),
+        weights=weights,
         source="embedded",
     )
 
@@ -453,8 +452,8 @@ def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
 
     weights: "q4" means *as shipped* (whatever quantization or dtype the folder holds; the
     LoadedModel's `weights` says which, e.g. "q4", "q8", "bf16"); "f32"/"bf16" dequantize
-    or convert at load; "auto" converts to f32 where resolve_weights picks f32 (CPU),
-    otherwise keeps the folder as shipped. Never downloads: a missing folder is an error.
+    or convert at load; "auto" follows resolve_weights (on Metal/CUDA: as shipped; on CPU:
+    f32 or bf16). Never downloads: a missing folder is a ModelNotFoundError.
     """
     from mlx_lm.utils import load as mlx_lm_load
 

@@ -89,10 +89,11 @@ class ModelRunner:
         self.layers = layers
         self.fused_attention = use_fused_attention()
         self.path = "gemm"
+        self.tile = 16  # rows per call on the batch-invariant ("tiled") path
 
     # The one place a linear layer runs: the step's kernel path decides how.
     def linear(self, module, x: mx.array) -> mx.array:
-        return apply_linear(module, x, self.path)
+        return apply_linear(module, x, self.path, self.tile)
 
     def run(self, groups: list[RowGroup], path: str = "gemm") -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path`."""
@@ -158,7 +159,7 @@ class ModelRunner:
         if hasattr(self.model, "lm_head"):
             logits = self.linear(self.model.lm_head, h)
         else:
-            logits = apply_linear(self.inner.embed_tokens.as_linear, h, self.path)
+            logits = apply_linear(self.inner.embed_tokens.as_linear, h, self.path, self.tile)
         return logits[0], sampled
 
     def _attention(self, layer_index, layer, h, pos, write, read, spans, rows):

@@ -36,7 +36,9 @@ class StepRecord:
     num_running: int
     num_waiting: int
     preempted: list[str] = field(default_factory=list)
-    kernel_path: str = "gemm"  # "gemm": one batched call per linear layer; "gemv": one per row
+    # "gemm": one batched call per linear layer; "gemv": one per row; "tiled": calls of a
+    # fixed number of rows (batch-invariant mode)
+    kernel_path: str = "gemm"
     linear_calls_per_layer: int = 1
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0  # cumulative, tokens
