@@ -77,6 +77,7 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
             app.state.session_id = session_id
             app.state.runs = runs
             app.state.started_at = time.time()
+            stack.callback(metrics.install(app.state).close)
             log.info("serving %s (%s weights, context %d) with the OpenAI API at /v1",
                      engine.loaded.name, engine.loaded.weights, engine.max_model_len)
             yield

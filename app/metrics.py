@@ -176,49 +176,15 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
-class _FinishTee:
-    """Interim: stands in for RunService's recorder, forwarding every call to it and reporting
-    finishes. Remove once RunService offers an `on_finish` callback list."""
-
-    def __init__(self, inner: Any, on_finish: Callable[[FinishEvent], None]):
-        self.inner = inner
-        self.on_finish = on_finish
-
-    def run_finished(self, event: FinishEvent) -> None:
-        try:
-            self.on_finish(event)
-        finally:
-            if self.inner is not None:
-                self.inner.run_finished(event)
-
-    def __getattr__(self, name: str) -> Any:
-        if self.inner is None:
-            return lambda *args, **kwargs: None
-        return getattr(self.inner, name)
-
-
 def follow_finishes(runs: Any, callback: Callable[[FinishEvent], None]) -> Callable[[], None]:
     """Call `callback` with every FinishEvent of the runs; returns the unsubscribe function."""
-    hooks = getattr(runs, "on_finish", None)
-    if isinstance(hooks, list):
-        hooks.append(callback)
-        return lambda: hooks.remove(callback) if callback in hooks else None
-    tee = _FinishTee(runs.recorder, callback)
-    runs.recorder = tee
-
-    def unfollow() -> None:
-        if runs.recorder is tee:
-            runs.recorder = tee.inner
-
-    return unfollow
+    runs.on_finish.append(callback)
+    return lambda: runs.on_finish.remove(callback) if callback in runs.on_finish else None
 
 
 def install(app_state: Any) -> EngineMetrics:
     """The app's metrics, created and following the engine on first call (idempotent).
-
-    Best called from the lifespan right after the RunService exists; until then the first
-    route that needs metrics installs them (steps since startup are caught up from the ring
-    buffer, finishes before that moment are not counted)."""
+    The lifespan calls it as soon as the RunService exists."""
     metrics = getattr(app_state, "metrics", None)
     if metrics is None:
         metrics = app_state.metrics = EngineMetrics(app_state.engine)

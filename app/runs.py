@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -120,6 +120,8 @@ class RunService:
         self.recorder = recorder
         self.session_id = session_id
         self._pumps: set[asyncio.Task] = set()  # strong references until each run ends
+        # Called on the event loop with each run's FinishEvent (metrics); must not block.
+        self.on_finish: list[Callable[[FinishEvent], None]] = []
         self._token_text: dict[int, str] = {}
 
     # ---- what the served model is ------------------------------------------------------------
@@ -185,6 +187,11 @@ class RunService:
             elif isinstance(event, FinishEvent):
                 run.finish = event
                 self._record("run_finished", event)
+                for callback in list(self.on_finish):
+                    try:
+                        callback(event)
+                    except Exception:
+                        log.exception("on_finish callback failed")
             run._queue.put_nowait(event)
 
     def _prompt_text(self, request: RunRequest) -> str:

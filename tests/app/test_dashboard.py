@@ -83,7 +83,14 @@ def complete(live: Live, prompts: list[str], max_tokens: int) -> list[dict]:
     for t in threads:
         t.join(TIMEOUT)
     assert all(results)
+    settle(live.engine)
     return results
+
+
+def settle(engine: Engine) -> None:
+    """Wait for the last step's record: a request finishes inside a step, before its record."""
+    wait_until(lambda: not engine.scheduler.has_work()
+               and engine.steps.recent(1)[-1].step == engine.step_count)
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +120,11 @@ def test_page_shows_batch_block_map_strip_and_charts(live, ran):
     caption = " ".join(soup.select_one("#batch-caption").get_text(" ").split())
     assert caption.startswith(f"step {latest.step} · {latest.total_rows} rows")
 
-    cells = soup.select("#kv-map i.kv")
+    cells = soup.select("#kv-map i.blk")
     assert len(cells) == NUM_BLOCKS
     bm = engine.block_manager
-    assert len(soup.select("#kv-map i.kv.cached")) == bm.num_cached_blocks > 0  # the prefixes
-    assert len(soup.select("#kv-map i.kv.held")) == bm.num_used_blocks == 0  # all finished
+    assert len(soup.select("#kv-map i.blk.cached")) == bm.num_cached_blocks > 0  # the prefixes
+    assert len(soup.select("#kv-map i.blk.held")) == bm.num_used_blocks == 0  # all finished
     assert cells[bm.cached_block_ids()[0]]["title"].endswith("cached prefix (evictable)")
 
     marks = soup.select("#kernel-strip i.mark")
@@ -163,7 +170,7 @@ def test_page_shows_held_blocks_while_requests_run(live, ran):
         gate.set()
         worker.join(TIMEOUT)
     assert state["running"] == 2 and not state["idle"]
-    held = soup.select("#kv-map i.kv.held")
+    held = soup.select("#kv-map i.blk.held")
     assert len(held) == state["kv"]["used"] > 0
     ids = {r["id"] for r in state["kv"]["requests"]}
     assert len(ids) == 2
@@ -227,8 +234,10 @@ class Frames:
         self.ids: list[str] = []
 
     def next(self) -> dict:
+        deadline = time.monotonic() + TIMEOUT  # keep-alive pings would keep a read alive
         event = data = None
         for line in self._lines:
+            assert time.monotonic() < deadline, "no frame in time"
             if line.startswith("event: "):
                 event = line[len("event: "):]
             elif line.startswith("id: "):
@@ -259,21 +268,16 @@ def test_stream_coalesces_steps_and_disconnect_unsubscribes(live, ran):
             assert feed.following and feed.num_clients == 1
             start = engine.step_count
             started_at = time.monotonic()
-            results: list[list[dict]] = []
-            worker = threading.Thread(
-                target=lambda: results.append(complete(live, PROMPTS + ["x", "y"], 30)))
-            worker.start()
+            # The server sends frames as the steps happen; reading them afterwards is the same.
+            complete(live, PROMPTS + ["x", "y"], 30)
+            end = engine.step_count
             seen: list[dict] = []
             received: list[dict] = []
-            while not (results and seen and seen[-1]["step"] == engine.step_count):
+            while not seen or seen[-1]["step"] < end:
                 frame = frames.next()
                 received.append(frame)
                 seen += frame["steps"]
-                assert time.monotonic() - started_at < TIMEOUT
             elapsed = time.monotonic() - started_at
-            worker.join(TIMEOUT)
-        end = engine.step_count
-    print("STEPS", len(seen), "FRAMES", len(received), "ELAPSED", elapsed)
     # Every step exactly once, in order, none lost.
     assert [s["step"] for s in seen] == list(range(start + 1, end + 1))
     records = {r.step: r for r in engine.steps.recent()}

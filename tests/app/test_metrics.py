@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -64,7 +65,17 @@ def run_all(client: TestClient, requests: list[RunRequest],
             results.append(RunResult([], run.finish, None))
         return results
 
-    return client.portal.call(go)
+    results = client.portal.call(go)
+    settle(client.app.state.engine)
+    return results
+
+
+def settle(engine: Engine, timeout: float = 10.0) -> None:
+    """Wait for the last step's record: a request finishes inside a step, before its record."""
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.has_work() or engine.steps.recent(1)[-1].step != engine.step_count:
+        assert time.monotonic() < deadline, "the engine did not settle"
+        time.sleep(0.005)
 
 
 def request(prompt: str, client: TestClient, **params) -> RunRequest:
