@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
-from starlette.templating import Jinja2Templates
 
 from app.api import error_body
 from app.steps_feed import FeedClient, compact_steps, feed_for
@@ -31,15 +31,22 @@ FRAMES_PER_S = 10  # the most updates a client gets; steps in between ride in th
 PING_S = 15  # SSE keep-alive comment while the engine is idle
 MAX_STEPS_PAGE = 2048  # most records one /steps.json answer holds
 
-templates = Jinja2Templates(directory=str(Path(__file__).resolve().parent.parent / "templates"))
+# Configuration only (no per-app state): autoescaped, and a missing variable is an error.
+templates = Environment(loader=FileSystemLoader(Path(__file__).resolve().parents[1] / "templates"),
+                        autoescape=True, undefined=StrictUndefined, trim_blocks=True,
+                        lstrip_blocks=True)
 
 
 # ---- the state -------------------------------------------------------------------------------
 def hue(request_id: str) -> int:
-    """A stable colour per request (FNV-1a), the same on the page and in every frame."""
+    """A stable colour per request, the same on the page and in every frame: FNV-1a, then a
+    final mix so ids that differ in one character still land far apart on the wheel."""
     h = 0x811C9DC5
     for byte in request_id.encode():
         h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
     return h % 360
 
 
@@ -149,8 +156,11 @@ def _int_param(request: Request, name: str, default: int | None, lo: int,
 
 
 async def dashboard_page(request: Request) -> Response:
-    context = dashboard_context(request.app.state.engine)
-    return templates.TemplateResponse(request, "dashboard.html", {"data": context, **context})
+    engine = request.app.state.engine
+    context = dashboard_context(engine)
+    html = templates.get_template("dashboard.html").render(
+        data=context, path=request.url.path, served_model=engine.loaded.name, **context)
+    return HTMLResponse(html)
 
 
 async def dashboard_json(request: Request) -> Response:

@@ -115,15 +115,19 @@ class StepFeed:
         return self._unsubscribe is not None
 
     def connect(self, since: int | None = None) -> FeedClient:
-        """A new client; with `since`, it first gets the steps after that one still in the
-        engine's ring buffer (read after subscribing, so no step falls in between)."""
+        """A new client, given first the steps after `since` still in the engine's ring buffer
+        (read after subscribing, so no step falls in between). Without `since` it starts
+        after the newest recorded step."""
         client = FeedClient(self._max_steps)
         self._clients.add(client)
         if self._unsubscribe is None:
             self._unsubscribe = self._engine.subscribe(self._on_step)
-        if since is not None:
-            backlog = [r for r in self._engine.steps.recent() if r.step > since]
-            client.push(compact_steps(backlog[-self._max_steps:]))
+        records = self._engine.steps.recent()
+        if since is None:
+            since = records[-1].step if records else 0
+        client.last_step = since
+        backlog = [r for r in records if r.step > since]
+        client.push(compact_steps(backlog[-self._max_steps:]))
         return client
 
     def disconnect(self, client: FeedClient) -> None:

@@ -51,7 +51,7 @@
     const kv = state.kv;
     const map = $("kv-map");
     if (map.children.length !== kv.num_blocks) {
-      map.innerHTML = '<i class="kv free"></i>'.repeat(kv.num_blocks);
+      map.innerHTML = '<i class="blk free"></i>'.repeat(kv.num_blocks);
       kvKeys = [];
     }
     const cells = map.children;
@@ -63,11 +63,11 @@
       kvKeys[b] = key;
       const el = cells[b];
       if (c > 0) {
-        el.className = "kv held" + (holders.length > 1 ? " shared" : "");
+        el.className = "blk held" + (holders.length > 1 ? " shared" : "");
         el.style.setProperty("--h", kv.requests[c - 1].hue);
         el.title = `block ${b}: ` + holders.map((k) => kv.requests[k - 1].id).join(", ");
       } else {
-        el.className = c < 0 ? "kv cached" : "kv free";
+        el.className = c < 0 ? "blk cached" : "blk free";
         el.style.removeProperty("--h");
         el.title = `block ${b}: ` + (c < 0 ? "cached prefix (evictable)" : "free");
       }
@@ -149,23 +149,24 @@
       `${last ? " " + (+se.value(last).toFixed(1)) : ""}</span>`).join("");
   }
 
-  const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+  const style = getComputedStyle($("dashboard"));
+  const css = (name) => style.getPropertyValue(name).trim();
   function renderCharts() {
     chart("chart-requests", [
-      {label: "running", color: "#2563eb", value: (s) => s.num_running},
-      {label: "waiting", color: "#f97316", value: (s) => s.num_waiting},
+      {label: "running", color: css("--running"), value: (s) => s.num_running},
+      {label: "waiting", color: css("--waiting"), value: (s) => s.num_waiting},
     ], "line");
     chart("chart-rows", [
       {label: "prefill", color: css("--prefill"), value: (s) => s.prefill_rows},
       {label: "decode", color: css("--decode"), value: (s) => s.decode_rows},
     ], "bars");
     chart("chart-kv", [
-      {label: "used", color: "#6366f1", value: (s) => s.kv_blocks_used},
+      {label: "used", color: css("--used"), value: (s) => s.kv_blocks_used},
       {label: "cached", color: css("--cached"), value: (s) => s.kv_blocks_cached},
       {label: "free", color: css("--free"), value: (s) => s.kv_blocks_free},
     ], "area", state.kv.num_blocks);
     chart("chart-tokens", [
-      {label: "tok/s", color: "#059669", value: (s) => s.tokens_per_s},
+      {label: "tok/s", color: css("--decode"), value: (s) => s.tokens_per_s},
     ], "line");
   }
 
