@@ -72,6 +72,9 @@ class Engine:
         self._load_error: BaseException | None = None
         self._stopped = False
         self._ids = itertools.count()
+        # Events produced inside a step wait here until its StepRecord is published, so a
+        # consumer that sees a finish can already see the step that produced it.
+        self._outbox: list[tuple[RequestHandle, object]] | None = None
         # Test hook: called with the scheduled step before the forward (may raise).
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
 
@@ -256,10 +259,25 @@ class Engine:
                 self._finish(req, "cancelled")
 
     def _step(self) -> None:
-        from engine.model_runner import RowGroup
-
         started_at = time.time()
         t0 = time.perf_counter()
+        self._outbox = []
+        try:
+            self._run_step(started_at, t0)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for handle, event in outbox:
+                handle.push(event)
+
+    def _emit(self, req: _Request, event) -> None:
+        if self._outbox is not None:
+            self._outbox.append((req.handle, event))
+        else:
+            req.handle.push(event)
+
+    def _run_step(self, started_at: float, t0: float) -> None:
+        from engine.model_runner import RowGroup
+
         plan = self.scheduler.schedule()
         self.step_count += 1
         step = self.step_count
@@ -297,7 +315,7 @@ class Engine:
             if req.first_scheduled_wall is None:
                 req.first_scheduled_wall = started_at
             if error is not None:
-                req.handle.push(ErrorEvent(g.seq.seq_id, error))
+                self._emit(req, ErrorEvent(g.seq.seq_id, error))
                 entries.append(self._entry(g, sampled=False))
                 self._finish(req, "error", error=error)
                 continue
@@ -355,7 +373,7 @@ class Engine:
             return
         seq.output_ids.append(sample.token_id)
         text, stopped = req.output.add(sample.token_id)
-        req.handle.push(TokenEvent(seq.seq_id, len(seq.output_ids) - 1, sample.token_id, text,
+        self._emit(req, TokenEvent(seq.seq_id, len(seq.output_ids) - 1, sample.token_id, text,
                                    sample.logprob, sample.top, now, step))
         if stopped:
             self._finish(req, "stop")
@@ -370,7 +388,7 @@ class Engine:
         self.scheduler.finish(seq, reason)  # frees the blocks whatever happens next
         # Text held back for a possible stop string is released with the finish.
         tail = req.output.flush() if reason in ("length", "stop") else ""
-        req.handle.push(FinishEvent(
+        self._emit(req, FinishEvent(
             request_id=seq.seq_id, reason=reason, text=req.output.text, text_delta=tail,
             token_ids=list(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids), cached_prompt_tokens=seq.num_cached_prompt,
