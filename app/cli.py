@@ -1,4 +1,4 @@
-"""The `batchscope` command: serve, generate, export-model, db upgrade."""
+"""The `batchscope` command: serve, generate, calibrate, diverge, export-model, db upgrade."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-policy", default="gemm", choices=["gemm", "gemv", "auto"],
                    help="linear layers per step: one batched call (gemm), one call per row "
                         "(gemv), or row-wise up to --kernel-threshold rows (auto)")
-    g.add_argument("--kernel-threshold", type=int, default=1,
-                   help="for --kernel-policy auto: row-wise at or below this many rows")
+    g.add_argument("--kernel-threshold", type=int, default=None,
+                   help="for --kernel-policy auto: row-wise at or below this many rows "
+                        "(default: measured by `batchscope calibrate`, else 1)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's output does not depend on what shares its batch: every "
                         "linear call gets exactly --invariant-tile rows (costs throughput)")
@@ -172,8 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--weights", default="q4", choices=["q4", "f32", "bf16"])
     exp.set_defaults(func=cmd_export_model)
 
+    from app.calibrate_cli import add_calibrate_command
     from app.db.cli import add_db_commands
+    from app.diverge_cli import add_diverge_command
 
+    add_calibrate_command(sub)
+    add_diverge_command(sub)
     add_db_commands(sub)
     return parser
 

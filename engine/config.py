@@ -21,7 +21,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     step_history: int = 2048  # step records kept in the ring buffer
     kernel_policy: str = "gemm"  # "gemm", "gemv" or "auto" (see engine/kernels.py)
-    kernel_threshold: int = 1  # for "auto": row-wise at or below this many rows in a step
+    # For "auto": row-wise at or below this many rows in a step. None: the calibrated value for
+    # this model, weights and backend (batchscope calibrate), else 1.
+    kernel_threshold: int | None = None
     # A request's output must not depend on what shares its batch: every linear call gets
     # exactly `invariant_tile` rows (padded), whatever the step holds. Overrides kernel_policy.
     batch_invariant: bool = False
@@ -36,6 +38,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        KernelPolicy(self.kernel_policy, self.kernel_threshold)  # raises on bad values
+        threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
+        KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")

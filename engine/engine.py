@@ -63,7 +63,8 @@ class Engine:
         self.runner = None
         self.pool = None
         self.steps = StepLog(config.step_history)
-        self.kernel_policy = KernelPolicy(config.kernel_policy, config.kernel_threshold)
+        self.kernel_policy = KernelPolicy(config.kernel_policy, config.kernel_threshold or 1)
+        self.kernel_threshold_source = "flag" if config.kernel_threshold is not None else "default"
         self.step_count = 0
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._requests: dict[str, _Request] = {}
@@ -205,6 +206,7 @@ class Engine:
             mx.clear_streams()
 
     def _setup(self) -> None:
+        from engine.calibration import resolve_threshold
         from engine.kv_cache import KVPool
         from engine.model_runner import ModelRunner, RowGroup
 
@@ -220,6 +222,9 @@ class Engine:
                            self.loaded.num_kv_heads, self.loaded.head_dim)
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.runner.tile = cfg.invariant_tile
+        threshold, self.kernel_threshold_source = resolve_threshold(cfg, self.loaded,
+                                                                    backend_info())
+        self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)
         # One throwaway row allocates the KV pool (in the dtype the model produces) and warms
         # the kernels now, not inside the first request's time to first token. It writes slot 0
         # of a free block, which any later owner overwrites before reading.

@@ -1,0 +1,91 @@
+"""/calibration and its JSON twin: the saved GEMV-vs-GEMM calibration for what is being served.
+
+    GET /calibration       the table, the plot, the chosen T, when and where it was measured;
+                           or, without a calibration, how to run `batchscope calibrate`
+    GET /calibration.json  the same context (without the inline SVG markup)
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from app.pages import _json_safe, _render, _wants_json
+from engine.calibration import (
+    backend_key,
+    calibration_path,
+    choose_threshold,
+    load_calibration,
+    render_svg,
+)
+from engine.platform import backend_info
+
+
+def calibrate_command(engine: Any) -> str:
+    """The command that calibrates what this server runs."""
+    weights = engine.loaded.weights
+    weights = weights if weights in ("f32", "bf16") else "q4"  # q4 = as shipped
+    return (f"batchscope calibrate --model {shlex.quote(engine.config.model)} "
+            f"--weights {weights}")
+
+
+def _summary_row(row: dict) -> dict:
+    """A table row without the per-run detail."""
+    return {k: v for k, v in row.items() if k != "detail"}
+
+
+def calibration_context(engine: Any, found: dict | None, backend: str) -> dict:
+    policy = getattr(engine, "kernel_policy", None)
+    context: dict[str, Any] = {
+        "model": engine.loaded.name, "weights": engine.loaded.weights, "backend": backend,
+        "kernel_policy": policy.describe() if policy is not None else None,
+        # Set by the engine when it resolves the "auto" threshold (flag, calibration, default).
+        "threshold_source": getattr(engine, "kernel_threshold_source", None),
+        "command": calibrate_command(engine),
+        "expected_path": str(calibration_path(engine.loaded.name, engine.loaded.weights,
+                                              backend)),
+        "calibration": None,
+    }
+    if found is not None:
+        rows = [_summary_row(r) for r in found["rows"] if isinstance(r, dict)]
+        context["calibration"] = {
+            "threshold": found["threshold"],
+            # Recomputed from the rows: says whether the file's T still follows from its data.
+            "threshold_from_rows": choose_threshold(rows) if rows else None,
+            "threshold_basis": found.get("threshold_basis"),
+            "date": found.get("date"), "host": found.get("host"),
+            "cpu_count": found.get("cpu_count"), "mlx_version": found.get("mlx_version"),
+            "backend_info": found.get("backend_info"), "max_tokens": found.get("max_tokens"),
+            "repeats": found.get("repeats"), "elapsed_s": found.get("elapsed_s"),
+            "path": found["path"], "plot_path": found["plot_path"], "rows": rows,
+        }
+    return context
+
+
+async def calibration_page(request: Request) -> Response:
+    engine = request.app.state.engine
+    backend = backend_key(backend_info())
+    found = await anyio.to_thread.run_sync(load_calibration, engine.loaded.name,
+                                           engine.loaded.weights, backend)
+    context = calibration_context(engine, found, backend)
+    if _wants_json(request):
+        return JSONResponse(_json_safe(context))
+    # The plot is drawn from the JSON (numbers only; text escaped), not read from the .svg file.
+    svg = None
+    if found is not None:
+        try:
+            svg = render_svg(found)
+        except (KeyError, TypeError, ValueError):
+            svg = None  # a hand-edited file: show the table without the plot
+    return HTMLResponse(_render(request, "calibration.html", {**context, "plot_svg": svg}))
+
+
+routes = [
+    Route("/calibration", calibration_page, methods=["GET"]),
+    Route("/calibration.json", calibration_page, methods=["GET"]),
+]

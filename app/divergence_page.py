@@ -1,0 +1,379 @@
+"""The divergence page: run a divergence experiment (engine/divergence.py) from the browser and
+read its record: both texts with the fork marked, the logits at the fork, a chart of max
+|Δlogit| and each side's top-2 margin token by token, and the contamination timeline (which
+step wrote each cached position on each side, and where the keys/values first differ).
+
+    GET  /divergence            the form, recent experiments, and ?id=... one experiment
+    POST /divergence            start one (303 to its page; the JSON twin answers 202)
+    GET  /divergence.json       the same context as JSON (?id=... includes the full record)
+
+The server's own engine is busy serving, so experiments run in one worker thread with engines
+of their own (they load the same model: fine on this machine), one experiment at a time.
+Results are kept in memory on app.state, the latest MAX_KEEP; persisting them (the runs
+database) is left for later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from app.api import error_body
+from app.pages import _error, _html, _page, _read_form, _wants_json
+from engine.config import WEIGHT_FORMATS
+from engine.divergence import DivergenceRunner, SideConfig, timeline
+from engine.kernels import POLICIES
+
+MAX_KEEP = 32  # finished experiments kept
+MAX_PENDING = 4  # queued or running; more get a 503
+MAX_PROMPT_CHARS = 4000
+MAX_TOKENS_LIMIT = 256
+MAX_PROGRESS = 50
+DEFAULT_FORM = {
+    "prompt": "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "max_tokens": "64", "top_k": "5", "chat": "",
+    "a_weights": "f32", "a_policy": "auto", "a_threshold": "1", "a_alongside": "",
+    "a_join": "0", "a_others_tokens": "16",
+    "b_weights": "f32", "b_policy": "auto", "b_threshold": "1", "b_alongside": "120,60,30",
+    "b_join": "0", "b_others_tokens": "16",
+}
+
+
+class LabBusy(RuntimeError):
+    pass
+
+
+class Lab:
+    """Experiments by id (queued, running, finished) and the worker thread that runs them."""
+
+    def __init__(self, model: str = "embedded", loader: Any = None):
+        self.model = model
+        self.loader = loader  # weights -> LoadedModel; None: the engine's loader (tests: tiny)
+        self._items: OrderedDict[str, dict] = OrderedDict()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[str] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count(1)
+
+    def submit(self, params: dict) -> str:
+        with self._lock:
+            pending = sum(1 for e in self._items.values() if e["status"] in ("queued", "running"))
+            if pending >= MAX_PENDING:
+                raise LabBusy(f"{pending} experiments are queued or running; try again later")
+            exp_id = self._new_id()
+            self._items[exp_id] = {"id": exp_id, "status": "queued", "created": time.time(),
+                                   "started": None, "finished": None, "params": params,
+                                   "progress": [], "record": None, "error": None}
+            self._trim()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name="batchscope-divergence",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put(exp_id)
+        return exp_id
+
+    def add_record(self, record: dict, params: dict | None = None) -> str:
+        """Keep an already finished record (tests, or a record computed elsewhere)."""
+        with self._lock:
+            exp_id = self._new_id()
+            now = time.time()
+            self._items[exp_id] = {"id": exp_id, "status": "done", "created": now,
+                                   "started": now, "finished": now, "params": params or {},
+                                   "progress": [], "record": record, "error": None}
+            self._trim()
+        return exp_id
+
+    def get(self, exp_id: str) -> dict | None:
+        with self._lock:
+            entry = self._items.get(exp_id)
+            return None if entry is None else {**entry, "progress": list(entry["progress"])}
+
+    def recent(self) -> list[dict]:
+        with self._lock:
+            entries = list(self._items.values())
+        return [_summary(e) for e in reversed(entries)]
+
+    def _new_id(self) -> str:
+        return f"div-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+
+    def _trim(self) -> None:
+        done = [k for k, e in self._items.items() if e["status"] in ("done", "error")]
+        for k in done[:max(0, len(done) - MAX_KEEP)]:
+            del self._items[k]
+
+    def _update(self, exp_id: str, **changes: Any) -> None:
+        with self._lock:
+            entry = self._items.get(exp_id)
+            if entry is not None:
+                entry.update(changes)
+
+    def _work(self) -> None:
+        while True:
+            exp_id = self._queue.get()
+            entry = self.get(exp_id)
+            if entry is None:
+                continue
+            self._update(exp_id, status="running", started=time.time())
+
+            def progress(message: str, exp_id: str = exp_id) -> None:
+                with self._lock:
+                    log = self._items.get(exp_id, {}).get("progress")
+                    if log is not None and len(log) < MAX_PROGRESS:
+                        log.append(message)
+
+            p = entry["params"]
+            try:
+                with DivergenceRunner(self.loader, self.model, progress) as runner:
+                    record = runner.run(p["prompt"], SideConfig.from_dict(p["a"]),
+                                        SideConfig.from_dict(p["b"]), p["max_tokens"],
+                                        top_k=p["top_k"], chat=p["chat"])
+                self._update(exp_id, status="done", finished=time.time(), record=record)
+            except Exception as e:  # shown on the page; the worker carries on
+                self._update(exp_id, status="error", finished=time.time(),
+                             error=f"{type(e).__name__}: {e}")
+
+
+def _summary(e: dict) -> dict:
+    params, record = e["params"], e["record"] or {}
+    sides = record.get("sides", {})
+
+    def label(s: str) -> str | None:
+        return params.get(s, {}).get("label") or sides.get(s, {}).get("label")
+
+    return {"id": e["id"], "status": e["status"], "created": e["created"],
+            "prompt": (params.get("prompt") or record.get("prompt") or "")[:80],
+            "a": label("a"), "b": label("b"),
+            "verdict": record.get("verdict") or e["error"]}
+
+
+def lab_for(app: Any) -> Lab:
+    lab = getattr(app.state, "divergence_lab", None)
+    if lab is None:
+        settings = getattr(app.state, "settings", None)
+        model = settings.engine.model if settings is not None else "embedded"
+        lab = app.state.divergence_lab = Lab(model, getattr(app.state, "divergence_loader", None))
+    return lab
+
+
+# ---- the form ------------------------------------------------------------------------------
+def parse_form(form: dict[str, str]) -> tuple[dict | None, dict[str, str]]:
+    """(params, {}) or (None, {field: message})."""
+    errors: dict[str, str] = {}
+    prompt = form.get("prompt", "")
+    if not prompt.strip():
+        errors["prompt"] = "prompt must not be empty"
+    elif len(prompt) > MAX_PROMPT_CHARS:
+        errors["prompt"] = f"prompt must be at most {MAX_PROMPT_CHARS} characters"
+
+    def number(name: str, label: str, lo: int, hi: int) -> int | None:
+        raw = form.get(name, "").strip() or DEFAULT_FORM.get(name, "")
+        try:
+            value = int(raw)
+        except ValueError:
+            errors[name] = f"{label} must be a whole number, got {raw[:40]!r}"
+            return None
+        if not lo <= value <= hi:
+            errors[name] = f"{label} must be from {lo} to {hi}, got {value}"
+            return None
+        return value
+
+    max_tokens = number("max_tokens", "max tokens", 1, MAX_TOKENS_LIMIT)
+    top_k = number("top_k", "top-k", 1, 20)
+    sides = {}
+    for s in ("a", "b"):
+        weights = form.get(f"{s}_weights", "f32")
+        policy = form.get(f"{s}_policy", "gemm")
+        if weights not in WEIGHT_FORMATS:
+            errors[f"{s}_weights"] = f"weights must be one of {', '.join(WEIGHT_FORMATS)}"
+        if policy not in POLICIES:
+            errors[f"{s}_policy"] = f"kernel policy must be one of {', '.join(POLICIES)}"
+        threshold = number(f"{s}_threshold", "threshold", 0, 100_000)
+        join = number(f"{s}_join", "join at", 0, MAX_TOKENS_LIMIT)
+        others_tokens = number(f"{s}_others_tokens", "tokens of the others", 1, MAX_TOKENS_LIMIT)
+        try:
+            spec = form.get(f"{s}_alongside", "").replace(" ", "")
+            alongside = SideConfig.parse(f"alongside={spec}").alongside
+        except ValueError as e:
+            errors[f"{s}_alongside"] = str(e)
+            continue
+        if any(k.startswith(f"{s}_") for k in errors):
+            continue
+        try:
+            sides[s] = SideConfig(weights=weights, kernel_policy=policy,
+                                  kernel_threshold=threshold, alongside=alongside,
+                                  join_at=join, alongside_max_tokens=others_tokens)
+        except ValueError as e:
+            errors[f"{s}_alongside"] = str(e)
+    if errors:
+        return None, errors
+    return {"prompt": prompt, "max_tokens": max_tokens, "top_k": top_k,
+            "chat": form.get("chat", "") not in ("", "0", "off"),
+            "a": sides["a"].to_dict(), "b": sides["b"].to_dict()}, {}
+
+
+def form_values(params: dict) -> dict:
+    """An experiment's parameters back as form fields (to rerun it with changes)."""
+    values = {"prompt": params["prompt"], "max_tokens": str(params["max_tokens"]),
+              "top_k": str(params["top_k"]), "chat": "1" if params.get("chat") else ""}
+    for s in ("a", "b"):
+        c = params[s]
+        values.update({f"{s}_weights": c["weights"], f"{s}_policy": c["kernel_policy"],
+                       f"{s}_threshold": str(c["kernel_threshold"]),
+                       f"{s}_alongside": ",".join(str(n) for n in c["alongside"]),
+                       f"{s}_join": str(c["join_at"]),
+                       f"{s}_others_tokens": str(c["alongside_max_tokens"])})
+    return values
+
+
+# ---- the result ----------------------------------------------------------------------------
+CHART_W, CHART_H, PAD_L, PAD_R, PAD_T, PAD_B = 720, 240, 56, 12, 12, 28
+
+
+def chart(record: dict) -> dict | None:
+    """max |Δlogit| and the top-2 margins per output token on one log axis (zeros on a floor
+    line): where Δ climbs to the margin, a greedy choice can flip."""
+    rows = record["logits"]["per_token"]
+    if not rows:
+        return None
+    values = [v for p in rows for v in (p["max_abs_delta"], p["margin_a"], p["margin_b"])
+              if v and v > 0 and math.isfinite(v)]
+    lo_exp = math.floor(math.log10(min(values))) if values else -6
+    hi_exp = math.ceil(math.log10(max(values))) if values else 1
+    hi_exp = max(hi_exp, lo_exp + 1)
+    zero_y = CHART_H - PAD_B
+    top, bottom = PAD_T, CHART_H - PAD_B - 14  # the floor line sits below the lowest decade
+    n = len(rows)
+
+    def x(i: float) -> float:
+        return round(PAD_L + (CHART_W - PAD_L - PAD_R) * (i / max(1, n - 1)), 1)
+
+    def y(v: float) -> float:
+        if not v or v <= 0:
+            return zero_y
+        frac = (math.log10(v) - lo_exp) / (hi_exp - lo_exp)
+        return round(bottom - frac * (bottom - top), 1)
+
+    def series(key: str) -> str:
+        return " ".join(f"{x(p['index'])},{y(p[key])}" for p in rows)
+
+    ticks = [{"y": y(10.0 ** e), "label": f"1e{e}"} for e in range(lo_exp, hi_exp + 1)]
+    ticks.append({"y": zero_y, "label": "0"})
+    step = max(1, math.ceil(n / 12))
+    xticks = [{"x": x(i), "label": str(i)} for i in range(0, n, step)]
+    marks = []
+    fork = record["fork"]
+    if fork is not None and fork["token_index"] < n:
+        marks.append({"x": x(fork["token_index"]), "label": "fork", "kind": "fork"})
+    first = record["logits"]["first_difference"]
+    if first is not None:
+        marks.append({"x": x(first), "label": "first Δlogit", "kind": "dlogit"})
+    kv_first = record["kv"]["first_difference"]
+    if kv_first is not None and kv_first["b"] is not None:
+        # The sampled token of the step that wrote the first differing keys/values.
+        hit = next((p["index"] for p in rows if p["step_b"] == kv_first["b"]["step"]), None)
+        if hit is not None:
+            marks.append({"x": x(hit), "label": "first ΔKV", "kind": "kv"})
+    return {"width": CHART_W, "height": CHART_H, "left": PAD_L, "right": CHART_W - PAD_R,
+            "top": top, "zero_y": zero_y, "ticks": ticks, "xticks": xticks, "marks": marks,
+            "delta": series("max_abs_delta"), "margin_a": series("margin_a"),
+            "margin_b": series("margin_b"),
+            "points": [{"x": x(p["index"]), "y": y(p["max_abs_delta"]), "index": p["index"],
+                        "delta": p["max_abs_delta"], "margin_a": p["margin_a"],
+                        "margin_b": p["margin_b"]} for p in rows]}
+
+
+def result_view(record: dict) -> dict:
+    """What the page shows of a finished record (the record itself goes to the JSON twin)."""
+    a, b = record["sides"]["a"], record["sides"]["b"]
+    fork = record["fork"]
+    texts = {}
+    for s, side in (("a", a), ("b", b)):
+        if fork is None:
+            texts[s] = {"shared": side["text"], "rest": ""}
+        else:
+            texts[s] = {"shared": fork["shared_text"], "rest": fork[f"continuation_{s}"]}
+    first = record["kv"]["first_difference"]
+    rows = []
+    for row in timeline(record):
+        rows.append({**row, "has_first": bool(first and row["first"] <= first["position"]
+                                              <= row["last"]),
+                     "what": _what(row["first"], row["last"], record["prompt_tokens"])})
+    return {"texts": texts, "chart": chart(record), "timeline": rows,
+            "fork_token": fork["token_index"] if fork else None}
+
+
+def _what(first: int, last: int, prompt_tokens: int) -> str:
+    if last < prompt_tokens:
+        return "prompt"
+    lo = max(first, prompt_tokens) - prompt_tokens
+    hi = last - prompt_tokens
+    fed = f"output #{lo}" if lo == hi else f"output #{lo}–#{hi}"
+    return ("prompt + " if first < prompt_tokens else "") + fed
+
+
+# ---- views ---------------------------------------------------------------------------------
+def _context(request: Request, form: dict, errors: dict, entry: dict | None) -> dict:
+    lab = lab_for(request.app)
+    context: dict[str, Any] = {
+        "form": form, "errors": errors, "weights_choices": list(WEIGHT_FORMATS),
+        "policies": list(POLICIES), "max_tokens_limit": MAX_TOKENS_LIMIT,
+        "experiments": lab.recent(), "experiment": None, "view": None}
+    if entry is not None:
+        context["experiment"] = entry
+        if entry["record"] is not None:
+            context["view"] = result_view(entry["record"])
+    return context
+
+
+async def divergence(request: Request) -> Response:
+    exp_id = request.query_params.get("id", "").strip()
+    entry = None
+    form = dict(DEFAULT_FORM)
+    if exp_id:
+        entry = lab_for(request.app).get(exp_id)
+        if entry is None:
+            return _error(request, 404, f"no divergence experiment {exp_id!r} (results are "
+                                        "kept in memory: a restarted server has none)", "id",
+                          "not_found")
+        if entry["params"]:
+            form = form_values(entry["params"])
+    return _page(request, "divergence.html", _context(request, form, {}, entry))
+
+
+async def start_divergence(request: Request) -> Response:
+    form = await _read_form(request)
+    if isinstance(form, Response):
+        return form
+    params, errors = parse_form(form)
+    if params is None:
+        if _wants_json(request):
+            name, message = next(iter(errors.items()))
+            return JSONResponse(error_body(message, param=name, code="invalid_value"), 400)
+        values = {**DEFAULT_FORM, **{k: v for k, v in form.items() if k in DEFAULT_FORM}}
+        return _html(request, "divergence.html", _context(request, values, errors, None), 400)
+    try:
+        exp_id = lab_for(request.app).submit(params)
+    except LabBusy as e:
+        return _error(request, 503, str(e), None, "busy")
+    if _wants_json(request):
+        return JSONResponse({"id": exp_id, "status": "queued",
+                             "url": f"/divergence.json?id={exp_id}"}, status_code=202)
+    return RedirectResponse(f"/divergence?id={exp_id}", status_code=303)
+
+
+routes = [
+    Route("/divergence", divergence, methods=["GET"]),
+    Route("/divergence", start_divergence, methods=["POST"]),
+    Route("/divergence.json", divergence, methods=["GET"]),
+    Route("/divergence.json", start_divergence, methods=["POST"]),
+]

@@ -1,0 +1,498 @@
+"""Calibrate `--kernel-policy auto`: measure where row-wise GEMV stops beating batched GEMM.
+
+For N concurrent requests (same short prompts, greedy, ignore_eos, max_tokens each) three modes
+run on this machine, model and weight format:
+
+    unbatched  the N requests one at a time (max_num_seqs=1)
+    gemm       batched, one call per linear layer over all rows (kernel_policy="gemm")
+    gemv       batched, one call per row (kernel_policy="gemv")
+
+Two rates per run: aggregate output tokens/s (all tokens over the wall time, prefill included:
+what a user sees) and decode-only tokens/s from the step records (only decode steps holding
+exactly N rows, so the rate belongs to one row count). The threshold T is picked from the
+decode-only ratio because the policy switches on a step's rows and in decode steps rows == N;
+the aggregate of the gemv mode also pays for row-wise prefill, which "auto" never does.
+
+Results go to `calibration-<model>-<weights>-<backend>.json` (plus an .svg plot) under
+$BATCHSCOPE_CALIBRATION_DIR or ~/.cache/batchscope; `resolve_threshold` reads them back.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+log = logging.getLogger("batchscope.calibration")
+
+ENV_DIR = "BATCHSCOPE_CALIBRATION_DIR"
+DEFAULT_CONCURRENCY = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+DEFAULT_THRESHOLD = 1  # without a calibration: row-wise only where it changes nothing (1 row)
+MODES = ("unbatched", "gemm", "gemv")
+FORMAT_VERSION = 1
+THRESHOLD_BASIS = "decode-only tokens/s (decode steps holding exactly N rows)"
+PROMPT_BOUND = 96  # tokens: the KV pool and step budget are sized before the tokenizer loads
+
+# Short, varied prompts with distinct openings (prefix caching is off anyway).
+PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about autumn leaves.",
+    "List three uses for a paperclip:",
+    "Explain in one sentence why the sky is blue.",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Translate to Spanish: good morning, my friend.",
+    "The three primary colors are",
+    "Q: What is 12 times 7?\nA:",
+    "A short recipe for pancakes:",
+    "Summarize the plot of a detective story in two lines.",
+    "My favourite programming language is",
+    "Here is a limerick about a cat who loved to sleep:",
+    "The most important rule of safe cycling is",
+    "Dear team, this week we shipped",
+    "In physics, momentum is defined as",
+)
+
+Progress = Callable[[str], None]
+
+
+class CalibrationError(RuntimeError):
+    pass
+
+
+# ---- where calibrations live ----------------------------------------------------------------
+def backend_key(info: Mapping[str, Any] | str) -> str:
+    """Short backend name for file names: "metal", "cuda", "cpu-openblas", "cpu"...
+
+    The CPU BLAS is part of the key: OpenBLAS makes f32 GEMM ~20x faster than the bundled
+    reference BLAS, which moves the crossing entirely.
+    """
+    if isinstance(info, str):
+        return info
+    backend = str(info.get("backend") or "cpu")
+    if backend != "cpu":
+        return backend
+    if info.get("blas"):
+        return "cpu-openblas"
+    return "cpu-accelerate" if info.get("platform") == "darwin" else "cpu"
+
+
+def calibration_dir(directory: str | Path | None = None) -> Path:
+    if directory is not None:
+        return Path(directory).expanduser()
+    env = os.environ.get(ENV_DIR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchscope"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("._") or "unnamed"
+
+
+def calibration_path(model_name: str, weights: str, backend: Mapping[str, Any] | str,
+                     directory: str | Path | None = None) -> Path:
+    name = f"calibration-{_slug(model_name)}-{_slug(weights)}-{_slug(backend_key(backend))}.json"
+    return calibration_dir(directory) / name
+
+
+def load_calibration(model_name: str, weights: str, backend: Mapping[str, Any] | str,
+                     directory: str | Path | None = None) -> dict | None:
+    """The saved calibration for this model/weights/backend, or None (missing or unreadable)."""
+    path = calibration_path(model_name, weights, backend, directory)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable calibration %s: %s", path, e)
+        return None
+    threshold = data.get("threshold") if isinstance(data, dict) else None
+    if (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0
+            or not isinstance(data.get("rows"), list)):
+        log.warning("ignoring calibration %s: no valid threshold and rows", path)
+        return None
+    data["path"] = str(path)  # where it was found, even if the file was moved
+    data["plot_path"] = str(path.with_suffix(".svg"))
+    return data
+
+
+def resolve_threshold(config: Any, loaded: Any,
+                      backend: Mapping[str, Any] | str) -> tuple[int, str]:
+    """The "auto" threshold to run with, and where it came from.
+
+    Precedence: --kernel-threshold (config.kernel_threshold not None) > the calibration for the
+    loaded model/weights/backend (only read for kernel_policy "auto") > DEFAULT_THRESHOLD.
+    Returns (threshold, "flag" | "calibration <path>" | "default").
+    """
+    if config.kernel_threshold is not None:
+        return int(config.kernel_threshold), "flag"
+    if config.kernel_policy != "auto":
+        return DEFAULT_THRESHOLD, "default"  # the threshold is unused outside "auto"
+    found = load_calibration(loaded.name, loaded.weights, backend)
+    if found is not None:
+        log.info("kernel policy auto: threshold %d rows from calibration %s (measured %s)",
+                 found["threshold"], found["path"], found.get("date", "?"))
+        return found["threshold"], f"calibration {found['path']}"
+    weights = loaded.weights if loaded.weights in ("f32", "bf16") else "q4"
+    log.info("kernel policy auto is uncalibrated for %s (%s weights) on %s: threshold %d row(s). "
+             "Measure it with: batchscope calibrate --model %s --weights %s (or pass "
+             "--kernel-threshold)", loaded.name, loaded.weights, backend_key(backend),
+             DEFAULT_THRESHOLD, getattr(config, "model", "embedded"), weights)
+    return DEFAULT_THRESHOLD, "default"
+
+
+# ---- the threshold ------------------------------------------------------------------------
+def ratio_of(row: Mapping[str, Any]) -> float | None:
+    """GEMV/GEMM of a row: decode-only when measured, else aggregate."""
+    ratio = row.get("gemv_over_gemm_decode")
+    return ratio if ratio is not None else row.get("gemv_over_gemm")
+
+
+def choose_threshold(rows: Iterable[Mapping[str, Any]]) -> int:
+    """Largest N such that GEMV >= GEMM at every measured n <= N; 0 if GEMM wins at the first.
+
+    One row is exempt: there both policies make the very same call (kernels.apply_linear), so
+    its ratio is noise around 100%.
+    """
+    threshold = 0
+    for row in sorted(rows, key=lambda r: r["concurrency"]):
+        n, ratio = row["concurrency"], ratio_of(row)
+        if n == 1 or (ratio is not None and ratio >= 1.0):
+            threshold = n
+        else:
+            break
+    return threshold
+
+
+# ---- measuring ----------------------------------------------------------------------------
+def calibration_prompts(encode: Callable[[str], list[int]], n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = PROMPTS[i % len(PROMPTS)]
+        out.append(list(encode(text if i < len(PROMPTS) else f"{i}. {text}")))
+    return out
+
+
+def _measure(eng: Any, prompts: list[list[int]], max_tokens: int, decode_rows: int) -> dict:
+    """Run the prompts at once; rates over the wall time and over decode steps of decode_rows."""
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)  # greedy by default
+    first_step = eng.step_count + 1  # read while idle: nothing runs between measurements
+    t0 = time.perf_counter()
+    handles = [eng.submit(ids, params) for ids in prompts]
+    results = [h.result() for h in handles]
+    wall = time.perf_counter() - t0
+    bad = [r for r in results if r.reason != "length" or r.completion_tokens != max_tokens]
+    if bad:
+        raise CalibrationError(f"request {bad[0].request_id} ended with {bad[0].reason!r} after "
+                               f"{bad[0].completion_tokens} tokens: {bad[0].error or ''}")
+    steps = [r for r in eng.steps.recent() if r.step >= first_step]
+    # Steps with other row counts (a request that joined one step late) are left out.
+    decode = [r for r in steps if not r.prefill_rows and r.decode_rows == decode_rows]
+    tokens = sum(r.completion_tokens for r in results)
+    decode_tokens = sum(r.decode_rows for r in decode)
+    decode_time = sum(r.wall_time for r in decode)
+    return {"tokens": tokens, "wall_s": wall, "tps": tokens / wall,
+            "decode_tokens": decode_tokens, "decode_time_s": decode_time,
+            "decode_tps": decode_tokens / decode_time if decode_time > 0 else None,
+            "decode_steps": len(decode), "other_steps": len(steps) - len(decode),
+            "decode_paths": sorted({r.kernel_path for r in decode})}
+
+
+def _best(runs: list[dict]) -> dict:
+    """Best of repeats: other people's load only ever slows a run down."""
+    best = max(runs, key=lambda m: m["tps"])
+    decode = [m["decode_tps"] for m in runs if m["decode_tps"] is not None]
+    return {**best, "decode_tps": max(decode) if decode else None,
+            "tps_runs": [m["tps"] for m in runs], "decode_tps_runs": decode}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _engine_config(model: str, weights: str, mode: str, max_seqs: int, max_tokens: int) -> Any:
+    from engine.config import EngineConfig
+
+    block_size = 16
+    per_request = -(-(PROMPT_BOUND + max_tokens) // block_size) + 1
+    # Same pool and budget in every mode; only the batching and the kernel path differ. The
+    # budget lets all prompts prefill in one step, so every decode step then holds N rows.
+    return EngineConfig(
+        model=model, weights=weights, max_num_seqs=1 if mode == "unbatched" else max_seqs,
+        max_num_batched_tokens=max(512, PROMPT_BOUND * max_seqs), block_size=block_size,
+        num_kv_blocks=max(64, 2 * per_request * max_seqs), enable_prefix_caching=False,
+        step_history=max(2048, 2 * max_seqs * (max_tokens + 1)),
+        kernel_policy="gemv" if mode == "gemv" else "gemm")
+
+
+def _check_args(concurrency: Iterable[int], max_tokens: int, repeats: int) -> list[int]:
+    levels = sorted(set(concurrency))
+    if not levels or any(not isinstance(n, int) or n < 1 for n in levels):
+        raise ValueError(f"concurrency must be positive integers, got {list(concurrency)!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2 (decode steps), got {max_tokens!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    return levels
+
+
+def calibrate(model: str = "embedded", weights: str = "auto",
+              concurrency: Iterable[int] = DEFAULT_CONCURRENCY, max_tokens: int = 32,
+              progress: Progress | None = None, *, loader: Callable[[], Any] | None = None,
+              repeats: int = 1, out_dir: str | Path | None = None, save: bool = True) -> dict:
+    """Measure the three modes at each concurrency, pick T, and save JSON + SVG (if `save`).
+
+    One engine per mode (per round, with `repeats` > 1), started once and reused across
+    concurrencies; only one is alive at a time. Each measurement keeps the best of `repeats`
+    runs. `loader` replaces the model loader (tests pass engine.testing.tiny_model).
+    """
+    from engine.engine import Engine
+    from engine.platform import backend_info
+
+    levels = _check_args(concurrency, max_tokens, repeats)
+    say = progress or (lambda line: None)
+    max_seqs = max(levels)
+    started = time.time()
+    runs: dict[str, dict[int, list[dict]]] = {mode: {n: [] for n in levels} for mode in MODES}
+    name = fmt = None
+    prompt_lengths: list[int] = []
+    # With repeats, each round runs every mode (in alternating order), so each mode samples the
+    # machine's background load over the whole calibration, not one window of it.
+    for round_ in range(repeats):
+        for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
+            tag = f"[{mode}]" if repeats == 1 else f"[{mode} {round_ + 1}/{repeats}]"
+            eng = Engine(_engine_config(model, weights, mode, max_seqs, max_tokens),
+                         loader=loader)
+            say(f"{tag} loading {model} ({weights} weights)...")
+            eng.start()
+            try:
+                name, fmt = eng.loaded.name, eng.loaded.weights
+                prompts = calibration_prompts(eng.encode, max_seqs)
+                prompt_lengths = [len(p) for p in prompts]
+                if max(prompt_lengths) > PROMPT_BOUND:
+                    raise CalibrationError(f"calibration prompts exceed {PROMPT_BOUND} tokens")
+                warm = min(max_seqs, 4)
+                _measure(eng, prompts[:warm], 4, 1 if mode == "unbatched" else warm)
+                for n in levels:
+                    m = _measure(eng, prompts[:n], max_tokens, 1 if mode == "unbatched" else n)
+                    runs[mode][n].append(m)
+                    decode = "—" if m["decode_tps"] is None else f"{m['decode_tps']:.1f}"
+                    say(f"{tag} {n:>3} requests: {m['tps']:7.1f} tok/s aggregate, {decode:>7} "
+                        f"tok/s decode-only ({m['tokens']} tokens in {m['wall_s']:.2f} s)")
+            finally:
+                eng.stop()
+                del eng
+                gc.collect()  # free this engine's weights before the next one loads its own
+    measured = {mode: {n: _best(runs[mode][n]) for n in levels} for mode in MODES}
+
+    rows = []
+    for n in levels:
+        u, g, v = (measured[mode][n] for mode in MODES)
+        rows.append({
+            "concurrency": n,
+            "unbatched_tps": u["tps"], "gemm_tps": g["tps"], "gemv_tps": v["tps"],
+            "gemv_over_gemm": _ratio(v["tps"], g["tps"]),
+            "unbatched_decode_tps": u["decode_tps"], "gemm_decode_tps": g["decode_tps"],
+            "gemv_decode_tps": v["decode_tps"],
+            "gemv_over_gemm_decode": _ratio(v["decode_tps"], g["decode_tps"]),
+            "detail": {mode: measured[mode][n] for mode in MODES},
+        })
+    info = backend_info()
+    result = {
+        "format": FORMAT_VERSION, "model": name, "model_source": model, "weights": fmt,
+        "requested_weights": weights, "backend": backend_key(info), "backend_info": info,
+        "mlx_version": info.get("mlx_version"),
+        "date": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
+        "measured_at": started, "elapsed_s": time.time() - started,
+        "host": platform.node(), "cpu_count": os.cpu_count(),
+        "max_tokens": max_tokens, "repeats": repeats, "concurrency": levels,
+        "prompt_tokens": prompt_lengths, "threshold": choose_threshold(rows),
+        "threshold_basis": THRESHOLD_BASIS, "rows": rows,
+    }
+    if save:
+        save_calibration(result, out_dir)
+    return result
+
+
+def save_calibration(result: dict, directory: str | Path | None = None) -> dict:
+    """Write the JSON and the SVG plot next to it; sets result["path"] and ["plot_path"]."""
+    path = calibration_path(result["model"], result["weights"], result["backend"], directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result["path"], result["plot_path"] = str(path), str(path.with_suffix(".svg"))
+    tmp = path.with_suffix(".json.tmp")  # never leave a half-written file for the engine
+    tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    path.with_suffix(".svg").write_text(render_svg(result), encoding="utf-8")
+    return result
+
+
+# ---- reporting ----------------------------------------------------------------------------
+def _pct(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio * 100:.1f}%"
+
+
+def _rate(tps: float | None) -> str:
+    return "—" if tps is None else f"{tps:.1f}"
+
+
+def render_table(result: Mapping[str, Any]) -> str:
+    """The seed's table (aggregate output tokens/s), plus the decode-only rates T is based on."""
+    lines = [
+        "| concurrency | unbatched | batched GEMM | batched GEMV | GEMV/GEMM "
+        "| decode-only: unbatched | GEMM | GEMV | GEMV/GEMM |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['concurrency']} | {_rate(r['unbatched_tps'])} | {_rate(r['gemm_tps'])} | "
+            f"{_rate(r['gemv_tps'])} | {_pct(r['gemv_over_gemm'])} | "
+            f"{_rate(r['unbatched_decode_tps'])} | {_rate(r['gemm_decode_tps'])} | "
+            f"{_rate(r['gemv_decode_tps'])} | {_pct(r['gemv_over_gemm_decode'])} |")
+    return "\n".join(lines)
+
+
+def describe(result: Mapping[str, Any]) -> str:
+    return (f"{result['model']}, {result['weights']} weights, {result['backend']} "
+            f"(MLX {result.get('mlx_version')}), {result['max_tokens']} tokens per request, "
+            f"greedy; aggregate output tokens/s")
+
+
+# ---- the plot (hand-written SVG: no plotting dependency) ---------------------------------------
+COLORS = {"unbatched": "#6b7280", "gemm": "#2563eb", "gemv": "#ea580c", "ratio": "#7c3aed"}
+LABELS = {"unbatched": "unbatched", "gemm": "batched GEMM", "gemv": "batched row-wise GEMV"}
+
+
+def _nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    span = max(hi - lo, 1e-9)
+    raw = span / count
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _fmt_tick(v: float) -> str:
+    return f"{v:g}" if abs(v) < 1e5 else f"{v:.2g}"
+
+
+def render_svg(result: Mapping[str, Any]) -> str:
+    """Tokens/s vs concurrency for the three modes, and the GEMV/GEMM ratio with T marked."""
+    rows = sorted(result["rows"], key=lambda r: r["concurrency"])
+    width, height = 760, 540
+    left, right = 64, 560  # plot area; the legend sits right of it
+    top1, bottom1 = 48, 300  # throughput panel
+    top2, bottom2 = 350, 500  # ratio panel
+    ns = [r["concurrency"] for r in rows] or [1]  # an empty calibration still draws its axes
+    lo_n, hi_n = math.log2(min(ns)), math.log2(max(ns))
+
+    def x(n: float) -> float:  # log2 axis: 1, 2, 4, 8, 16 evenly spaced; points off the frame
+        if hi_n == lo_n:
+            return (left + right) / 2
+        return left + 16 + (math.log2(n) - lo_n) / (hi_n - lo_n) * (right - left - 32)
+
+    tps = [r[f"{m}_tps"] for r in rows for m in MODES if r.get(f"{m}_tps") is not None]
+    y1_hi = _nice_ticks(0, max(tps or [1.0]) * 1.08)
+    y1_max = max(y1_hi[-1], max(tps or [1.0]) * 1.08)
+
+    def y1(v: float) -> float:
+        return bottom1 - v / y1_max * (bottom1 - top1)
+
+    ratios = [100 * v for r in rows for v in (r.get("gemv_over_gemm_decode"),
+                                              r.get("gemv_over_gemm")) if v is not None]
+    r_lo = min([50.0, *ratios]) * 0.95
+    r_hi = max([150.0, *ratios]) * 1.05
+
+    def y2(v: float) -> float:
+        return bottom2 - (v - r_lo) / (r_hi - r_lo) * (bottom2 - top2)
+
+    out: list[str] = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" font-family="sans-serif" font-size="12" '
+        f'class="calibration-plot" role="img">',
+        f"<title>{escape(describe(result))}; chosen T = {result['threshold']}</title>",
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="{left}" y="22" font-size="14" font-weight="bold">'
+        f"{escape(str(result['model']))} · {escape(str(result['weights']))} · "
+        f"{escape(str(result['backend']))} · {result['max_tokens']} tokens/request</text>",
+        f'<text x="{left}" y="{top1 - 8}" fill="#444">aggregate output tokens/s</text>',
+        f'<text x="{left}" y="{top2 - 8}" fill="#444">GEMV / GEMM (%): solid decode-only, '
+        f"dashed aggregate</text>",
+    ]
+    # Grid, axes and ticks.
+    for v in y1_hi:
+        yy = y1(v)
+        out.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{right}" y2="{yy:.1f}" '
+                   f'stroke="#e5e7eb"/>')
+        out.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{_fmt_tick(v)}</text>')
+    for v in _nice_ticks(r_lo, r_hi, 4):
+        yy = y2(v)
+        out.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{right}" y2="{yy:.1f}" '
+                   f'stroke="#e5e7eb"/>')
+        out.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{_fmt_tick(v)}</text>')
+    for top, bottom in ((top1, bottom1), (top2, bottom2)):
+        out.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" '
+                   f'fill="none" stroke="#9ca3af"/>')
+    for n in ns:
+        out.append(f'<line x1="{x(n):.1f}" y1="{bottom2}" x2="{x(n):.1f}" y2="{bottom2 + 4}" '
+                   f'stroke="#9ca3af"/>')
+        out.append(f'<text x="{x(n):.1f}" y="{bottom2 + 17}" text-anchor="middle">{n}</text>')
+    out.append(f'<text x="{(left + right) / 2}" y="{bottom2 + 34}" text-anchor="middle" '
+               f'fill="#444">concurrent requests (= rows per decode step)</text>')
+    # 100% line and the chosen threshold.
+    out.append(f'<line x1="{left}" y1="{y2(100):.1f}" x2="{right}" y2="{y2(100):.1f}" '
+               f'stroke="#111827" stroke-width="1"/>')
+    threshold = result["threshold"]
+    if threshold >= min(ns):
+        xt = x(threshold)
+        out.append(f'<g class="threshold" data-threshold="{threshold}">'
+                   f'<line x1="{xt:.1f}" y1="{top1}" x2="{xt:.1f}" y2="{bottom2}" '
+                   f'stroke="#16a34a" stroke-dasharray="5 4" stroke-width="1.5"/>'
+                   f'<text x="{xt + 4:.1f}" y="{top1 + 14}" fill="#16a34a">T = {threshold}</text>'
+                   f"</g>")
+
+    def series(key: str, values: list[tuple[int, float | None]], yf: Callable[[float], float],
+               color: str, label: str, unit: str, dashed: bool = False) -> None:
+        pts = [(n, v) for n, v in values if v is not None]
+        dash = ' stroke-dasharray="6 4"' if dashed else ""
+        out.append(f'<g class="series" data-series="{key}">')
+        if pts:
+            coords = " ".join(f"{x(n):.1f},{yf(v):.1f}" for n, v in pts)
+            out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" '
+                       f'stroke-width="2"{dash}/>')
+        for n, v in pts:
+            out.append(f'<circle cx="{x(n):.1f}" cy="{yf(v):.1f}" r="3.5" fill="{color}">'
+                       f"<title>{escape(label)}, {n} requests: {v:.1f}{unit}</title></circle>")
+        out.append("</g>")
+
+    for mode in MODES:
+        series(mode, [(r["concurrency"], r.get(f"{mode}_tps")) for r in rows], y1,
+               COLORS[mode], LABELS[mode], " tok/s")
+    pct = [(r["concurrency"], r.get("gemv_over_gemm_decode")) for r in rows]
+    series("gemv_over_gemm_decode", [(n, v * 100 if v is not None else None) for n, v in pct],
+           y2, COLORS["ratio"], "GEMV/GEMM decode-only", "%")
+    pct = [(r["concurrency"], r.get("gemv_over_gemm")) for r in rows]
+    series("gemv_over_gemm", [(n, v * 100 if v is not None else None) for n, v in pct],
+           y2, COLORS["ratio"], "GEMV/GEMM aggregate", "%", dashed=True)
+    # Legend.
+    lx, ly = right + 20, top1 + 10
+    for i, mode in enumerate([*MODES, "ratio"]):
+        label = LABELS.get(mode, "GEMV/GEMM ratio")
+        yy = ly + i * 20
+        out.append(f'<line x1="{lx}" y1="{yy}" x2="{lx + 22}" y2="{yy}" stroke="{COLORS[mode]}" '
+                   f'stroke-width="2"/><text x="{lx + 28}" y="{yy + 4}">{escape(label)}</text>')
+    out.append(f'<text x="{lx}" y="{ly + 100}" fill="#16a34a">chosen T = {threshold} rows</text>')
+    out.append(f'<text x="{lx}" y="{ly + 118}" fill="#444">'
+               f"{escape(str(result.get('date', '')))}</text>")
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

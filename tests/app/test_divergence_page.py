@@ -1,0 +1,182 @@
+"""The divergence page: a finished record rendered (fork marked, logit table, chart, timeline),
+escaped, with its JSON twin; the form runs an experiment in the worker thread; the CLI's text
+output of the same record."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from bs4 import BeautifulSoup
+from starlette.testclient import TestClient
+
+from app.diverge_cli import clean, format_record, format_search
+from app.divergence_page import lab_for
+from app.main import create_app
+from app.settings import Settings
+from engine.config import EngineConfig
+from engine.divergence import SideConfig, run_experiment, search
+from engine.engine import Engine
+from engine.testing import tiny_model
+
+SCRIPT = "<script>alert(1)</script>"
+JSON = {"accept": "application/json"}
+PROMPT = f"{SCRIPT} & once"
+
+
+def two_models(weights: str):
+    """A different random model on side B ("bf16" here): a real fork at the first token."""
+    return tiny_model(seed=0 if weights == "f32" else 1, quantize=False)
+
+
+def q4_loader(weights: str):
+    return tiny_model(quantize=weights == "q4")
+
+
+@pytest.fixture(scope="module")
+def forked():
+    a = SideConfig(weights="f32", kernel_policy="gemm", alongside=(30, 20))
+    b = SideConfig(weights="bf16", kernel_policy="gemv")
+    record = run_experiment(PROMPT, a, b, max_tokens=10, loader=two_models, top_k=3)
+    assert record["fork"] is not None, record["verdict"]
+    params = {"prompt": PROMPT, "max_tokens": 10, "top_k": 3, "chat": False,
+              "a": a.to_dict(), "b": b.to_dict()}
+    return record, params
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128)),
+                     engine_factory=lambda config: Engine(config, loader=tiny_model))
+    with TestClient(app) as c:
+        c.app.state.divergence_loader = q4_loader  # read when the lab is first made
+        yield c
+
+
+def soup(response) -> BeautifulSoup:
+    assert response.status_code == 200, response.text[:300]
+    assert response.headers["content-type"].startswith("text/html")
+    return BeautifulSoup(response.text, "html.parser")
+
+
+def test_a_finished_record_renders_with_the_fork_marked(client, forked):
+    record, params = forked
+    exp_id = lab_for(client.app).add_record(record, params)
+    response = client.get(f"/divergence?id={exp_id}")
+    page = soup(response)
+    assert SCRIPT not in response.text  # prompt and outputs are escaped
+    assert not [s for s in page.find_all("script") if "alert" in s.get_text()]
+    section = page.find("section", class_="experiment")
+    assert section["data-id"] == exp_id and section["data-status"] == "done"
+    assert page.find(class_="verdict").get_text(strip=True) == record["verdict"]
+    assert page.find("pre", class_="prompt").get_text() == PROMPT
+    fork = record["fork"]
+    for s in ("a", "b"):
+        pre = page.find("pre", attrs={"data-side": s})
+        assert pre.find(class_="shared").get_text() == fork["shared_text"]
+        assert pre.find("mark", class_="fork").get_text() == fork[f"continuation_{s}"]
+    rows = page.select("table.fork-table tbody tr")
+    assert [int(r["data-token"]) for r in rows] == [t["token_id"] for t in fork["table"]]
+    first = rows[0].find(attrs={"data-col": "logit_a"}).get_text()
+    assert first.startswith(f"{fork['table'][0]['logit_a']:.6f}")
+    assert sum("◀" in r.get_text() for r in rows) == 2  # each side's choice
+    chain = [li.get_text() for li in page.select("ol.div-chain li")]
+    assert chain == record["chain"]
+    svg = page.find("svg", class_="div-chart")
+    assert len(svg.find_all("polyline")) == 3
+    assert len(svg.find_all("circle")) == record["logits"]["compared_tokens"]
+    timeline = page.select("table.div-timeline tbody tr")
+    assert timeline and int(timeline[0]["data-first"]) == 0
+    assert int(timeline[-1]["data-last"]) == record["kv"]["compared_positions"] - 1
+    assert len(page.select("tr.kv-first")) == 1  # the first KV difference is marked once
+    # The form is filled with this experiment's settings, to rerun it with changes.
+    form = page.find("form", class_="div-form")
+    assert form.find("textarea", attrs={"name": "prompt"}).get_text() == PROMPT
+    assert form.find("select", attrs={"name": "b_weights"}).find(selected=True).get_text() == \
+        "bf16"
+    assert form.find("input", attrs={"name": "a_alongside"})["value"] == "30,20"
+    assert page.find("tr", attrs={"data-id": exp_id}) is not None  # in the recent list
+
+
+def test_json_twin_holds_the_record(client, forked):
+    record, params = forked
+    exp_id = lab_for(client.app).add_record(record, params)
+    body = client.get(f"/divergence.json?id={exp_id}").json()
+    assert body["experiment"]["status"] == "done"
+    got = body["experiment"]["record"]
+    assert got["fork"]["token_index"] == record["fork"]["token_index"]
+    assert got["fork"]["table"][0]["logit_a"] == pytest.approx(record["fork"]["table"][0]
+                                                               ["logit_a"])
+    assert got["kv"]["by_position"] == pytest.approx(record["kv"]["by_position"])
+    assert body["view"]["fork_token"] == record["fork"]["token_index"]
+    same = client.get(f"/divergence?id={exp_id}", headers=JSON).json()
+    assert same["experiment"]["id"] == exp_id
+    listing = client.get("/divergence.json").json()
+    assert listing["experiment"] is None and any(e["id"] == exp_id
+                                                 for e in listing["experiments"])
+
+
+def test_unknown_experiment_is_a_404(client):
+    assert client.get("/divergence?id=nope").status_code == 404
+    body = client.get("/divergence.json?id=nope").json()
+    assert body["error"]["param"] == "id"
+
+
+def test_the_form_runs_an_experiment_in_the_worker(client):
+    form = {"prompt": f"hi {SCRIPT}", "max_tokens": "6", "top_k": "3",
+            "a_weights": "q4", "a_policy": "gemm", "a_threshold": "1", "a_alongside": "20, 10",
+            "a_join": "2", "a_others_tokens": "4",
+            "b_weights": "q4", "b_policy": "gemv", "b_threshold": "1", "b_alongside": "",
+            "b_join": "0", "b_others_tokens": "4"}
+    r = client.post("/divergence", data=form, follow_redirects=False)
+    assert r.status_code == 303
+    exp_id = r.headers["location"].split("id=")[1]
+    deadline = time.time() + 120
+    while True:
+        entry = client.get(f"/divergence.json?id={exp_id}").json()["experiment"]
+        if entry["status"] in ("done", "error") or time.time() > deadline:
+            break
+        page = soup(client.get(f"/divergence?id={exp_id}"))
+        assert page.find("meta", attrs={"http-equiv": "refresh"}) is not None
+        time.sleep(0.05)
+    assert entry["status"] == "done", entry["error"]
+    record = entry["record"]
+    # 4-bit on a CPU: rows are computed alike on every path, alone or not.
+    assert record["bit_identical"] and record["fork"] is None
+    assert record["sides"]["a"]["others_joined"]
+    assert record["sides"]["a"]["label"] == "q4 · gemm · alongside 20,10 from token 2"
+    page = soup(client.get(f"/divergence?id={exp_id}"))
+    assert page.find("meta", attrs={"http-equiv": "refresh"}) is None
+    assert page.find(class_="verdict").get_text().startswith("bit-identical")
+    assert page.find("table", class_="fork-table") is None
+    # The JSON twin of the POST answers 202 with the experiment's URL.
+    r = client.post("/divergence.json", data=form)
+    assert r.status_code == 202 and r.json()["url"].startswith("/divergence.json?id=")
+
+
+def test_form_errors(client):
+    bad = {"prompt": " ", "max_tokens": "0", "a_policy": "fast", "b_alongside": "12,x",
+           "a_threshold": "many"}
+    r = client.post("/divergence", data=bad)
+    assert r.status_code == 400
+    page = BeautifulSoup(r.text, "html.parser")
+    fields = {p["data-field"] for p in page.select(".form-errors p")}
+    assert {"prompt", "max_tokens", "a_policy", "a_threshold", "b_alongside"} <= fields
+    r = client.post("/divergence.json", data=bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_cli_text_output(forked):
+    record, _ = forked
+    text = format_record(record)
+    fork = record["fork"]
+    assert f"Verdict: {record['verdict']}" in text
+    assert f"Logits at the fork (output token {fork['token_index']}" in text
+    assert f"{fork['table'][0]['logit_a']:.6f}" in text
+    assert "Contamination timeline" in text and "prompt" in text
+    assert clean("a\x1b[31mred\x07") == "a\\x1b[31mred\\x07"
+    s = search(["hello", "hi"], SideConfig(weights="q4"), SideConfig(weights="q4",
+                                                                      kernel_policy="gemv"),
+               max_tokens=4, loader=q4_loader)
+    out = format_search(s)
+    assert "Forked: 0 of 2" in out and "bit-identical: 2" in out

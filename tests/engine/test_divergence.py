@@ -1,0 +1,191 @@
+"""Divergence experiments on the tiny model: bit-identical where the backend computes rows alone
+(4-bit), and with float32 + OpenBLAS the trace must point at the one step that took the other
+kernel path. Plus the comparison itself on hand-made traces (a real fork at a near-tie)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.divergence import (
+    BUILTIN_PROMPTS,
+    SideConfig,
+    SideRun,
+    compare,
+    load_prompts,
+    run_experiment,
+    search,
+    timeline,
+)
+from engine.events import FinishEvent
+from engine.platform import blas_loaded
+from engine.testing import ByteTokenizer, tiny_model
+
+PROMPT = "Hello world, this is"  # 20 byte tokens
+TOKENIZER = ByteTokenizer()
+
+
+def loader(weights: str):
+    return tiny_model(quantize=weights == "q4")
+
+
+def test_four_bit_gemm_and_gemv_are_bit_identical_alone_and_alongside():
+    a = SideConfig(weights="q4", kernel_policy="gemm", alongside=(40, 25))
+    b = SideConfig(weights="q4", kernel_policy="gemv")
+    r = run_experiment(PROMPT, a, b, max_tokens=12, loader=loader)
+    assert r["identical"] and r["bit_identical"]
+    assert r["fork"] is None
+    assert r["logits"]["max_abs_delta"] == 0.0 and r["logits"]["compared_tokens"] == 12
+    assert r["logits"]["first_difference"] is None
+    assert r["kv"]["max_abs_delta"] == 0.0 and r["kv"]["first_difference"] is None
+    assert r["kv"]["compared_positions"] == 20 + 11  # the last token is never written
+    assert all(x == 0.0 for x in r["kv"]["max_abs_delta_per_layer"])
+    assert r["verdict"].startswith("bit-identical")
+    assert r["chain"][0].startswith("KV identical")
+    # The batch really was mixed on side A, and row-wise on side B.
+    first_a, first_b = r["sides"]["a"]["steps"][0], r["sides"]["b"]["steps"][0]
+    assert (first_a["rows"], first_a["requests"], first_a["path"]) == (85, 3, "gemm")
+    assert (first_b["rows"], first_b["requests"], first_b["path"]) == (20, 1, "gemv")
+
+
+@pytest.mark.parametrize("join_at", [0, 3])
+def test_float32_trace_finds_the_one_injected_gemm_step(join_at):
+    """Both sides share the batch (target + two prompts of 60 and 40 tokens); A runs every step
+    row-wise, B only the big mixed step as one GEMM (threshold above every other step's rows)."""
+    others = (60, 40)
+    a = SideConfig(weights="f32", kernel_policy="gemv", alongside=others, join_at=join_at)
+    b = SideConfig(weights="f32", kernel_policy="auto", kernel_threshold=20, alongside=others,
+                   join_at=join_at)
+    r = run_experiment(PROMPT, a, b, max_tokens=12, loader=loader)
+    steps_b = r["sides"]["b"]["steps"]
+    gemm_steps = [s for s in steps_b if s["path"] == "gemm"]
+    assert len(gemm_steps) == 1  # the injection is exactly one step
+    mixed = gemm_steps[0]
+    assert mixed["prefill_rows"] >= 100 and mixed["requests"] == 3
+    assert all(s["path"] == "gemv" for s in r["sides"]["a"]["steps"])
+    if not blas_loaded():  # the reference BLAS computes GEMM rows like GEMV rows (FACTS.md)
+        assert r["bit_identical"], r["verdict"]
+        return
+    first = r["kv"]["first_difference"]
+    assert first is not None, r["verdict"]
+    # The target's first position written in the mixed step: its prompt when it joined with
+    # the others, else the decode row of its token #(join_at - 1) fed back.
+    expected = 0 if join_at == 0 else 20 + join_at - 1
+    assert first["position"] == expected
+    assert first["b"]["step"] == mixed["step"] and first["b"]["path"] == "gemm"
+    assert first["b"]["step_rows"] == mixed["rows"]
+    assert first["a"]["step"] == mixed["step"] and first["a"]["path"] == "gemv"
+    assert first["max_abs_delta"] > 0
+    assert all(d == 0.0 for d in r["kv"]["by_position"][:expected])
+    # Logits first differ at the token the mixed step sampled, and stay different after it,
+    # on steps that were row-wise on both sides: the contamination came through the cache.
+    assert r["logits"]["first_difference"] == join_at
+    later = [p for p in r["logits"]["per_token"] if p["index"] > join_at]
+    assert later and all(p["path_a"] == p["path_b"] == "gemv" for p in later)
+    assert any(p["max_abs_delta"] > 0 for p in later)
+    assert f"step {mixed['step']} (gemm, {mixed['rows']} rows) on B" in r["chain"][0]
+    rows = timeline(r)
+    assert rows[0]["first"] == 0 and rows[-1]["last"] == r["kv"]["compared_positions"] - 1
+
+
+def test_the_same_side_twice_is_bit_identical():
+    """Determinism of the harness itself: one engine, reused, same batch, same bits."""
+    side = SideConfig(weights="f32", kernel_policy="gemm", alongside=(30,), join_at=2)
+    r = run_experiment(PROMPT, side, side, max_tokens=8, loader=loader)
+    assert r["bit_identical"], r["verdict"]
+    assert r["sides"]["a"]["others_joined"] and r["sides"]["a"]["steps"][2]["requests"] == 2
+
+
+def test_others_that_would_join_after_the_end_never_join():
+    late = SideConfig(weights="q4", alongside=(30,), join_at=20)
+    r = run_experiment(PROMPT, late, SideConfig(weights="q4"), max_tokens=5, loader=loader)
+    assert not r["sides"]["a"]["others_joined"]
+    assert all(s["requests"] == 1 for s in r["sides"]["a"]["steps"])
+    assert r["bit_identical"]
+
+
+def test_side_spec_parsing():
+    s = SideConfig.parse("weights=f32, policy=auto,threshold=8,alongside=120,60,30,join=4")
+    assert (s.weights, s.kernel_policy, s.kernel_threshold) == ("f32", "auto", 8)
+    assert s.alongside == (120, 60, 30) and s.join_at == 4
+    assert SideConfig.parse("alongside=120+30").alongside == (120, 30)
+    base = SideConfig(weights="q4", alongside=(5,))
+    assert SideConfig.parse("policy=gemv", base) == SideConfig(weights="q4", alongside=(5,),
+                                                               kernel_policy="gemv")
+    assert SideConfig.parse("alongside=none", base).alongside == ()
+    assert "alongside 120,30 from token 2" in SideConfig.parse("alongside=120,30,join=2").label()
+    for bad in ("policy=fast", "weights=f64", "bogus=1", "threshold=x", "7", "alongside=0",
+                "join=-1"):
+        with pytest.raises(ValueError):
+            SideConfig.parse(bad)
+
+
+def test_search_counts_and_prompt_files(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text('Once upon a time\n\n"two\\nlines"\nx' + "y" * 600 + "\n", encoding="utf-8")
+    prompts = load_prompts(path)
+    assert prompts[1] == "two\nlines" and len(prompts) == 3
+    q4 = SideConfig(weights="q4")
+    out = search(prompts, q4, SideConfig(weights="q4", kernel_policy="gemv"), max_tokens=6,
+                 loader=loader)
+    assert out["prompts"] == 3 and out["errors"] == 1  # the last one is too long for 512
+    assert out["bit_identical"] == 2 and out["forked"] == 0 and out["forks"] == []
+    assert "context window" in out["results"][2]["error"]
+    assert len(out["smallest_margins"]) == 2
+    assert len(BUILTIN_PROMPTS) == 20 and len(set(BUILTIN_PROMPTS)) == 20
+
+
+# ---- the comparison on hand-made traces ----------------------------------------------------
+def fake_run(outputs: list[int], logits: list[np.ndarray], kv_noise_at: int | None,
+             paths: list[str]) -> SideRun:
+    """A 3-token prompt, then one decode step per output token; 1 layer, 1 head, dim 2."""
+    prompt = [10, 11, 12]
+    trace, steps = [], []
+    start, rows = 0, 3
+    for i, vec in enumerate(logits):
+        kv = np.full((1, 2, 1, rows, 2), 0.5, dtype=np.float32)
+        if kv_noise_at is not None and start <= kv_noise_at < start + rows:
+            kv[0, 1, 0, kv_noise_at - start, 1] += 1e-6
+        trace.append({"step": i + 1, "path": paths[i], "step_rows": rows + 4 * (i == 1),
+                      "phase": "prefill" if i == 0 else "decode", "start": start, "rows": rows,
+                      "kv": kv, "logits": vec})
+        steps.append({"step": i + 1, "path": paths[i], "rows": rows, "prefill_rows": rows,
+                      "decode_rows": 0, "requests": 1})
+        start, rows = start + rows, 1
+    text = TOKENIZER.decode(outputs)
+    finish = FinishEvent("r", "length", text, "", outputs, 3, len(outputs), 0, 0, 0.0, None,
+                         None, 0.0, trace=trace)
+    return SideRun(SideConfig(), prompt, finish, trace, steps, False, "fake", "f32")
+
+
+def onehot(best: int, second: int, margin: float) -> np.ndarray:
+    v = np.zeros(TOKENIZER.vocab_size, dtype=np.float32)
+    v[best], v[second] = 25.5712, 25.5712 - margin
+    return v
+
+
+def test_compare_reports_the_chain_from_cache_write_to_fork():
+    a_tok, b_tok = ord("a") + 3, ord("b") + 3
+    shared = [onehot(ord("x") + 3, 50, 2.0), onehot(ord("y") + 3, 50, 1.0)]
+    la = [*shared, onehot(a_tok, b_tok, 0.0055)]
+    lb = [shared[0], shared[1] + np.float32(1e-5), onehot(b_tok, a_tok, 0.0126)]
+    run_a = fake_run([ord("x") + 3, ord("y") + 3, a_tok], la, None, ["gemv"] * 3)
+    run_b = fake_run([ord("x") + 3, ord("y") + 3, b_tok], lb, 3, ["gemv", "gemm", "gemv"])
+    r = compare(run_a, run_b, TOKENIZER.decode, top_k=2)
+    assert not r["identical"] and not r["bit_identical"]
+    fork = r["fork"]
+    assert fork["token_index"] == 2 and fork["char_offset"] == 2 and fork["shared_text"] == "xy"
+    assert (fork["continuation_a"], fork["continuation_b"]) == ("a", "b")
+    assert fork["margin_a"] == pytest.approx(0.0055, abs=1e-5)
+    assert [row["token_id"] for row in fork["table"]] == [a_tok, b_tok]
+    assert fork["table"][0]["logit_a"] == pytest.approx(25.5712)
+    assert fork["table"][0]["rank_b"] == 2 and fork["table"][1]["rank_b"] == 1
+    # KV: position 3 (output token #0 fed back) was written by step 2, gemm on B.
+    first = r["kv"]["first_difference"]
+    assert first["position"] == 3 and first["output_index"] == 0
+    assert first["b"]["path"] == "gemm" and first["a"]["path"] == "gemv"
+    assert first["values_max_abs_delta"] > 0 and first["keys_max_abs_delta"] == 0
+    assert r["kv"]["compared_positions"] == 3 + 2  # up to the fork's position
+    assert r["logits"]["first_difference"] == 1 and r["logits"]["compared_tokens"] == 3
+    assert [line.split(" ")[0] for line in r["chain"]] == ["KV", "first", "fork"]
+    assert "position 3" in r["chain"][0] and "fork at output token 2" in r["chain"][2]
