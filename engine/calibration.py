@@ -210,7 +210,7 @@ def _measure(eng: Any, prompts: list[list[int]], max_tokens: int, decode_rows: i
 
 
 def _best(runs: list[dict]) -> dict:
-    """Best of repeats: other people's load only ever slows a run down."""
+    """Best of repeats, each rate on its own: background load only ever slows a run down."""
     best = max(runs, key=lambda m: m["tps"])
     decode = [m["decode_tps"] for m in runs if m["decode_tps"] is not None]
     return {**best, "decode_tps": max(decode) if decode else None,

@@ -1,10 +1,24 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_machine_calibration(tmp_path_factory):
+    """Tests must not pick up a calibration someone ran on this machine (~/.cache)."""
+    old = os.environ.get("BATCHSCOPE_CALIBRATION_DIR")
+    os.environ["BATCHSCOPE_CALIBRATION_DIR"] = str(tmp_path_factory.mktemp("calibration"))
+    yield
+    if old is None:
+        os.environ.pop("BATCHSCOPE_CALIBRATION_DIR", None)
+    else:
+        os.environ["BATCHSCOPE_CALIBRATION_DIR"] = old
 
 
 @pytest.fixture
