@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,8 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from bs4 import BeautifulSoup
+from live_server import serving
 
 from app.dashboard import CHART_STEPS, hue
 from app.main import create_app
@@ -45,25 +44,10 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    settings = Settings(port=port, engine=EngineConfig(num_kv_blocks=NUM_BLOCKS, block_size=4))
+    settings = Settings(engine=EngineConfig(num_kv_blocks=NUM_BLOCKS, block_size=4))
     app = create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_model))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+    with serving(app, TIMEOUT) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         yield Live(url, app, app.state.engine, http)
-    server.should_exit = True
-    thread.join(TIMEOUT)
-    sock.close()
 
 
 def complete(live: Live, prompts: list[str], max_tokens: int) -> list[dict]:

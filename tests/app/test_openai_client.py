@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -12,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import serving
 
 from app.main import create_app
 from app.settings import Settings
@@ -62,25 +60,11 @@ def live() -> Iterator[LiveServer]:
         engines.append(Engine(config, loader=tiny_model))
         return engines[-1]
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # a free port, held open so nobody can take it meanwhile
-    port = sock.getsockname()[1]
-    settings = Settings(port=port, engine=EngineConfig(num_kv_blocks=128))
+    settings = Settings(engine=EngineConfig(num_kv_blocks=128))
     app = create_app(settings, engine_factory=engine_factory,
                      recorder_factory=lambda s: recorder)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield LiveServer(f"http://127.0.0.1:{port}", engines[0], recorder)
-    server.should_exit = True
-    thread.join(timeout=TIMEOUT)
-    sock.close()
-    assert not thread.is_alive(), "server did not stop"
+    with serving(app, TIMEOUT) as url:
+        yield LiveServer(url, engines[0], recorder)
     assert not engines[0].running
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from live_server import serving
 
 from app.db import Recorder, open_database
 from app.main import create_app
@@ -53,7 +52,6 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> Iterator[tuple[str, Any]]:
     """uvicorn on 127.0.0.1 with a free port, in a thread; yields the base URL and the app."""
-    import uvicorn
 
     db_dir = tmp_path_factory.mktemp("browser")
 
@@ -70,22 +68,8 @@ def live(tmp_path_factory) -> Iterator[tuple[str, Any]]:
     app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128)),
                      engine_factory=lambda config: Engine(config, loader=tiny_model),
                      recorder_factory=recorder)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=5)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    srv.should_exit = True
-    thread.join(timeout=20)
-    sock.close()
+    with serving(app, WAIT) as url:
+        yield url, app
 
 
 @pytest.fixture(scope="module")
