@@ -248,7 +248,7 @@ def format_search(s: dict, all_tokens: bool = False) -> str:
         at_fork = "—" if x["fork_index"] is None else \
             f"{g(x['fork_margin_a'], 3)}/{g(x['fork_margin_b'], 3)}"
         m = x["min_margin"]
-        near = "—" if m is None else f"{m['value']:.4f} (t{m['index']})"
+        near = "—" if m is None else f"{m['value']:.3g} (t{m['index']})"
         kv = "—" if x["kv_first_difference"] is None else f"pos {x['kv_first_difference']}"
         out.append(f"  {x['index'] + 1:>3}  {fork:>7}  {at_fork:>19}  {near:>19}  "
                    f"{g(x['max_abs_dlogit']):>11}  {kv:>10}  {prompt}")
@@ -258,6 +258,8 @@ def format_search(s: dict, all_tokens: bool = False) -> str:
             + f" · same tokens, numbers differ: {s['same_tokens_numbers_differ']}"
             f" · bit-identical: {s['bit_identical']}"
             + (f" · errors: {s['errors']}" if s["errors"] else "")]
+    out.append(f"Tokens compared: {s['tokens_compared']}; close calls (top-2 margin within 10x "
+               f"that token's max |Δlogit|): {s['close_calls']}")
     if s["smallest_margins"]:
         out.append("Smallest top-2 margins seen: " + ", ".join(
             f"{m['margin']:.4g} (prompt {m['prompt_index'] + 1}, token {m['token_index']}"

@@ -762,6 +762,9 @@ def search(prompts: list[str] | None, a: SideConfig, b: SideConfig, max_tokens: 
                 continue
             fork, logits, kv = r["fork"], r["logits"], r["kv"]
             m = logits["min_margin"]
+            # A close call: the top-2 margin within 10x the logit noise between the sides.
+            close = sum(1 for p in logits["per_token"] if p["max_abs_delta"] > 0
+                        and min(p["margin_a"], p["margin_b"]) <= 10 * p["max_abs_delta"])
             results.append({
                 "index": n, "prompt": prompt, "identical": r["identical"],
                 "bit_identical": r["bit_identical"],
@@ -769,6 +772,7 @@ def search(prompts: list[str] | None, a: SideConfig, b: SideConfig, max_tokens: 
                 "fork_margin_a": fork["margin_a"] if fork else None,
                 "fork_margin_b": fork["margin_b"] if fork else None,
                 "min_margin": m, "max_abs_dlogit": logits["max_abs_delta"],
+                "tokens_compared": logits["compared_tokens"], "close_calls": close,
                 "first_logit_difference": logits["first_difference"],
                 "kv_first_difference": (kv["first_difference"]["position"]
                                         if kv["first_difference"] else None),
@@ -791,6 +795,8 @@ def search(prompts: list[str] | None, a: SideConfig, b: SideConfig, max_tokens: 
         "bit_identical": sum(1 for x in ok if x["bit_identical"]),
         "errors": len(results) - len(ok),
         "fork_indices": [x["fork_index"] for x in ok if x["fork_index"] is not None],
+        "tokens_compared": sum(x["tokens_compared"] for x in ok),
+        "close_calls": sum(x["close_calls"] for x in ok),
         "smallest_margins": sorted(near, key=lambda m: m["margin"])[:10],
         "results": results, "forks": forks,
         "elapsed_s": round(time.perf_counter() - t0, 3), "backend": _backend()}

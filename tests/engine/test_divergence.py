@@ -132,6 +132,7 @@ def test_search_counts_and_prompt_files(tmp_path):
     assert out["bit_identical"] == 2 and out["forked"] == 0 and out["forks"] == []
     assert "context window" in out["results"][2]["error"]
     assert len(out["smallest_margins"]) == 2
+    assert out["tokens_compared"] == 12 and out["close_calls"] == 0  # no noise, no close call
     assert len(BUILTIN_PROMPTS) == 20 and len(set(BUILTIN_PROMPTS)) == 20
 
 
