@@ -25,13 +25,6 @@ from engine.telemetry import StepEntry, StepRecord
 
 
 @pytest.fixture
-def db(tmp_path):
-    database = open_database(tmp_path / "runs.db")
-    yield database
-    database.close()
-
-
-@pytest.fixture
 def recorder(db):
     rec = Recorder(db, flush_interval=0.01)
     rec.start()

@@ -8,17 +8,10 @@ import time
 import pytest
 from sqlalchemy import event, text
 
-from app.db import Recorder, open_database
+from app.db import Recorder
 from app.db.queries import get_run, list_runs
 from engine.events import FinishEvent, TokenEvent
 from engine.telemetry import StepEntry, StepRecord
-
-
-@pytest.fixture
-def db(tmp_path):
-    database = open_database(tmp_path / "runs.db")
-    yield database
-    database.close()
 
 
 @pytest.fixture
