@@ -192,8 +192,8 @@ def format_record(r: dict, all_tokens: bool = False) -> str:
         flag = " ← fork" if fork and p["index"] == fork["token_index"] else ""
         out.append(f"  {p['index']:>5}  {p['step_a']:>7} {p['path_a']:<5} {p['rows_a']:>4}  "
                    f"{p['step_b']:>7} {p['path_b']:<5} {p['rows_b']:>4}  "
-                   f"{g(p['max_abs_delta']):>11}  {p['margin_a']:>9.4f}  "
-                   f"{p['margin_b']:>9.4f}{flag}")
+                   f"{g(p['max_abs_delta']):>11}  {g(p['margin_a'], 4):>9}  "
+                   f"{g(p['margin_b'], 4):>9}{flag}")
     if previous != len(rows) - 1 and rows:
         out.append("  …")
 
