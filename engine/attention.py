@@ -2,14 +2,16 @@
 
 On the CPU backend MLX's fused scaled_dot_product_attention falls back to a composition of
 matmul + softmax; writing that composition here over the head-major paged pool is bit-identical
-(tests/engine/test_attention.py) and faster: the query transform and the output layout are done
-once for the whole step, leaving six small ops per sequence and layer (MLX costs ~4 us per op on
-CPU, so at 16 sequences x 30 layers the op count matters). On Metal and CUDA the fused kernel
+(tests/engine/test_attention.py), and it was faster in an ad-hoc timing (no benchmark in the
+repo isolates attention yet; benchmarks/engine_batching.py measures whole steps): the query
+transform and the output layout are done once for the whole step, leaving six small ops per
+sequence and layer (MLX costs ~4 us per op on CPU, so at 16 sequences x 30 layers the op count
+matters). On Metal and CUDA the fused kernel
 is the fast path and is used per sequence.
 
 Attention is computed per sequence, never over a padded batch: padding changes the length of
-the softmax and matmul reductions, and with them the floating-point result (measured: up to
-5e-7 in float32), which would make a request's output depend on what shares its batch.
+the softmax and matmul reductions, and with them the floating-point result (seen in an ad-hoc
+check: up to 5e-7 in float32), which would make a request's output depend on what shares its batch.
 """
 
 from __future__ import annotations
