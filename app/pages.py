@@ -3,20 +3,15 @@
 Each view builds one context dict and renders it as HTML (templates/) or as JSON (the `.json`
 twin, or `Accept: application/json`), so scripts and tests read the numbers people see.
 
-The playground's result panels stream over SSE. Playground runs live in a per-app registry
-(`app.state.live_runs`): a task drains each run's events into a list that is replayed to every
-stream that follows the run, so a panel that connects late (or twice) still sees every token,
-and a closed tab does not cancel the run. Runs no longer in the registry are replayed from the
-database as their final state.
+Starting, streaming and stopping playground runs (the live result panels over SSE) is in
+app/streams.py; the form it reads and the rendering helpers it uses are here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,7 +19,6 @@ from urllib.parse import parse_qsl, urlencode
 
 import anyio.to_thread
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -32,9 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from app.api import MAX_STOP, error_body
 from app.db import queries
-from app.runs import Run, RunRequest, RunService
-from engine.engine import EngineError
-from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
+from app.runs import RunService
 from engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,66 +168,6 @@ async def _read(request: Request, fn: Callable[..., Any], *args: Any, **kwargs: 
     return await anyio.to_thread.run_sync(lambda: fn(db, *args, **kwargs))
 
 
-# ---- live runs -----------------------------------------------------------------------------
-class LiveRun:
-    """A run's events so far; each follower gets them all, then the rest as they come."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.events: list[Event] = []
-        self.finish: FinishEvent | None = None
-        self._followers: set[asyncio.Queue] = set()
-        self.task = asyncio.get_running_loop().create_task(self._drain(), name=f"live-{run.id}")
-
-    @property
-    def id(self) -> str:
-        return self.run.id
-
-    async def _drain(self) -> None:
-        async for event in self.run.events():
-            self.events.append(event)
-            if isinstance(event, FinishEvent):
-                self.finish = event
-            for queue in list(self._followers):
-                queue.put_nowait((self, event))
-        self._followers.clear()
-
-    def follow(self, queue: asyncio.Queue) -> None:
-        for event in self.events:
-            queue.put_nowait((self, event))
-        if self.finish is None:
-            self._followers.add(queue)
-
-    def unfollow(self, queue: asyncio.Queue) -> None:
-        self._followers.discard(queue)
-
-
-class LiveRuns:
-    """Playground runs by id: every unfinished one, and the latest finished ones."""
-
-    keep_finished = 256
-
-    def __init__(self) -> None:
-        self._runs: OrderedDict[str, LiveRun] = OrderedDict()
-
-    def add(self, run: Run) -> LiveRun:
-        live = self._runs[run.id] = LiveRun(run)
-        finished = [k for k, v in self._runs.items() if v.finish is not None]
-        for run_id in finished[:max(0, len(finished) - self.keep_finished)]:
-            del self._runs[run_id]
-        return live
-
-    def get(self, run_id: str) -> LiveRun | None:
-        return self._runs.get(run_id)
-
-
-def live_runs(app: Any) -> LiveRuns:
-    registry = getattr(app.state, "live_runs", None)
-    if registry is None:
-        registry = app.state.live_runs = LiveRuns()
-    return registry
-
-
 # ---- playground ----------------------------------------------------------------------------
 @dataclass
 class PlaygroundInput:
@@ -333,41 +265,6 @@ async def playground(request: Request) -> Response:
     return _page(request, "playground.html", context)
 
 
-async def start_runs(request: Request) -> Response:
-    service = _service(request)
-    form = await _read_form(request)
-    if isinstance(form, Response):
-        return form
-    data, errors = parse_playground(form, service.max_context_tokens())
-    if data is None:
-        return _form_errors(request, errors)
-    if data.mode == "chat":
-        messages = ([{"role": "system", "content": data.system}] if data.system.strip() else [])
-        messages.append({"role": "user", "content": data.prompt})
-        prompt_ids, prompt_text = service.encode_chat(messages), None
-    else:
-        messages, prompt_ids, prompt_text = None, service.encode(data.prompt), data.prompt
-    registry = live_runs(request.app)
-    started: list[LiveRun] = []
-    for _ in range(data.copies):
-        run_request = RunRequest(prompt_ids, data.params, "/playground", "playground",
-                                 prompt_text, messages)
-        try:
-            run = service.start(run_request)
-        except EngineError as e:
-            return _error(request, 503, f"the engine is not running: {e}", fragment=True)
-        except ValueError as e:  # too long for the context window, and the like
-            param = "max_tokens" if "max_tokens" in str(e) else "prompt"
-            return _form_errors(request, {param: str(e)})
-        started.append(registry.add(run))
-    ids = [live.id for live in started]
-    context = {"runs": [{"id": i, "url": f"/runs/{i}", "cancel_url": f"/runs/{i}/cancel",
-                         "stream_url": f"/runs/{i}/stream"} for i in ids],
-               "stream_url": _stream_url(ids), "saved": _database(request) is not None,
-               "prompt_tokens": len(prompt_ids), "params": _params_dict(data.params)}
-    return _page(request, "_run_panels.html", context)
-
-
 def _form_errors(request: Request, errors: dict[str, str]) -> Response:
     if _wants_json(request):
         name, message = next(iter(errors.items()))
@@ -376,69 +273,7 @@ def _form_errors(request: Request, errors: dict[str, str]) -> Response:
     return _html(request, "_form_errors.html", {"errors": errors}, 400)
 
 
-def _params_dict(params: SamplingParams) -> dict:
-    return {**asdict(params), "stop": list(params.stop)}
-
-
-def _stream_url(ids: list[str]) -> str:
-    """One stream for a group of copies: browsers allow ~6 connections per host."""
-    query = urlencode([("with", i) for i in ids[1:]])
-    return f"/runs/{ids[0]}/stream" + (f"?{query}" if query else "")
-
-
-async def cancel_run(request: Request) -> Response:
-    run_id = request.path_params["run_id"]
-    live = live_runs(request.app).get(run_id)
-    if live is None:
-        return _error(request, 404, f"no live run {run_id!r} (only playground runs of this "
-                                    "server can be stopped here)", "run_id", "not_found")
-    running = live.finish is None
-    if running:
-        live.run.cancel()
-    context = {"id": run_id, "cancelled": running,
-               "finish_reason": live.finish.reason if live.finish else None}
-    return _page(request, "_cancelled.html", context)
-
-
-# ---- the SSE stream of result panels --------------------------------------------------------
-@dataclass
-class PanelStats:
-    tokens: int = 0
-    ttft: float | None = None
-    tokens_per_s: float | None = None
-    e2e: float | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-class _Meter:
-    """Panel stats of a live run, computed as the saved run's metrics are (app.db.queries)."""
-
-    def __init__(self, queued_at: float):
-        self.queued_at = queued_at
-        self.first: float | None = None
-        self.last: float | None = None
-        self.stats = PanelStats()
-
-    def token(self, event: TokenEvent) -> None:
-        s = self.stats
-        s.tokens += 1
-        self.first = event.time if self.first is None else self.first
-        self.last = event.time
-        s.ttft = self.first - self.queued_at
-        if s.tokens > 1:
-            s.tokens_per_s = tokens_per_s((self.last - self.first) / (s.tokens - 1))
-
-    def finish(self, event: FinishEvent, error: str | None) -> None:
-        s = self.stats
-        s.tokens = event.completion_tokens
-        s.ttft = (None if event.first_token_time is None
-                  else event.first_token_time - self.queued_at)
-        s.e2e = event.finish_time - self.queued_at
-        s.finish_reason = event.reason
-        s.error = event.error or error
-
-
+# ---- tokens --------------------------------------------------------------------------------
 def token_view(idx: int, token_id: int, text: str | None, logprob: float | None,
                top: list | None, t: float | None, queued_at: float | None, step: int | None,
                decode: Callable[[int], str | None]) -> dict:
@@ -449,92 +284,6 @@ def token_view(idx: int, token_id: int, text: str | None, logprob: float | None,
         "alternatives": [{"token_id": tid, "text": decode(tid), "logprob": lp}
                          for tid, lp in (top or [])],
     }
-
-
-def _sse(event: str, html: str) -> dict:
-    # A lone CR would split an SSE data line; as a character reference it stays text.
-    # Empty data is never dispatched by EventSource, hence the fallback.
-    return {"event": event, "data": html.replace("\r", "&#13;") or " "}
-
-
-async def stream_runs(request: Request) -> Response:
-    """SSE for one run's panel, or a group of copies (`?with=ID&with=ID`), ending with `done`.
-
-    Events per run: token-ID (a token's HTML, appended), stats-ID (the stats), end-ID (finish
-    reason and link); then one `done` for the whole stream."""
-    ids = list(dict.fromkeys([request.path_params["run_id"],
-                              *request.query_params.getlist("with")]))
-    if len(ids) > MAX_COPIES:
-        return _error(request, 400, f"a stream follows at most {MAX_COPIES} runs", "with")
-    registry = live_runs(request.app)
-    lives = [live for i in ids if (live := registry.get(i)) is not None]
-    saved: list[dict] = []
-    for run_id in ids:
-        if registry.get(run_id) is not None:
-            continue
-        record = await _read(request, queries.get_run, run_id) if _database(request) else None
-        if record is None:
-            return _error(request, 404, f"no run {run_id!r}", "run_id", "not_found")
-        saved.append(record)
-    env = _templates(request)
-    has_db = _database(request) is not None
-    service = _service(request)
-
-    def fragment(name: str, **context: Any) -> str:
-        return env.get_template(name).render(context)
-
-    def end(run_id: str, stats: PanelStats) -> dict:
-        return _sse(f"end-{run_id}", fragment("_end.html", id=run_id, stats=stats, saved=has_db))
-
-    async def events() -> AsyncIterator[dict]:
-        for record in saved:  # finished before this stream: the final state at once
-            run = run_context(record, _decoder(request, record["model"]))
-            tokens = run["tokens"] + ([{"text": run["text_tail"]}] if run["text_tail"] else [])
-            stats = _saved_stats(record)
-            yield _sse(f"token-{record['id']}", fragment("_tokens.html", tokens=tokens))
-            yield _sse(f"stats-{record['id']}", fragment("_stats.html", stats=stats))
-            yield end(record["id"], stats)
-        queue: asyncio.Queue = asyncio.Queue()
-        meters = {live.id: _Meter(live.run.created) for live in lives}
-        errors: dict[str, str] = {}
-        pending = set(meters)
-        for live in lives:
-            live.follow(queue)
-        try:
-            while pending:
-                live, event = await queue.get()
-                meter = meters[live.id]
-                if isinstance(event, TokenEvent):
-                    meter.token(event)
-                    token = token_view(event.index, event.token_id, event.text, event.logprob,
-                                       event.top_logprobs, event.time, live.run.created,
-                                       event.step, service.token_text)
-                    yield _sse(f"token-{live.id}", fragment("_tokens.html", tokens=[token]))
-                    yield _sse(f"stats-{live.id}", fragment("_stats.html", stats=meter.stats))
-                elif isinstance(event, ErrorEvent):
-                    errors[live.id] = event.message
-                elif isinstance(event, FinishEvent):
-                    if event.text_delta:  # text held back for a possible stop string
-                        yield _sse(f"token-{live.id}",
-                                   fragment("_tokens.html", tokens=[{"text": event.text_delta}]))
-                    meter.finish(event, errors.get(live.id))
-                    yield _sse(f"stats-{live.id}", fragment("_stats.html", stats=meter.stats))
-                    yield end(live.id, meter.stats)
-                    pending.discard(live.id)
-            yield {"event": "done", "data": "done"}
-        finally:
-            for live in lives:
-                live.unfollow(queue)
-
-    return EventSourceResponse(events(), sep="\n", ping=15)
-
-
-def _saved_stats(record: dict) -> PanelStats:
-    metrics = record["metrics"]
-    return PanelStats(tokens=record["completion_tokens"], ttft=metrics["ttft"],
-                      tokens_per_s=tokens_per_s(metrics["tpot"]), e2e=metrics["e2e_latency"],
-                      finish_reason=record["finish_reason"] or record["status"],
-                      error=record["error"])
 
 
 # ---- runs list -----------------------------------------------------------------------------
@@ -614,7 +363,9 @@ async def run_detail(request: Request) -> Response:
         return _error(request, 503, NO_DATABASE, None, "no_database")
     record = await _read(request, queries.get_run, run_id)
     if record is None:
-        live = live_runs(request.app).get(run_id)
+        # The playground's live runs (app/streams.py keeps them on app.state).
+        registry = getattr(request.app.state, "live_runs", None)
+        live = registry.get(run_id) if registry is not None else None
         if live is not None:  # the recorder has not written its row yet
             context = {"id": run_id, "status": "running" if live.finish is None else "saving",
                        "message": f"run {run_id} is not in the database yet; this page "
@@ -678,13 +429,10 @@ async def compare(request: Request) -> Response:
 
 routes = [
     Route("/", playground, methods=["GET"]),
-    Route("/playground", start_runs, methods=["POST"]),
     Route("/runs", runs_list, methods=["GET"]),
     Route("/runs.json", runs_list, methods=["GET"]),
     Route("/runs/{run_id}.json", run_detail, methods=["GET"]),
     Route("/runs/{run_id}", run_detail, methods=["GET"]),
-    Route("/runs/{run_id}/stream", stream_runs, methods=["GET"]),
-    Route("/runs/{run_id}/cancel", cancel_run, methods=["POST"]),
     Route("/compare", compare, methods=["GET"]),
     Route("/compare.json", compare, methods=["GET"]),
     Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
