@@ -110,6 +110,17 @@ def sqlite_recorder(settings):
             recorder.close()
 
 
+def check_database(path: str) -> str | None:
+    """Open (create, migrate) the runs database once; what is wrong with it, or None."""
+    from app.db import DatabaseError, open_database
+
+    try:
+        open_database(path).close()
+    except DatabaseError as e:
+        return str(e)
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -117,6 +128,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.settings import Settings
 
     settings = Settings.from_args(args)
+    # Before loading the model: a database that cannot be used is one clear line, not a
+    # traceback out of the app's lifespan after seconds of loading.
+    problem = check_database(settings.db_path)
+    if problem is not None:
+        print(f"batchscope: error: {problem}", file=sys.stderr)
+        return 2
     app = create_app(settings, recorder_factory=sqlite_recorder)
     logging.getLogger("batchscope").info(
         "batchscope serving at %s (OpenAI-compatible API at %s/v1)", settings.url, settings.url)

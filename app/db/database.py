@@ -87,10 +87,15 @@ class Database:
 
     def upgrade(self) -> None:
         """Apply every migration not yet applied (idempotent)."""
+        from alembic.util import CommandError
+
         try:
             run_migrations(self.engine)
         except sqlalchemy.exc.DBAPIError as e:
             raise _database_error(self.path, e) from e
+        except CommandError as e:  # e.g. a revision this version does not know (a newer one)
+            raise DatabaseError(f"cannot migrate database {self.path}: {e} (was it written by "
+                                "a newer batchscope?)") from e
 
     def close(self) -> None:
         self.engine.dispose()
