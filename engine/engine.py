@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
 from engine.kernels import TILED, KernelPolicy
 from engine.output import OutputText
@@ -57,6 +58,7 @@ class Engine:
         self._loader = loader or self._default_loader
         self.loaded = None  # LoadedModel, set on the engine thread
         self.tokenizer = None
+        self._token_bytes = None  # engine.token_bytes.TokenBytes, made on first use
         self.max_model_len = 0
         self.block_manager: BlockManager | None = None
         self.scheduler: Scheduler | None = None
@@ -120,7 +122,7 @@ class Engine:
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                request_id: str | None = None,
                loop: asyncio.AbstractEventLoop | None = None, trace: bool = False) -> RequestHandle:
-        """Queue a request. Raises ValueError on a prompt the engine cannot serve.
+        """Queue a request. Raises RequestError (a ValueError) on one the engine cannot serve.
 
         trace=True records, for every step the request takes part in, the kernel path, the
         keys and values it wrote (all layers) and its logits: FinishEvent.trace. Memory-heavy
@@ -140,20 +142,36 @@ class Engine:
         return handle
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError naming what to change: the prompt or max_tokens."""
         if not prompt_ids:
-            raise ValueError("prompt is empty")
+            raise RequestError("prompt is empty", "prompt")
         vocab = self.loaded.config.get("vocab_size") if self.loaded else None
         if vocab and any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        n = len(prompt_ids)
+        # Blame max_tokens only when the prompt alone leaves room for at least one new token.
+        total = n + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{total}, more than the context window of {self.max_model_len} tokens")
+            raise RequestError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{total}, more than the context window of {self.max_model_len} tokens",
+                "max_tokens" if n < self.max_model_len else "prompt", "context_length_exceeded")
         blocks = -(-total // self.config.block_size)
         if blocks > self.config.num_kv_blocks:
-            raise ValueError(
-                f"request needs up to {blocks} KV blocks, the pool has {self.config.num_kv_blocks}")
+            capacity = self.config.num_kv_blocks * self.config.block_size
+            raise RequestError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {blocks} KV "
+                f"blocks of {self.config.block_size} tokens; the pool has "
+                f"{self.config.num_kv_blocks}",
+                "max_tokens" if n < capacity else "prompt", "context_length_exceeded")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, exact even for part of a UTF-8 character (logprobs)."""
+        if self._token_bytes is None:
+            from engine.token_bytes import TokenBytes
+
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes(token_id)
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))

@@ -30,6 +30,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id - 3]) if token_id >= 3 else b""
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True):
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
