@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from engine.engine import EngineError
 from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
 from engine.telemetry import StepRecord
@@ -51,6 +52,14 @@ def kernel_policy(engine: Any) -> str:
 def session_config(engine: Any) -> dict:
     """The engine configuration as run, with the context window resolved."""
     return {**asdict(engine.config), "max_model_len": engine.max_model_len}
+
+
+class QueueFullError(EngineError):
+    """Too many requests are in flight: the client should retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -114,11 +123,17 @@ class Run:
 
 
 class RunService:
+    """Starts runs. At most `engine.config.max_num_seqs + max_waiting` are in flight (started and
+    not finished) at once: the engine runs up to max_num_seqs together, so what is beyond them is
+    waiting in its queue; one more is refused with QueueFullError (None: no bound)."""
+
     def __init__(self, engine: Any, recorder: Recorder | None = None,
-                 session_id: int | None = None):
+                 session_id: int | None = None, max_waiting: int | None = None):
         self.engine = engine
         self.recorder = recorder
         self.session_id = session_id
+        self.max_waiting = max_waiting
+        self.in_flight = 0  # runs started and not yet finished (event loop only: no lock)
         self._pumps: set[asyncio.Task] = set()  # strong references until each run ends
         # Called on the event loop with each run's FinishEvent (metrics); must not block.
         self.on_finish: list[Callable[[FinishEvent], None]] = []
@@ -145,25 +160,45 @@ class RunService:
         """Messages with plain-string content, rendered with the model's chat template."""
         return self.engine.encode_chat(messages)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (part of a UTF-8 character, for some tokens)."""
+        return self.engine.token_bytes(token_id)
+
     def token_text(self, token_id: int) -> str:
-        """One token decoded on its own (for logprobs); a partial UTF-8 byte shows as U+FFFD."""
+        """One token as text (for logprobs); a partial UTF-8 character shows as U+FFFD."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.engine.tokenizer.decode([token_id])
+            text = self._token_text[token_id] = self.token_bytes(token_id).decode(
+                "utf-8", errors="replace")
         return text
+
+    @property
+    def capacity(self) -> int | None:
+        """Most runs in flight at once (running plus waiting), or None for no bound."""
+        if self.max_waiting is None:
+            return None
+        return self.engine.config.max_num_seqs + self.max_waiting
 
     # ---- runs ------------------------------------------------------------------------------
     def start(self, request: RunRequest, *, id_prefix: str = "run") -> Run:
         """Submit to the engine (call on the event loop).
 
-        Raises ValueError when the engine cannot serve the prompt (empty, token ids out of range,
-        prompt plus max_tokens beyond the context window), EngineError when it is not running."""
+        Raises engine.errors.RequestError (a ValueError) when the engine cannot serve the prompt
+        (empty, token ids out of range, prompt plus max_tokens beyond the context window),
+        QueueFullError when the queue is full, EngineError when the engine is not running."""
+        capacity = self.capacity
+        if capacity is not None and self.in_flight >= capacity:
+            raise QueueFullError(
+                f"the server is busy: {self.in_flight} requests are running or waiting "
+                f"(at most {self.engine.config.max_num_seqs} run at once and "
+                f"{self.max_waiting} wait); retry shortly")
         loop = asyncio.get_running_loop()
         run_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
         queued_at = time.time()
         handle = self.engine.submit(request.prompt_ids, request.params, request_id=run_id,
                                     loop=loop)
         run = Run(run_id, request, queued_at, handle)
+        self.in_flight += 1
         self._record("run_started", run_id, session_id=self.session_id, source=request.source,
                      endpoint=request.endpoint, model=self.model_name,
                      weights=self.engine.loaded.weights, kernel_policy=kernel_policy(self.engine),
@@ -181,18 +216,25 @@ class RunService:
             await asyncio.wait(set(self._pumps), timeout=timeout)
 
     async def _pump(self, run: Run, handle: Any) -> None:
-        async for event in handle:
-            if isinstance(event, TokenEvent):
-                self._record("token", event)
-            elif isinstance(event, FinishEvent):
-                run.finish = event
-                self._record("run_finished", event)
-                for callback in list(self.on_finish):
-                    try:
-                        callback(event)
-                    except Exception:
-                        log.exception("on_finish callback failed")
-            run._queue.put_nowait(event)
+        counted = True
+        try:
+            async for event in handle:
+                if isinstance(event, TokenEvent):
+                    self._record("token", event)
+                elif isinstance(event, FinishEvent):
+                    run.finish = event
+                    self.in_flight -= 1  # before the consumer can start another run
+                    counted = False
+                    self._record("run_finished", event)
+                    for callback in list(self.on_finish):
+                        try:
+                            callback(event)
+                        except Exception:
+                            log.exception("on_finish callback failed")
+                run._queue.put_nowait(event)
+        finally:
+            if counted:  # the pump itself was cancelled (loop shutting down)
+                self.in_flight -= 1
 
     def _prompt_text(self, request: RunRequest) -> str:
         if request.prompt_text is not None:

@@ -327,14 +327,18 @@ def test_chat_logprobs_shape(client):
     r = client.post("/v1/chat/completions", json={
         "messages": CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
         "logprobs": True, "top_logprobs": 3})
-    lp = r.json()["choices"][0]["logprobs"]
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
     assert lp["refusal"] is None and len(lp["content"]) == 5
     for entry in lp["content"]:
         assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
-        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        # A token may be part of a UTF-8 character: bytes are the token's own, not its text's.
+        assert entry["token"] == bytes(entry["bytes"]).decode("utf-8", errors="replace")
         assert len(entry["top_logprobs"]) == 3
         assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
         assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"])
+    joined = b"".join(bytes(e["bytes"]) for e in lp["content"])
+    assert joined.decode("utf-8", errors="replace") == choice["message"]["content"]
 
 
 def test_chat_logprobs_without_top(client):
