@@ -182,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "$BATCHSCOPE_DB)")
     srv.add_argument("--max-body-bytes", type=int, default=None,
                      help="largest request body accepted (default 1 MiB)")
+    srv.add_argument("--max-waiting-requests", type=int, default=None,
+                     help="requests that may wait beyond the --max-num-seqs running; more get "
+                          "HTTP 429 (default 256)")
+    srv.add_argument("--max-tokens-limit", type=int, default=None,
+                     help="most new tokens one API request may ask for (default: the context "
+                          "window)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -70,7 +70,8 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
                     kernel_policy=kernel_policy(engine), config=session_config(engine)))
                 # Called on the engine thread; the recorder only enqueues.
                 unsubscribe = engine.subscribe(lambda record: recorder.step(session_id, record))
-            runs = RunService(engine, recorder, session_id)
+            runs = RunService(engine, recorder, session_id,
+                              max_waiting=settings.max_waiting_requests)
             app.state.settings = settings
             app.state.engine = engine
             app.state.recorder = recorder

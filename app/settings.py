@@ -22,6 +22,9 @@ class Settings:
     db_path: str = "./batchscope.db"
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_body_bytes: int = 1 << 20  # larger request bodies get a 413 before being parsed
+    # Requests waiting beyond the max_num_seqs the engine runs at once; more get a 429.
+    max_waiting_requests: int = 256
+    max_tokens_limit: int | None = None  # most new tokens per request (None: the context window)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -30,6 +33,11 @@ class Settings:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(
                 f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        for name, lo in (("max_waiting_requests", 0), ("max_tokens_limit", 1)):
+            value = getattr(self, name)
+            if (value is not None or name == "max_waiting_requests") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < lo):
+                raise ValueError(f"{name} must be an integer of at least {lo}, got {value!r}")
         if not self.host:
             raise ValueError("host must not be empty")
 
@@ -58,5 +66,13 @@ class Settings:
             engine=engine_config(args),
             max_body_bytes=(getattr(args, "max_body_bytes", None)
                             or defaults["max_body_bytes"].default),
+            max_waiting_requests=_given(args, "max_waiting_requests",
+                                        defaults["max_waiting_requests"].default),
+            max_tokens_limit=getattr(args, "max_tokens_limit", None),
             log_level="debug" if getattr(args, "verbose", False) else "info",
         )
+
+
+def _given(args: argparse.Namespace, name: str, default: object) -> object:
+    value = getattr(args, name, None)
+    return default if value is None else value

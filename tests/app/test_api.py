@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from api_helpers import CHAT, MAX_BODY, MODEL, FakeRecorder, assert_error, make_app
 from starlette.testclient import TestClient
 
 from app.main import create_app
@@ -19,51 +20,6 @@ from engine.engine import Engine
 from engine.events import FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
 from engine.testing import tiny_model
-
-MODEL = "tiny-llama"
-MAX_BODY = 8192
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-
-
-class FakeRecorder:
-    """Stores every call; thread-safe enough (list appends) for the engine thread's steps."""
-
-    def __init__(self) -> None:
-        self.sessions: list[dict] = []
-        self.started: list[dict] = []
-        self.tokens: list[TokenEvent] = []
-        self.finished: list[FinishEvent] = []
-        self.steps: list[tuple] = []
-        self.closed = False
-
-    def start_session(self, model, weights, kernel_policy, config) -> int:
-        self.sessions.append({"model": model, "weights": weights,
-                              "kernel_policy": kernel_policy, "config": config})
-        return 7
-
-    def run_started(self, run_id, **kwargs) -> None:
-        self.started.append({"run_id": run_id, **kwargs})
-
-    def token(self, event) -> None:
-        self.tokens.append(event)
-
-    def run_finished(self, event) -> None:
-        self.finished.append(event)
-
-    def step(self, session_id, record) -> None:
-        self.steps.append((session_id, record))
-
-    def close(self) -> None:
-        self.closed = True
-
-    def finish_of(self, run_id: str) -> FinishEvent:
-        return next(f for f in self.finished if f.request_id == run_id)
-
-
-def make_app(recorder: FakeRecorder | None = None, **settings):
-    settings = Settings(engine=EngineConfig(num_kv_blocks=128), **settings)
-    return create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_model),
-                      recorder_factory=(lambda s: recorder) if recorder else None)
 
 
 @pytest.fixture(scope="module")
@@ -108,21 +64,6 @@ def sse_data(response) -> list[str]:
 
 def chunks(response) -> list[dict]:
     return [json.loads(p) for p in sse_data(response)]
-
-
-def assert_error(response, status: int, param: str | None, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
-    assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 # ---- completions ---------------------------------------------------------------------------
@@ -366,131 +307,6 @@ def test_models(client):
     assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"]
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert_error(client.get("/v1/models/gpt-4"), 404, "model", "model_not_found")
-
-
-# ---- errors --------------------------------------------------------------------------------
-COMPLETION_ERRORS = [
-    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "hi", "model": 5}, 400, "model"),
-    ({}, 400, "prompt"),
-    ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": []}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
-    ({"prompt": 5}, 400, "prompt"),
-    ({"prompt": [1, "a"]}, 400, "prompt"),
-    ({"prompt": [True]}, 400, "prompt"),
-    ({"prompt": [999999]}, 400, "prompt"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
-    ({"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ({"prompt": "hi", "top_k": -2}, 400, "top_k"),
-    ({"prompt": "hi", "seed": "x"}, 400, "seed"),
-    ({"prompt": "hi", "seed": 1.5}, 400, "seed"),
-    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"prompt": "hi", "stop": ""}, 400, "stop"),
-    ({"prompt": "hi", "stop": [1]}, 400, "stop"),
-    ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
-    ({"prompt": "hi", "logprobs": True}, 400, "logprobs"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
-    ({"prompt": "hi", "n": "1"}, 400, "n"),
-    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": "hi", "stream": True, "stream_options": []}, 400, "stream_options"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
-    ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ({"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias"),
-    ({"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
-    ({"prompt": "hi", "messages": CHAT}, 400, "messages"),
-]
-
-
-@pytest.mark.parametrize(("body", "status", "param"), COMPLETION_ERRORS)
-def test_completion_errors(client, body, status, param):
-    assert_error(client.post("/v1/completions", json=body), status, param)
-
-
-CHAT_ERRORS = [
-    ({"messages": CHAT, "model": "nope"}, 404, "model"),
-    ({}, 400, "messages"),
-    ({"messages": []}, 400, "messages"),
-    ({"messages": "hi"}, 400, "messages"),
-    ({"messages": ["hi"]}, 400, "messages[0]"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
-    ({"messages": [{"role": "user"}]}, 400, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages[0].content[0]"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
-     400, "messages[0].content[0].text"),
-    ({"messages": CHAT, "logprobs": "yes"}, 400, "logprobs"),
-    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ({"messages": CHAT, "n": 3}, 400, "n"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({"messages": CHAT, "prompt": "hi"}, 400, "prompt"),
-]
-
-
-@pytest.mark.parametrize(("body", "status", "param"), CHAT_ERRORS)
-def test_chat_errors(client, body, status, param):
-    assert_error(client.post("/v1/chat/completions", json=body), status, param)
-
-
-def test_neutral_values_of_unsupported_parameters_are_accepted(client):
-    r = client.post("/v1/chat/completions", json={
-        "messages": CHAT, "max_tokens": 2, "n": 1, "presence_penalty": 0,
-        "frequency_penalty": 0.0, "logit_bias": {}, "user": "me", "tools": [],
-        "response_format": {"type": "text"}, "stream": False, "top_k": -1})
-    assert r.status_code == 200, r.text
-
-
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b"", b"NaN",
-                                 b"[" * 4000 + b"]" * 4000])
-def test_malformed_bodies(client, path, raw):
-    assert_error(client.post(path, content=raw), 400, None)
-
-
-def test_nan_is_not_a_temperature(client):
-    r = client.post("/v1/completions", content=b'{"prompt": "hi", "temperature": NaN}')
-    assert_error(r, 400, "temperature")
-
-
-def test_body_too_large(client):
-    big = json.dumps({"prompt": "x" * MAX_BODY})
-    assert_error(client.post("/v1/completions", content=big), 413, None, "request_too_large")
-
-    def chunked():  # no content-length: the limit holds while reading
-        for _ in range(4):
-            yield b" " * (MAX_BODY // 2)
-
-    assert_error(client.post("/v1/completions", content=chunked()), 413, None)
-
-
-def test_prompt_plus_max_tokens_beyond_the_context(client, engine):
-    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 510})
-    error = assert_error(r, 400, "max_tokens", "context_length_exceeded")
-    assert "context window of 512" in error["message"]  # the engine's own words
-    r = client.post("/v1/completions", json={"prompt": "x" * 600, "max_tokens": 1})
-    assert_error(r, 400, "prompt", "context_length_exceeded")
-    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 600})
-    assert_error(r, 400, "max_tokens", "context_length_exceeded")
-    r = client.post("/v1/chat/completions", json={"messages": CHAT,
-                                                  "max_completion_tokens": 600})
-    assert_error(r, 400, "max_completion_tokens", "context_length_exceeded")
-    long_chat = [{"role": "user", "content": "y" * 600}]
-    assert_error(client.post("/v1/chat/completions", json={"messages": long_chat}), 400,
-                 "messages", "context_length_exceeded")
-    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_unknown_routes_and_methods_are_json(client):
