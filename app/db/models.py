@@ -166,3 +166,34 @@ class StepEntry(Base):
                              ondelete="CASCADE"),
         Index("ix_step_entries_run_id", "run_id"),
     )
+
+
+class BenchmarkRun(Base):
+    """One `batchscope bench serve` run against an OpenAI-compatible server.
+
+    summary_json holds the report's numbers (counts, tokens, throughputs, latency statistics,
+    goodput); requests_json one entry per request (lengths, timings, ITLs, error text), so plots
+    are drawn from the recorded measurements themselves.
+    """
+
+    __tablename__ = "benchmark_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    url: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(200))
+    label: Mapped[str | None] = mapped_column(Text)
+    endpoint: Mapped[str] = mapped_column(String(20))  # completions | chat
+    dataset: Mapped[str] = mapped_column(Text)  # "mixed" or the file's name
+    num_prompts: Mapped[int] = mapped_column(Integer)
+    request_rate: Mapped[float | None] = mapped_column(Float)  # None: all at once (inf)
+    max_concurrency: Mapped[int | None] = mapped_column(Integer)  # None: unlimited
+    seed: Mapped[int] = mapped_column(Integer)
+    duration_s: Mapped[float] = mapped_column(Float)
+    completed: Mapped[int] = mapped_column(Integer)
+    failed: Mapped[int] = mapped_column(Integer)
+    config_json: Mapped[dict] = mapped_column(JSON)
+    summary_json: Mapped[dict] = mapped_column(JSON)
+    requests_json: Mapped[list] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_benchmark_runs_created_at", "created_at"),)
