@@ -196,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--weights", default="q4", choices=["q4", "f32", "bf16"])
     exp.set_defaults(func=cmd_export_model)
 
+    from app.bench_cli import add_bench_command
     from app.calibrate_cli import add_calibrate_command
     from app.db.cli import add_db_commands
     from app.diverge_cli import add_diverge_command
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_command(sub)
     add_diverge_command(sub)
     add_db_commands(sub)
+    add_bench_command(sub)
     return parser
 
 
