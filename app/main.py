@@ -22,7 +22,16 @@ from typing import Any
 import anyio.to_thread
 from starlette.applications import Starlette
 
-from app import api, calibration_page, dashboard, divergence_page, metrics, pages, streams
+from app import (
+    api,
+    benchmarks_page,
+    calibration_page,
+    dashboard,
+    divergence_page,
+    metrics,
+    pages,
+    streams,
+)
 from app.runs import Recorder, RunService, kernel_policy, session_config
 from app.settings import Settings
 from engine.config import EngineConfig
@@ -93,7 +102,8 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
             await anyio.to_thread.run_sync(stack.close)
 
     app = Starlette(routes=list(api.routes) + dashboard.routes + metrics.routes + pages.routes
-                    + streams.routes + calibration_page.routes + divergence_page.routes,
+                    + streams.routes + calibration_page.routes + divergence_page.routes
+                    + benchmarks_page.routes,
                     exception_handlers=api.exception_handlers, lifespan=lifespan)
     app.state.settings = settings  # routes read limits from here even before startup ends
     return app

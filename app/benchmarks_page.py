@@ -1,0 +1,102 @@
+"""/benchmarks: the recorded `batchscope bench serve` runs, with plots; JSON twins.
+
+    GET /benchmarks          table of runs (newest first), latency CDFs of the plotted runs,
+                             output throughput against measured peak concurrency
+                             ?runs=3,5,8 picks the runs in the CDFs (default: the newest 6)
+    GET /benchmarks.json     the same context, without the SVG markup
+    GET /benchmarks/{id}     one run: every number of its report and its requests
+    GET /benchmarks/{id}.json
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from app.bench import plots, store
+from app.bench.metrics import METRIC_TITLES, METRICS
+from app.pages import NO_DATABASE, _database, _error, _json_safe, _read, _render, _wants_json
+
+LIST_LIMIT = 200
+DEFAULT_PLOTTED = 6
+MAX_PLOTTED = len(plots.COLORS)
+CDF_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("latency", "E2E latency"))
+
+
+def _plotted_ids(request: Request, runs: list[dict]) -> list[int]:
+    raw = request.query_params.get("runs", "").strip()
+    if not raw:
+        return [r["id"] for r in runs[:DEFAULT_PLOTTED]]
+    ids = []
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            ids.append(int(part))
+        except ValueError:
+            raise ValueError(f"runs must be run ids separated by commas, got {part[:40]!r}"
+                             ) from None
+    return list(dict.fromkeys(ids))[:MAX_PLOTTED]
+
+
+def _view(run: dict) -> dict:
+    """A run with the name the plots' legends give it."""
+    return {**run, "name": plots.run_name(run)}
+
+
+async def benchmarks(request: Request) -> Response:
+    if _database(request) is None:
+        return _error(request, 503, NO_DATABASE, None, "no_database")
+    listing = await _read(request, store.list_runs, LIST_LIMIT)
+    runs = [_view(r) for r in listing["runs"]]
+    try:
+        ids = _plotted_ids(request, runs)
+    except ValueError as e:
+        return _error(request, 400, str(e), "runs", "invalid_value")
+    plotted = []
+    for run_id in ids:
+        run = await _read(request, store.get_run, run_id)
+        if run is None:
+            return _error(request, 404, f"no benchmark run {run_id}", "runs", "not_found")
+        plotted.append(run)
+    context: dict[str, Any] = {"total": listing["total"], "runs": runs,
+                               "plotted": [r["id"] for r in plotted],
+                               "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
+    if _wants_json(request):
+        return JSONResponse(_json_safe(context))
+    svgs = {"throughput": plots.throughput_svg(listing["runs"])}
+    if plotted:
+        for metric, title in CDF_METRICS:
+            svgs[metric] = plots.latency_cdf_svg(plotted, metric, title)
+    return HTMLResponse(_render(request, "benchmarks.html", {**context, "svgs": svgs}))
+
+
+async def benchmark_detail(request: Request) -> Response:
+    if _database(request) is None:
+        return _error(request, 503, NO_DATABASE, None, "no_database")
+    raw = request.path_params["run_id"]
+    try:
+        run_id = int(raw)
+    except ValueError:
+        return _error(request, 404, f"no benchmark run {raw!r}", "run_id", "not_found")
+    run = await _read(request, store.get_run, run_id)
+    if run is None:
+        return _error(request, 404, f"no benchmark run {run_id}", "run_id", "not_found")
+    context = {**_view(run), "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
+    if _wants_json(request):
+        return JSONResponse(_json_safe(context))
+    svgs = {metric: plots.latency_cdf_svg([run], metric, title)
+            for metric, title in CDF_METRICS}
+    return HTMLResponse(_render(request, "benchmark.html", {**context, "svgs": svgs}))
+
+
+routes = [
+    Route("/benchmarks", benchmarks, methods=["GET"]),
+    Route("/benchmarks.json", benchmarks, methods=["GET"]),
+    Route("/benchmarks/{run_id}.json", benchmark_detail, methods=["GET"]),
+    Route("/benchmarks/{run_id}", benchmark_detail, methods=["GET"]),
+]
