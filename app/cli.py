@@ -125,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.main import create_app
+    from app.security import exposure_warning
     from app.settings import Settings
 
     settings = Settings.from_args(args)
@@ -135,6 +136,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"batchscope: error: {problem}", file=sys.stderr)
         return 2
     app = create_app(settings, recorder_factory=sqlite_recorder)
+    warning = exposure_warning(settings.host, settings.api_key)
+    if warning:
+        logging.getLogger("batchscope").warning(warning)
     logging.getLogger("batchscope").info(
         "batchscope serving at %s (OpenAI-compatible API at %s/v1)", settings.url, settings.url)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -182,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "$BATCHSCOPE_DB)")
     srv.add_argument("--max-body-bytes", type=int, default=None,
                      help="largest request body accepted (default 1 MiB)")
+    srv.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require this key: `Authorization: Bearer KEY` for the API, a login "
+                          "for the pages (default: $BATCHSCOPE_API_KEY, else none: keep the "
+                          "server on loopback)")
     srv.add_argument("--max-waiting-requests", type=int, default=None,
                      help="requests that may wait beyond the --max-num-seqs running; more get "
                           "HTTP 429 (default 256)")

@@ -30,6 +30,7 @@ from app import (
     divergence_page,
     metrics,
     pages,
+    security,
     streams,
 )
 from app.runs import Recorder, RunService, kernel_policy, session_config
@@ -106,4 +107,5 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
                     + benchmarks_page.routes,
                     exception_handlers=api.exception_handlers, lifespan=lifespan)
     app.state.settings = settings  # routes read limits from here even before startup ends
+    security.install(app, settings.api_key)  # API key, login, CSRF and security headers
     return app

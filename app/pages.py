@@ -141,7 +141,8 @@ def _html(request: Request, template: str, context: dict, status: int = 200) -> 
 def _render(request: Request, template: str, context: dict) -> str:
     service = getattr(request.app.state, "runs", None)
     extras = {"served_model": service.model_name if service else None,
-              "path": request.url.path}
+              "path": request.url.path,
+              "auth": request.scope.get("batchscope.auth")}  # "session": show "log out"
     return _templates(request).get_template(template).render({**extras, **context})
 
 

@@ -13,11 +13,12 @@ from engine.config import EngineConfig
 ENV_HOST = "BATCHSCOPE_HOST"
 ENV_PORT = "BATCHSCOPE_PORT"
 ENV_DB = "BATCHSCOPE_DB"
+ENV_API_KEY = "BATCHSCOPE_API_KEY"
 
 
 @dataclass
 class Settings:
-    host: str = "127.0.0.1"  # loopback by default: the API has no authentication
+    host: str = "127.0.0.1"  # loopback by default: without api_key nothing is authenticated
     port: int = 8000
     db_path: str = "./batchscope.db"
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -26,6 +27,8 @@ class Settings:
     max_waiting_requests: int = 256
     max_tokens_limit: int | None = None  # most new tokens per request (None: the context window)
     log_level: str = "info"
+    # When set, the API and the pages need it (app/security.py). Kept out of repr and logs.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -40,6 +43,8 @@ class Settings:
                 raise ValueError(f"{name} must be an integer of at least {lo}, got {value!r}")
         if not self.host:
             raise ValueError("host must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key must not be empty")
 
     @property
     def url(self) -> str:
@@ -70,6 +75,7 @@ class Settings:
                                         defaults["max_waiting_requests"].default),
             max_tokens_limit=getattr(args, "max_tokens_limit", None),
             log_level="debug" if getattr(args, "verbose", False) else "info",
+            api_key=getattr(args, "api_key", None) or env.get(ENV_API_KEY) or None,
         )
 
 

@@ -23,6 +23,8 @@ from engine.testing import tiny_model
 
 SCRIPT = "<script>alert(1)</script>"
 JSON = {"accept": "application/json"}
+# Form posts come from the page itself, as a browser's would (app/security.py's CSRF rule).
+SAME_ORIGIN = {"origin": "http://testserver"}
 
 
 def make_app(recorder_factory=None):
@@ -47,7 +49,7 @@ def recorder(db):
 
 @pytest.fixture(scope="module")
 def client(recorder):
-    with TestClient(make_app(lambda settings: recorder)) as c:
+    with TestClient(make_app(lambda settings: recorder), headers=SAME_ORIGIN) as c:
         yield c
 
 
@@ -480,7 +482,7 @@ class SilentRecorder:
 
 
 def test_without_a_database_runs_pages_say_so_and_playground_works():
-    with TestClient(make_app()) as c:
+    with TestClient(make_app(), headers=SAME_ORIGIN) as c:
         for url in ["/runs", "/runs/x", "/compare?a=x&b=y"]:
             r = c.get(url)
             assert r.status_code == 503 and "no database" in soup(r).get_text()
@@ -496,7 +498,7 @@ def test_without_a_database_runs_pages_say_so_and_playground_works():
 
 
 def test_run_not_written_yet_gets_a_pending_page(db):
-    with TestClient(make_app(lambda settings: SilentRecorder(db))) as c:
+    with TestClient(make_app(lambda settings: SilentRecorder(db)), headers=SAME_ORIGIN) as c:
         [run_id] = play(c, max_tokens="2")
         r = c.get(f"/runs/{run_id}")
         assert r.status_code == 202
