@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from live_server import serving
 
 from app.cli import sqlite_recorder
 from app.main import create_app
@@ -24,7 +25,6 @@ from app.settings import Settings
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model
-from tests.live_server import serving
 
 FAULT = "injected fault in this step"
 IN_STEP = 4  # requests sharing the failing step (max_num_seqs): 3 streamed, 1 plain JSON
