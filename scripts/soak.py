@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import re
 import signal
@@ -246,12 +247,12 @@ def retry_after(r: httpx.Response) -> float:
 
 
 async def client_loop(index: int, url: str, deadline: float, seed: int, tally: Tally,
-                      mix: dict[str, float]) -> None:
+                      mix: dict[str, float], headers: dict[str, str]) -> None:
     rng = random.Random(seed * 1000 + index)
     kinds, weights = zip(*mix.items(), strict=True)
     n = 0
     timeout = httpx.Timeout(300, connect=30)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers) as client:
         while time.monotonic() < deadline:
             kind = rng.choices(kinds, weights)[0]
             marker = f"[soak {seed}-{index}-{n}]"
@@ -276,8 +277,8 @@ async def client_loop(index: int, url: str, deadline: float, seed: int, tally: T
 class RunsReader:
     """Recorded runs, from the SQLite file when we know it, else from the JSON pages."""
 
-    def __init__(self, url: str, db: Path | None):
-        self.url, self.db = url, db
+    def __init__(self, url: str, db: Path | None, headers: dict[str, str]):
+        self.url, self.db, self.headers = url, db, headers
 
     def by_marker(self, markers: list[str]) -> dict[str, list[dict]]:
         found: dict[str, list[dict]] = {m: [] for m in markers}
@@ -295,7 +296,7 @@ class RunsReader:
                     if m in found:
                         found[m].append(dict(row))
             return found
-        with httpx.Client(base_url=self.url, timeout=60) as client:
+        with httpx.Client(base_url=self.url, timeout=60, headers=self.headers) as client:
             for m in markers:
                 listed = client.get("/runs.json", params={"q": m, "per_page": 10}).json()
                 for item in listed["runs"]:
@@ -314,10 +315,10 @@ class RunsReader:
             conn.close()
 
 
-def wait_idle(url: str, timeout: float) -> dict:
+def wait_idle(url: str, timeout: float, headers: dict[str, str]) -> dict:
     """The dashboard's live state once nothing runs or waits (or at the timeout)."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=url, timeout=30) as client:
+    with httpx.Client(base_url=url, timeout=30, headers=headers) as client:
         while True:
             state = client.get("/dashboard.json").json()["state"]
             if (state["idle"] and state["kv"]["used"] == 0) or time.monotonic() > deadline:
@@ -385,7 +386,8 @@ async def drive(url: str, args: argparse.Namespace, pid: int | None) -> tuple[Ta
     mix = {"stream": 0.55, "disconnect": 0.2, "plain": 0.15, "abandon": 0.1}
     start = time.monotonic()
     deadline = start + args.duration
-    tasks = [asyncio.create_task(client_loop(i, url, deadline, args.seed, tally, mix))
+    headers = auth_headers(args)
+    tasks = [asyncio.create_task(client_loop(i, url, deadline, args.seed, tally, mix, headers))
              for i in range(args.clients)]
     rss: dict = {"warm": None, "end": None}
     warmup = args.warmup if args.warmup is not None else min(60.0, args.duration * 0.25)
@@ -404,6 +406,10 @@ async def drive(url: str, args: argparse.Namespace, pid: int | None) -> tuple[Ta
     return tally, rss
 
 
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
@@ -413,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", type=Path, default=None,
                         help="with --url: the server's SQLite file (else the audit reads the "
                              "JSON pages)")
+    parser.add_argument("--api-key", default=os.environ.get("BATCHSCOPE_API_KEY"),
+                        help="with --url: the server's API key (default $BATCHSCOPE_API_KEY)")
     parser.add_argument("--pid", type=int, default=None,
                         help="with --url: the server's process id, for the memory check")
     parser.add_argument("--warmup", type=float, default=None,
@@ -441,11 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         began = time.monotonic()
         tally, rss = asyncio.run(drive(url, args, pid))
         elapsed = time.monotonic() - began
-        state = wait_idle(url, timeout=120)
+        state = wait_idle(url, timeout=120, headers=auth_headers(args))
         if pid is not None:
             rss["end"] = rss_kib(pid)
-        counts = audit(tally, RunsReader(url, db), failures)
-        integrity = RunsReader(url, db).integrity()
+        reader = RunsReader(url, db, auth_headers(args))
+        counts = audit(tally, reader, failures)
+        integrity = reader.integrity()
         if server is not None and server.proc.poll() is not None:
             failures.append(f"the server died (exit {server.proc.returncode})")
     finally:
