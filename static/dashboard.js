@@ -27,22 +27,41 @@
     $("sum-tps").textContent = (last ? last.tokens_per_s : 0).toFixed(1);
   }
 
+  // Built with DOM calls and text nodes: request ids and labels never pass through innerHTML
+  // (what still does below is numbers, constants and esc()-escaped strings).
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (name === "class") node.className = value;
+      else if (name === "hue") node.style.setProperty("--h", String(value));
+      else node.setAttribute(name, String(value));
+    }
+    for (const child of children) {
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
   function renderBatch() {
     const b = state.batch;
-    $("batch-caption").innerHTML = b
-      ? `step <b>${b.step}</b> · ${b.total_rows} rows (${b.prefill_rows} prefill, ` +
-        `${b.decode_rows} decode) · <span class="path path-${esc(b.kernel_path)}">` +
-        `${esc(b.kernel_path)}</span> · ${(b.wall_time * 1000).toFixed(1)} ms`
-      : "no step yet";
-    const rows = (b ? b.entries : []).map((e) =>
-      `<tr data-request="${esc(e.id)}"><td title="${esc(e.id)}">` +
-      `<span class="swatch" style="--h: ${e.hue}"></span>${esc(e.label)}</td>` +
-      `<td class="phase phase-${esc(e.phase)}">${esc(e.phase)}` +
-      `${e.sampled ? ' <span title="sampled a token">✓</span>' : ""}</td>` +
-      `<td class="num">${e.rows}</td><td class="num">${e.context_len}</td>` +
-      `<td class="num">${e.blocks_held}</td></tr>`);
-    $("batch-table").tBodies[0].innerHTML = rows.length ? rows.join("")
-      : '<tr class="empty"><td colspan="5">no request in the latest step</td></tr>';
+    const caption = $("batch-caption");
+    if (b) {
+      caption.replaceChildren(
+        "step ", el("b", {}, b.step),
+        ` · ${b.total_rows} rows (${b.prefill_rows} prefill, ${b.decode_rows} decode) · `,
+        el("span", {class: `path path-${b.kernel_path}`}, b.kernel_path),
+        ` · ${(b.wall_time * 1000).toFixed(1)} ms`);
+    } else {
+      caption.replaceChildren("no step yet");
+    }
+    const rows = (b ? b.entries : []).map((e) => el("tr", {"data-request": e.id},
+      el("td", {title: e.id}, el("span", {class: "swatch", hue: e.hue}), e.label),
+      el("td", {class: `phase phase-${e.phase}`}, e.phase,
+         ...(e.sampled ? [" ", el("span", {title: "sampled a token"}, "✓")] : [])),
+      el("td", {class: "num"}, e.rows), el("td", {class: "num"}, e.context_len),
+      el("td", {class: "num"}, e.blocks_held)));
+    $("batch-table").tBodies[0].replaceChildren(...(rows.length ? rows
+      : [el("tr", {class: "empty"}, el("td", {colspan: 5}, "no request in the latest step"))]));
   }
 
   // ---- the KV block map: cells are kept and only changed ones touched ---------------------
