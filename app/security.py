@@ -96,8 +96,10 @@ class Security:
         return self.api_key is not None
 
     def key_matches(self, candidate: str) -> bool:
+        """Constant time, the length included (digests of equal size are compared)."""
         assert self.api_key is not None
-        return hmac.compare_digest(candidate.encode(), self.api_key.encode())
+        return hmac.compare_digest(hashlib.sha256(candidate.encode()).digest(),
+                                   hashlib.sha256(self.api_key.encode()).digest())
 
     def new_session(self) -> str:
         token = secrets.token_urlsafe(32)
