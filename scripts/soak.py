@@ -254,7 +254,8 @@ async def client_loop(index: int, url: str, deadline: float, seed: int, tally: T
     timeout = httpx.Timeout(300, connect=30)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers) as client:
         while time.monotonic() < deadline:
-            kind = rng.choices(kinds, weights)[0]
+            # The first requests cycle through the kinds, so even a short run has each.
+            kind = kinds[index % len(kinds)] if n == 0 else rng.choices(kinds, weights)[0]
             marker = f"[soak {seed}-{index}-{n}]"
             n += 1
             try:

@@ -116,6 +116,17 @@ def test_read_only_database_file(tmp_path, command):
         assert_clear_failure(command, path, "read-only")
 
 
+def test_chmod_444_database_file(tmp_path, command):
+    """Mode bits without write permission count as read-only even for root, whom the kernel
+    would let write: the owner's intent, not only the kernel's verdict."""
+    path = migrated(tmp_path)
+    os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    try:
+        assert_clear_failure(command, path, "read-only")
+    finally:
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+
+
 def test_not_a_database(tmp_path, command):
     path = tmp_path / "runs.db"
     path.write_bytes(b"this is not sqlite\n" * 200)
