@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import sys
@@ -99,6 +100,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from app.bench.store import save_run
     from app.db.database import DatabaseError, open_database
 
+    # One line per request from httpx would drown the progress counter and the report.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         slos = parse_goodput(args.goodput)
     except ValueError as e:

@@ -9,8 +9,8 @@ from html import escape
 
 COLORS = ("#2357c6", "#c2410c", "#1f7a3f", "#7c3aed", "#b3261e", "#0e7490", "#a16207",
           "#be185d")
-WIDTH, HEIGHT = 640, 300
-LEFT, RIGHT, TOP, BOTTOM = 64, 440, 36, 250  # plot area; the legend sits right of it
+WIDTH, HEIGHT = 700, 300
+LEFT, RIGHT, TOP, BOTTOM = 64, 430, 36, 250  # plot area; the legend sits right of it
 
 
 def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
@@ -31,10 +31,24 @@ def run_name(run: Mapping) -> str:
     return f"#{run['id']} {label}" if label else f"#{run['id']}"
 
 
+def sweep_name(run: Mapping, with_host: bool = True) -> str:
+    """What runs must share to be points of one throughput-vs-concurrency curve (as a legend
+    label: endpoint, dataset x prompts, length caps, and the server unless all share one)."""
+    config = run.get("config") or {}
+    caps = [f"{name}≤{config[key]}" for key, name in (("max_tokens_cap", "out"),
+                                                      ("input_len_cap", "in"))
+            if config.get(key)]
+    parts = [str(run.get("endpoint", "")), f"{run.get('dataset')}×{run.get('num_prompts')}",
+             *caps]
+    if with_host:
+        parts.insert(0, str(run.get("url", "")).split("://", 1)[-1])
+    return " ".join(parts)
+
+
 def _frame(title: str, x_label: str, y_label: str, x_ticks: list[float],
            y_ticks: list[float], x, y, css_class: str) -> list[str]:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
-           f'width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" font-size="11" '
+           f'width="100%" style="max-width: {WIDTH}px" font-family="sans-serif" font-size="11" '
            f'class="{css_class}" role="img">',
            f"<title>{escape(title)}</title>",
            f'<rect width="{WIDTH}" height="{HEIGHT}" fill="#ffffff"/>',
@@ -66,7 +80,7 @@ def _legend(names: Sequence[str]) -> list[str]:
         color = COLORS[i % len(COLORS)]
         out.append(f'<line x1="{RIGHT + 14}" y1="{yy}" x2="{RIGHT + 34}" y2="{yy}" '
                    f'stroke="{color}" stroke-width="2"/>')
-        out.append(f'<text x="{RIGHT + 40}" y="{yy + 4}">{escape(name[:26])}</text>')
+        out.append(f'<text x="{RIGHT + 40}" y="{yy + 4}">{escape(name[:40])}</text>')
     return out
 
 
@@ -138,10 +152,12 @@ def throughput_svg(runs: Sequence[Mapping]) -> str:
     title = "Output throughput against concurrency"
     out = _frame(title, "peak concurrent requests (measured)", "output tokens/s", x_ticks,
                  y_ticks, x, y, "bench-plot throughput")
-    by_url: dict[str, list] = {}
+    # Runs of one sweep (same server, model, endpoint and workload) are joined by a line.
+    hosts = {str(p[2].get("url")) for p in points}
+    series: dict[str, list] = {}
     for p in points:
-        by_url.setdefault(str(p[2].get("url")), []).append(p)
-    for i, group in enumerate(by_url.values()):
+        series.setdefault(sweep_name(p[2], with_host=len(hosts) > 1), []).append(p)
+    for i, group in enumerate(series.values()):
         color = COLORS[i % len(COLORS)]
         group.sort(key=lambda p: p[0])
         if len(group) > 1:
@@ -154,7 +170,7 @@ def throughput_svg(runs: Sequence[Mapping]) -> str:
                        f"at peak concurrency {c}</title></circle>")
             out.append(f'<text x="{x(c) + 6:.1f}" y="{y(t) - 6:.1f}" font-size="10">'
                        f'#{run["id"]}</text>')
-    out += _legend(list(by_url))
+    out += _legend(list(series))
     if not points:
         out.append(f'<text x="{(LEFT + RIGHT) / 2}" y="{(TOP + BOTTOM) / 2}" '
                    'text-anchor="middle" fill="#6a7180">no runs</text>')
