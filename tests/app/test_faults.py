@@ -89,7 +89,7 @@ class Fault:
         scheduler = self.engine.scheduler
         running = list(scheduler.running)
         ready = (len(running) == IN_STEP
-                 and all(s.in_decode and len(s.output_ids) >= 2 for s in running))
+                 and all(s.in_decode and len(s.output_ids) >= 4 for s in running))
         if ready:
             self.decoding.set()
         if ready and scheduler.waiting:
@@ -159,8 +159,9 @@ def test_a_failed_step_errors_its_requests_records_them_and_the_server_goes_on(t
             assert events[-1] == "[DONE]"
             error = events[-2]["error"]
             assert FAULT in error["message"] and error["type"] == "server_error"
-            tokens = [e for e in events[:-2] if e["choices"][0]["text"]]
-            assert len(tokens) >= 2
+            # Text came before the error (a token may hold back a partial UTF-8 character, so
+            # chunks can be fewer than tokens).
+            assert any(e["choices"][0]["text"] for e in events[:-2])
             assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
         # Plain JSON: a server error in OpenAI's shape, never a 200 with a truncated text.
         assert plain["status"] == 500
@@ -185,7 +186,7 @@ def test_a_failed_step_errors_its_requests_records_them_and_the_server_goes_on(t
             run = runs[victim]
             assert run["finish_reason"] == "error", run
             assert FAULT in run["error"]
-            assert run["completion_tokens"] >= 2 and run["output_text"]
+            assert run["completion_tokens"] >= 4 and run["output_text"]
         others = [r for i, r in runs.items() if i not in fault.victims]
         assert len(others) == 3 and all(r["finish_reason"] == "length" for r in others)
         assert all(r["output_text"] == reference_text for r in others)
