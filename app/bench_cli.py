@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.settings import ENV_DB, Settings
+from app.settings import ENV_API_KEY, ENV_DB, Settings
 
 DEFAULT_CONTEXT = 2048  # when the server does not say (batchscope's /v1/models does)
 
@@ -76,6 +76,9 @@ def add_bench_command(subparsers) -> None:
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000 (milliseconds)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for a response's next bytes")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="sent as `Authorization: Bearer KEY` (default: $BATCHSCOPE_API_KEY, "
+                        "else $OPENAI_API_KEY, else none)")
     p.add_argument("--label", default=None, help="a name for this run on /benchmarks")
     p.add_argument("--save-result", metavar="FILE", default=None,
                    help="write every number and the per-request data as JSON")
@@ -116,8 +119,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         except DatabaseError as e:
             return _fail(f"{e} (--no-record skips recording)")
     try:
+        api_key = (args.api_key or os.environ.get(ENV_API_KEY)
+                   or os.environ.get("OPENAI_API_KEY") or None)
         try:
-            info = probe(args.url)
+            info = probe(args.url, api_key=api_key)
         except BenchError as e:
             return _fail(str(e))
         context = args.context or info.max_model_len or DEFAULT_CONTEXT
@@ -141,7 +146,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         results, duration = asyncio.run(run_load(
             info.base_url, requests, endpoint=args.endpoint, model=model,
             request_rate=request_rate, max_concurrency=args.max_concurrency,
-            ignore_eos=ignore_eos, seed=args.seed, timeout=args.timeout,
+            ignore_eos=ignore_eos, seed=args.seed, timeout=args.timeout, api_key=api_key,
             on_done=lambda r: progress.update(r.success)))
         summary = summarize(results, duration, slos)
         print(format_report(summary, request_rate=request_rate,

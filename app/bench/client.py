@@ -57,13 +57,23 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"[:MAX_ERROR_CHARS]
 
 
-def probe(url: str, timeout: float = 10.0) -> ServerInfo:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def probe(url: str, timeout: float = 10.0, api_key: str | None = None) -> ServerInfo:
     """GET /v1/models: is the server there, what does it serve, and its context length."""
     info = ServerInfo(base_url(url))
     try:
-        response = httpx.get(f"{info.base_url}/v1/models", timeout=timeout)
+        response = httpx.get(f"{info.base_url}/v1/models", timeout=timeout,
+                             headers=auth_headers(api_key))
     except httpx.HTTPError as e:
         raise BenchError(f"cannot reach {info.base_url}: {_short(e)}") from None
+    if response.status_code in (401, 403):
+        hint = ("the key given was refused" if api_key else
+                "give its key with --api-key or $BATCHSCOPE_API_KEY")
+        raise BenchError(f"{info.base_url} refused the request (HTTP {response.status_code}): "
+                         f"{hint}")
     if response.status_code != 200:
         return info  # not every server lists models; requests will tell
     try:
@@ -229,6 +239,7 @@ async def run_load(url: str, requests: Sequence[BenchRequest], *, endpoint: str 
                    max_concurrency: int | None = None, ignore_eos: bool = False,
                    seed: int = 0, timeout: float = 600.0,
                    on_done: Callable[[RequestResult], None] | None = None,
+                   api_key: str | None = None,
                    transport: httpx.AsyncBaseTransport | None = None
                    ) -> tuple[list[RequestResult], float]:
     """Send every request; returns the results (in request order) and the duration.
@@ -240,7 +251,8 @@ async def run_load(url: str, requests: Sequence[BenchRequest], *, endpoint: str 
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_concurrency or 64)
     timeouts = httpx.Timeout(connect=30.0, read=timeout, write=30.0, pool=None)
-    async with httpx.AsyncClient(limits=limits, timeout=timeouts, transport=transport) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeouts, transport=transport,
+                                 headers=auth_headers(api_key)) as client:
         t0 = time.perf_counter()
 
         async def one(index: int, item: BenchRequest) -> RequestResult:

@@ -173,3 +173,23 @@ def test_bad_arguments_exit_2_with_a_message(live, args, message, capsys, tmp_pa
     rc = main(["bench", "serve", "--url", live.url, *args])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_server_with_an_api_key(tmp_path, capsys, monkeypatch):
+    for name in ("BATCHSCOPE_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    app = create_app(Settings(engine=EngineConfig(num_kv_blocks=64), api_key="s3cret"),
+                     engine_factory=lambda config: Engine(config, loader=tiny_model))
+    dataset = tmp_path / "p.txt"
+    dataset.write_text("hello there\n")
+    args = ["bench", "serve", "--dataset", str(dataset), "--num-prompts", "2",
+            "--max-tokens-cap", "3", "--no-record"]
+    with serving(app) as url:
+        assert main([*args, "--url", url]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"batchscope bench: error: {url} refused the request (HTTP 401): give "
+                       "its key with --api-key or $BATCHSCOPE_API_KEY")
+        assert main([*args, "--url", url, "--api-key", "wrong"]) == 1
+        assert "the key given was refused" in capsys.readouterr().err
+        assert main([*args, "--url", url, "--api-key", "s3cret"]) == 0
+        assert "Successful requests:                    2" in capsys.readouterr().out
