@@ -60,6 +60,16 @@ class KVPool:
         """Gather the keys and values at `slots` (in order) -> (kv_heads, len(slots), head_dim)."""
         return self._keys[layer][:, slots], self._values[layer][:, slots]
 
+    def read_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
+        """Gather whole blocks (in order) -> (kv_heads, len(block_ids) * block_size, head_dim).
+
+        Indexing blocks of block_size * head_dim contiguous values is about twice as fast as
+        indexing the same slots one by one (benchmarks/attention.py)."""
+        kv, dim, bs = self.num_kv_heads, self.head_dim, self.block_size
+        blocks = (kv, self.num_blocks, bs * dim)
+        return (self._keys[layer].reshape(blocks)[:, block_ids].reshape(kv, -1, dim),
+                self._values[layer].reshape(blocks)[:, block_ids].reshape(kv, -1, dim))
+
     def state(self) -> list[mx.array]:
         """Arrays to evaluate with a step, so the pool updates land before the next one."""
         return (self._keys or []) + (self._values or [])

@@ -123,20 +123,22 @@ class ModelRunner:
     # ---- forward ---------------------------------------------------------------------------
     def _forward(self, groups: list[RowGroup]) -> tuple[mx.array | None, list[RowGroup]]:
         bs = self.pool.block_size
-        tokens, positions, write_slots, read_slots = [], [], [], []
+        tokens, positions, write_slots, read_blocks, spans = [], [], [], [], []
+        row = ctx = 0
         for g in groups:
             tokens.extend(g.token_ids)
             positions.extend(range(g.start, g.start + g.num_rows))
-            slots = _slots(g.block_table, g.start + g.num_rows, bs)
-            write_slots.append(slots[g.start:])
-            read_slots.append(slots)
-        write = mx.array(np.concatenate(write_slots))
-        spans, row, ctx = [], 0, 0
-        for g, slots in zip(groups, read_slots, strict=True):
-            spans.append(Span(row, g.num_rows, ctx, len(slots)))
+            ctx_len = g.start + g.num_rows
+            write_slots.append(_slots(g.block_table, ctx_len, bs)[g.start:])
+            # Contexts are gathered by whole blocks (cheaper than slot by slot); each starts at
+            # a block boundary of the gathered array and its span ignores the tail padding.
+            n_blocks = -(-ctx_len // bs)
+            read_blocks.extend(g.block_table[:n_blocks])
+            spans.append(Span(row, g.num_rows, ctx, ctx_len))
             row += g.num_rows
-            ctx += len(slots)
-        read = mx.array(np.concatenate(read_slots))
+            ctx += n_blocks * bs
+        write = mx.array(np.concatenate(write_slots))
+        read = mx.array(np.asarray(read_blocks, dtype=np.int64))
         pos = mx.array(positions, dtype=mx.int32)
         rows = len(tokens)
 
@@ -175,7 +177,7 @@ class ModelRunner:
         k = attn.rope(k[:, :, None, :], offset=pos)[:, :, 0, :]
         self.pool.write(layer_index, write, k, v)
 
-        keys, values = self.pool.read(layer_index, read)  # every span's context, concatenated
+        keys, values = self.pool.read_blocks(layer_index, read)  # every span's context
         o = attend(q, keys, values, spans, attn.scale, self.fused_attention)
         return self.linear(attn.o_proj, o[None])
 

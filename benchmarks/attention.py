@@ -1,0 +1,190 @@
+"""Where a decode step's time goes: attention over the paged pool vs mlx-lm's padded batch.
+
+Two measurements, each interleaved round by round so that machine noise hits all variants alike
+(the tables give the fastest round and the median):
+
+1. One layer's attention for C decode rows (SmolLM2-135M shapes, contexts of 52-152 tokens, as in
+   benchmarks/engine_batching.py after 32 tokens): gathering the contexts from the paged pool
+   slot by slot and block by block, the engine's exact per-sequence attention, and mlx-lm's
+   way (a contiguous padded cache, one fused call with a mask), with the largest difference
+   between the two outputs.
+2. A whole decode step of the real model at C rows: the engine's forward, the same with
+   attention left out, and mlx-lm's batched forward on a BatchKVCache.
+
+    .venv/bin/python benchmarks/attention.py [--weights f32] [--concurrency 4 8 16] [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# isort: off
+import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+# isort: on
+
+import engine.model_runner as model_runner
+from engine.attention import Span, attend
+from engine.kv_cache import KVPool
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner, RowGroup
+from engine.sampling import SamplingParams
+
+BLOCK = 16
+
+
+def context_lengths(c: int) -> list[int]:
+    return [20 + (i * 37) % 100 + 32 for i in range(c)]
+
+
+def timed_rounds(variants: dict, rounds: int) -> dict[str, list[float]]:
+    for fn in variants.values():  # warm-up
+        fn()
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def layer_attention(c: int, rounds: int, heads=9, kv_heads=3, dim=64, num_blocks=1024):
+    rng = np.random.default_rng(c)
+    lens = context_lengths(c)
+    pool = KVPool(1, num_blocks, BLOCK, kv_heads, dim)
+    fill = mx.array(rng.standard_normal((num_blocks * BLOCK, kv_heads, dim)).astype(np.float32))
+    pool.write(0, mx.arange(num_blocks * BLOCK), fill, fill * 0.5)
+    tables, slots, spans, ctx, next_block = [], [], [], 0, 0
+    for i, n in enumerate(lens):
+        nb = -(-n // BLOCK)
+        table = list(range(next_block, next_block + nb))
+        next_block += nb + 3  # not adjacent: a real pool is fragmented
+        tables.extend(table)
+        slots.extend((np.array(table)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n])
+        spans.append(Span(i, 1, ctx, n))
+        ctx += nb * BLOCK
+    blocks, slots = mx.array(tables), mx.array(np.array(slots))
+    q = mx.array(rng.standard_normal((c, heads, dim)).astype(np.float32))
+    scale = dim ** -0.5
+    # mlx-lm's layout: one contiguous (C, kv_heads, L, dim) cache, left-padded, and a mask.
+    longest = max(lens)
+    keys_all, values_all = pool.read_blocks(0, blocks)
+    kpad = np.zeros((c, kv_heads, longest, dim), np.float32)
+    vpad = np.zeros_like(kpad)
+    mask = np.zeros((c, 1, 1, longest), bool)
+    for i, s in enumerate(spans):
+        kpad[i, :, longest - s.ctx_len:] = np.array(keys_all[:, s.ctx:s.ctx + s.ctx_len])
+        vpad[i, :, longest - s.ctx_len:] = np.array(values_all[:, s.ctx:s.ctx + s.ctx_len])
+        mask[i, ..., longest - s.ctx_len:] = True
+    kpad, vpad, mask, q4 = mx.array(kpad), mx.array(vpad), mx.array(mask), q[:, :, None, :]
+    mx.eval(q, kpad, vpad, mask, q4)
+
+    def engine_path():
+        k, v = pool.read_blocks(0, blocks)
+        return attend(q, k, v, spans, scale, fused=False)
+
+    def padded():
+        return mx.fast.scaled_dot_product_attention(q4, kpad, vpad, scale=scale, mask=mask)
+
+    delta = mx.max(mx.abs(engine_path() - padded().reshape(c, heads * dim))).item()
+    variants = {
+        "gather by slot": lambda: mx.eval(pool.read(0, slots)),
+        "gather by block": lambda: mx.eval(pool.read_blocks(0, blocks)),
+        "engine: gather + exact attention": lambda: mx.eval(engine_path()),
+        "mlx-lm: padded fused attention": lambda: mx.eval(padded()),
+    }
+    return timed_rounds(variants, rounds), delta
+
+
+def decode_step(loaded, c: int, rounds: int):
+    """The real model's decode step at c rows: engine forward (with and without attention) and
+    mlx-lm's batched forward, over the same context lengths."""
+    model = loaded.model
+    args = model.args
+    lens = context_lengths(c)
+    pool = KVPool(loaded.num_layers, 1024, BLOCK, args.num_key_value_heads,
+                  args.hidden_size // args.num_attention_heads)
+    runner = ModelRunner(model, pool)
+    groups, prefill, next_block = [], [], 0
+    for i, n in enumerate(lens):
+        nb = -(-(n + 1) // BLOCK)
+        table = list(range(next_block, next_block + nb))
+        next_block += nb
+        prefill.append(RowGroup(f"s{i}", [5] * n, 0, table, False))
+        groups.append(RowGroup(f"s{i}", [100 + i], n, table, True, SamplingParams()))
+    runner.run(prefill)
+    longest = max(lens)
+    caches = [BatchKVCache([longest - n for n in lens]) for _ in range(loaded.num_layers)]
+    mx.eval(model(mx.array([[5] * longest] * c), cache=caches))
+
+    def mlx_lm_step():
+        logits = model(mx.array([[100 + i] for i in range(c)]), cache=caches)[:, -1]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(mx.argmax(logprobs, axis=-1), [cache.state for cache in caches])
+        for cache in caches:  # step back, so every round decodes at the same length
+            cache._idx -= 1
+            cache.offset = cache.offset - 1
+
+    real_attend = model_runner.attend
+
+    def without_attention():
+        def skip(q, keys, values, spans, scale, fused):
+            return q.reshape(q.shape[0], -1)
+
+        model_runner.attend = skip
+        try:
+            runner.run(groups)
+        finally:
+            model_runner.attend = real_attend
+
+    variants = {"engine step": lambda: runner.run(groups),
+                "engine step without attention": without_attention,
+                "mlx-lm batched step": mlx_lm_step}
+    return timed_rounds(variants, rounds)
+
+
+def table(title: str, times: dict[str, list[float]], unit=1e3) -> list[str]:
+    lines = [f"| {title} | fastest (ms) | median (ms) |", "|---|---|---|"]
+    for name, ts in times.items():
+        lines.append(f"| {name} | {min(ts) * unit:.3f} | {statistics.median(ts) * unit:.3f} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--weights", default="f32")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out", default="benchmarks/results/attention.md")
+    args = ap.parse_args()
+
+    loaded = load_model("embedded", args.weights)
+    out = [f"Model {loaded.name}, weights {loaded.weights}, backend {mx.default_device()}; "
+           f"{args.rounds} interleaved rounds; contexts of 52-152 tokens.", ""]
+    for c in args.concurrency:
+        print(f"# {c} decode rows: one layer's attention...", file=sys.stderr, flush=True)
+        layer, delta = layer_attention(c, args.rounds)
+        out += [f"### {c} decode rows", ""] + table("one layer", layer)
+        out += ["", f"Largest |engine - padded| in the attention output: {delta:.2e}", ""]
+        print(f"# {c} decode rows: whole step...", file=sys.stderr, flush=True)
+        step = decode_step(loaded, c, args.rounds)
+        ratio = min(step["mlx-lm batched step"]) / min(step["engine step"])
+        out += table("whole decode step", step)
+        out += ["", f"mlx-lm step time / engine step time (fastest rounds): {ratio:.2f}x", ""]
+    text = "\n".join(out)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    print(f"(written to {args.out})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
