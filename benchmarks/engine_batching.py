@@ -121,6 +121,37 @@ def render_table(rows, model, weights, info, max_tokens) -> str:
     return "\n".join(lines)
 
 
+def engine_config(weights: str, concurrency: list[int]) -> EngineConfig:
+    """The engine set-up of this comparison: room for the largest concurrency in one step."""
+    max_c = max(concurrency)
+    return EngineConfig(weights=weights, max_num_seqs=max_c,
+                        max_num_batched_tokens=max(512, 130 * max_c), num_kv_blocks=1024,
+                        enable_prefix_caching=False)
+
+
+def compare(eng: Engine, loaded, concurrency: list[int], max_tokens: int,
+            log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> list[dict]:
+    """Warm up, then for each concurrency C: engine, batch_generate and serial on C prompts.
+    `loaded` is the same model (and weights) as the engine's, loaded on this thread."""
+    warm = make_prompts(loaded.tokenizer, 2)
+    run_engine(eng, warm, 4)
+    run_batch_generate(loaded.model, loaded.tokenizer, warm, 4)
+    run_serial(loaded.model, warm[:1], 4)
+
+    rows = []
+    for c in concurrency:
+        prompts = make_prompts(loaded.tokenizer, c)
+        log(f"# concurrency {c}: engine...")
+        e = run_engine(eng, prompts, max_tokens)
+        log(f"# concurrency {c}: batch_generate...")
+        b = run_batch_generate(loaded.model, loaded.tokenizer, prompts, max_tokens)
+        log(f"# concurrency {c}: serial...")
+        s = run_serial(loaded.model, prompts, max_tokens)
+        rows.append({"concurrency": c, "engine": {**e, **rates(e)},
+                     "batch_generate": {**b, **rates(b)}, "serial": {**s, **rates(s)}})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--weights", default="auto")
@@ -135,33 +166,13 @@ def main() -> int:
                            data["backend"], args.max_tokens))
         return 0
 
-    max_c = max(args.concurrency)
-    config = EngineConfig(weights=args.weights, max_num_seqs=max_c,
-                          max_num_batched_tokens=max(512, 130 * max_c), num_kv_blocks=1024,
-                          enable_prefix_caching=False)
-    eng = Engine(config).start()
+    eng = Engine(engine_config(args.weights, args.concurrency)).start()
     # The reference runs use the same weights object, loaded on this thread for mlx-lm.
     loaded = load_model("embedded", eng.loaded.weights)
     info = backend_info()
     print(f"# model {loaded.name}, weights {loaded.weights}, backend {info['backend']}, "
           f"BLAS {info.get('blas') or 'bundled'}", file=sys.stderr)
-
-    warm = make_prompts(loaded.tokenizer, 2)
-    run_engine(eng, warm, 4)
-    run_batch_generate(loaded.model, loaded.tokenizer, warm, 4)
-    run_serial(loaded.model, warm[:1], 4)
-
-    rows = []
-    for c in args.concurrency:
-        prompts = make_prompts(loaded.tokenizer, c)
-        print(f"# concurrency {c}: engine...", file=sys.stderr, flush=True)
-        e = run_engine(eng, prompts, args.max_tokens)
-        print(f"# concurrency {c}: batch_generate...", file=sys.stderr, flush=True)
-        b = run_batch_generate(loaded.model, loaded.tokenizer, prompts, args.max_tokens)
-        print(f"# concurrency {c}: serial...", file=sys.stderr, flush=True)
-        s = run_serial(loaded.model, prompts, args.max_tokens)
-        rows.append({"concurrency": c, "engine": {**e, **rates(e)},
-                     "batch_generate": {**b, **rates(b)}, "serial": {**s, **rates(s)}})
+    rows = compare(eng, loaded, args.concurrency, args.max_tokens)
     eng.stop()
 
     table = render_table(rows, loaded.name, loaded.weights, info, args.max_tokens)
