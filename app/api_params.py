@@ -7,7 +7,8 @@ refusal is an APIError in OpenAI's shape naming the parameter (`param`) to chang
   defines that this server does not implement are accepted only at their neutral value.
 - A number parameter must be a finite JSON number (NaN and Infinity, which Python's parser
   lets through, are refused by name): `true` is not 1 and `"5"` is not 5 (Python's bool is an
-  int, so it is turned away explicitly).
+  int, so it is turned away explicitly). An integer parameter takes 5 or 5.0 (the same number
+  in JSON, and an integer to JSON Schema), never 5.5.
 - A completions prompt must hold something besides whitespace; text must be valid Unicode
   (no lone UTF-16 surrogates such as "\\ud800", which JSON allows).
 - Limits come from `Limits` (the server's settings): `max_tokens` at most `max_tokens`, bodies
@@ -123,11 +124,23 @@ def _utf8(text: str, where: str | None, key: bool = False) -> None:
 
 
 # ---- single values -----------------------------------------------------------------------------
-def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
+def as_int(value: Any) -> int | None:
+    """An integer as JSON means it (5, or 5.0: JSON Schema counts both), else None (true, 2.5)."""
+    if isinstance(value, bool):
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():  # finite, no fraction
+        return int(value)
+    return None
+
+
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    raw = body.get(name)
+    if raw is None:
+        return None
+    value = as_int(raw)
+    if value is None:
         raise _type_error(name, "an integer")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         span = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
@@ -319,8 +332,9 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
         raise _type_error("prompt", "a string, a list of one string, or a list of token ids")
     if not prompt:
         raise bad("prompt must not be empty", "prompt")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return None, list(prompt)  # the engine checks the ids against the vocabulary
+    ids = [as_int(t) for t in prompt]
+    if all(t is not None for t in ids):
+        return None, ids  # the engine checks the ids against the vocabulary
     if all(isinstance(p, str | list) for p in prompt):
         raise bad(f"this server takes one prompt per request, got {len(prompt)}", "prompt",
                   "unsupported_value")

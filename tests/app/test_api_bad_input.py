@@ -166,11 +166,11 @@ BOTH = [
     # wrong types; bool is an int in Python, and must not pass for one
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"),
-    ({"max_tokens": 5.0}, "max_tokens"),
+    ({"max_tokens": 5.5}, "max_tokens"),
     ({"max_tokens": None, "temperature": True}, "temperature"),
     ({"temperature": "0.5"}, "temperature"),
     ({"top_p": False}, "top_p"),
-    ({"top_k": 2.0}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
     ({"seed": True}, "seed"),
     ({"stream": 1}, "stream"),
     ({"ignore_eos": "true"}, "ignore_eos"),
@@ -209,6 +209,17 @@ def test_both_endpoints(client, path, extra, param):
 def test_nan_and_infinity(client, path, name, value):
     raw = json.dumps(ENDPOINTS[path])[:-1] + f', "{name}": {value}}}'
     assert_error(client.post(path, content=raw.encode()), 400, name)
+
+
+def test_integers_written_as_floats_are_integers(client):
+    """5.0 is 5 in JSON (and an integer to JSON Schema, so to the OpenAPI document)."""
+    as_ints = {"prompt": [107, 108], "max_tokens": 3, "top_k": 2, "seed": 4, "n": 1,
+               "logprobs": 1, "temperature": 1}
+    as_floats = {k: ([float(t) for t in v] if isinstance(v, list) else float(v))
+                 for k, v in as_ints.items()}
+    a, b = (client.post("/v1/completions", json=body) for body in (as_ints, as_floats))
+    assert a.status_code == b.status_code == 200, b.text
+    assert a.json()["choices"] == b.json()["choices"]
 
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
@@ -272,7 +283,7 @@ def test_chat_messages(client, body, param):
     assert_error(client.post("/v1/chat/completions", json=body), 400, param)
 
 
-@pytest.mark.parametrize("logprobs", [-1, 6, 10**9, 1.0, "2"])
+@pytest.mark.parametrize("logprobs", [-1, 6, 10**9, 1.5, "2"])
 def test_completion_logprobs_out_of_range(client, logprobs):
     assert_error(client.post("/v1/completions", json={"prompt": "hi", "logprobs": logprobs}),
                  400, "logprobs")
