@@ -62,10 +62,12 @@ def list_runs(db: Source, *, model: str | None = None, kernel_policy: str | None
     ]
     with _connection(db) as conn:
         total = conn.execute(select(func.count()).select_from(Run).where(*conditions)).scalar_one()
-        rows = conn.execute(
+        offset = (page - 1) * per_page
+        # A page past the end is empty; asking SQLite for it could overflow its 64-bit OFFSET.
+        rows = [] if offset >= total else conn.execute(
             select(*columns).where(*conditions)
             .order_by(Run.created_at.desc(), Run.id.desc())
-            .limit(per_page).offset((page - 1) * per_page)).mappings().all()
+            .limit(per_page).offset(offset)).mappings().all()
     runs = [{
         "id": r["id"], "created_at": r["created_at"], "source": r["source"],
         "endpoint": r["endpoint"], "model": r["model"], "weights": r["weights"],
