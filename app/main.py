@@ -29,6 +29,7 @@ from app import (
     dashboard,
     divergence_page,
     metrics,
+    openapi,
     pages,
     security,
     streams,
@@ -104,7 +105,7 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
 
     app = Starlette(routes=list(api.routes) + dashboard.routes + metrics.routes + pages.routes
                     + streams.routes + calibration_page.routes + divergence_page.routes
-                    + benchmarks_page.routes,
+                    + benchmarks_page.routes + openapi.routes,
                     exception_handlers=api.exception_handlers, lifespan=lifespan)
     app.state.settings = settings  # routes read limits from here even before startup ends
     security.install(app, settings.api_key)  # API key, login, CSRF and security headers
