@@ -16,6 +16,7 @@ import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio.to_thread
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -86,12 +87,14 @@ def _limits(request: Request) -> Limits:
                   max_tokens=getattr(settings, "max_tokens_limit", None))
 
 
-def _encode(encode: Callable[[Any], list[int]], prompt: Any, param: str) -> list[int]:
-    """The tokenizer's refusals (a chat template raising on its input) are the caller's 400."""
+async def _encode(encode: Callable[[Any], list[int]], prompt: Any, param: str) -> list[int]:
+    """Tokenize off the event loop (a 1 MiB prompt takes ~1 s, and the tokenizer releases the
+    GIL, so streams keep flowing meanwhile). The tokenizer's refusals (a chat template raising
+    on its input) are the caller's 400."""
     from jinja2 import TemplateError
 
     try:
-        return encode(prompt)
+        return await anyio.to_thread.run_sync(encode, prompt)
     except (TemplateError, ValueError) as e:
         raise bad(f"the {param} could not be tokenized: {e}", param) from None
 
@@ -340,7 +343,7 @@ async def completions(request: Request) -> Response:
     req = parse_completion(await read_json(request, limits.max_body_bytes), service.model_name,
                            limits)
     prompt_ids = (req.token_ids if req.token_ids is not None
-                  else _encode(service.encode, req.text, "prompt"))
+                  else await _encode(service.encode, req.text, "prompt"))
     default = DEFAULT_COMPLETION_MAX_TOKENS
     if limits.max_tokens is not None:
         default = min(default, limits.max_tokens)
@@ -355,7 +358,7 @@ async def chat_completions(request: Request) -> Response:
     service = _service(request)
     limits = _limits(request)
     req = parse_chat(await read_json(request, limits.max_body_bytes), service.model_name, limits)
-    prompt_ids = _encode(service.encode_chat, req.messages, "messages")
+    prompt_ids = await _encode(service.encode_chat, req.messages, "messages")
     max_tokens = req.max_tokens
     if max_tokens is None:
         max_tokens = _default_max_tokens(service, len(prompt_ids), "messages", limits.max_tokens)

@@ -311,6 +311,31 @@ def test_body_size_declared_but_not_sent(client):
     assert r.status_code in (400, 413)  # the transport may refuse the mismatch itself
 
 
+def test_prompts_are_tokenized_off_the_event_loop(client):
+    """A 1 MiB prompt takes the real tokenizer ~1 s: on the loop, every stream would stall."""
+    service = client.app.state.runs
+    seen: list[bool] = []
+    originals = service.encode, service.encode_chat
+
+    def on_loop() -> bool:
+        import asyncio
+
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    service.encode = lambda text: seen.append(on_loop()) or originals[0](text)
+    service.encode_chat = lambda messages: seen.append(on_loop()) or originals[1](messages)
+    try:
+        for path, body in ENDPOINTS.items():
+            assert client.post(path, json=body | {"max_tokens": 1}).status_code == 200
+    finally:
+        service.encode, service.encode_chat = originals
+    assert seen == [False, False]
+
+
 # ---- the queue bound -------------------------------------------------------------------------
 def test_full_queue_is_a_429_with_retry_after():
     app = make_app(engine={"max_num_seqs": 1}, max_waiting_requests=1)
