@@ -429,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                              "the duration, at most 60)")
     parser.add_argument("--max-rss-growth", type=float, default=10.0, help="percent")
     parser.add_argument("--server-args", default="--weights auto --num-kv-blocks 256",
-                        help="extra `batchscope serve` arguments for the server started here")
+                        help="`batchscope serve` arguments for the server started here "
+                             "(write --server-args='--flag value ...')")
     args = parser.parse_args(argv)
 
     server = None
