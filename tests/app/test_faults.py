@@ -76,8 +76,8 @@ class Fault:
             runner = engine.runner
             real_run = runner.run
 
-            def run_then_fail(groups, path=None):
-                result = real_run(groups, path)
+            def run_then_fail(*args, **kwargs):
+                result = real_run(*args, **kwargs)
                 self.check(None)
                 return result
 
