@@ -41,8 +41,9 @@ from app.pages import (
     token_view,
     tokens_per_s,
 )
-from app.runs import Run, RunRequest
+from app.runs import QueueFullError, Run, RunRequest
 from engine.engine import EngineError
+from engine.errors import RequestError
 from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
 
@@ -129,11 +130,12 @@ async def start_runs(request: Request) -> Response:
                                  prompt_text, messages)
         try:
             run = service.start(run_request)
+        except QueueFullError as e:
+            return _error(request, 429, str(e), None, "queue_full", fragment=True)
         except EngineError as e:
             return _error(request, 503, f"the engine is not running: {e}", fragment=True)
-        except ValueError as e:  # too long for the context window, and the like
-            param = "max_tokens" if "max_tokens" in str(e) else "prompt"
-            return _form_errors(request, {param: str(e)})
+        except RequestError as e:  # too long for the context window, and the like
+            return _form_errors(request, {e.param: str(e)})
         started.append(registry.add(run))
     ids = [live.id for live in started]
     context = {"runs": [{"id": i, "url": f"/runs/{i}", "cancel_url": f"/runs/{i}/cancel",

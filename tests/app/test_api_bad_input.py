@@ -357,6 +357,10 @@ def test_full_queue_is_a_429_with_retry_after():
                 error = assert_error(r, 429, None, "queue_full")
                 assert "1 run at once and 1 wait" in error["message"]
                 assert int(r.headers["retry-after"]) >= 1
+            # The playground shares the bound.
+            r = c.post("/playground", data={"mode": "raw", "prompt": "hi", "max_tokens": "2"},
+                       headers={"accept": "application/json", "origin": "http://testserver"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         finally:
             engine.before_forward = None
             gate.set()
