@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from html import escape
@@ -41,6 +42,7 @@ from pathlib import Path
 
 # isort: off
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
+import mlx_lm
 import engine_batching as eb  # benchmarks/engine_batching.py (the script directory is on sys.path)
 # isort: on
 
@@ -135,7 +137,7 @@ def estimate_s(p: Profile, seed: int) -> dict[str, float]:
         out = sum(r.max_tokens for r in reqs)
         return out / _rate_at(min(c, len(reqs))) + sum(r.input_len for r in reqs) / EST_PREFILL
 
-    est = {"offline": 30.0, "http": 60.0, "static": 15.0, "sweep": 0.0}  # loads, warm-ups
+    est = {"offline": 8.0, "http": 20.0, "static": 4.0, "sweep": 0.0}  # loads, warm-ups
     for c in p.offline_concurrency:  # engine + batch_generate, then serial
         est["offline"] += 2 * c * p.offline_max_tokens / _rate_at(c) + (
             c * p.offline_max_tokens / _rate_at(1))
@@ -147,7 +149,7 @@ def estimate_s(p: Profile, seed: int) -> dict[str, float]:
     est["static"] += sum(len(g) * max(r.max_tokens for r in g) / _rate_at(len(g))
                          for g in groups) + run_s(reqs, b)
     reqs = workload(p, p.sweep_prompts, seed)
-    est["sweep"] = sum(run_s(reqs, m) + 8 for m in p.sweep)
+    est["sweep"] = sum(run_s(reqs, m) + 4 for m in p.sweep)
     return est
 
 
@@ -348,8 +350,9 @@ def running_server(name: str, cmd: list[str], port: int, log_path: Path, log: Lo
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} was not ready after {SERVER_START_TIMEOUT:.0f} s "
-                                   f"(log: {log_path})")
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} was not ready after {SERVER_START_TIMEOUT:.0f} s; "
+                                   f"its output ended with:\n{tail}")
             time.sleep(0.5)
         log(f"http: {name} ready on port {port} after {time.monotonic() - t0:.1f} s")
         yield url, proc
@@ -422,7 +425,7 @@ def section_http(p: Profile, weights: str, seed: int, log: Log, workdir: Path) -
                      "ttft_p99_ratio": a["ttft"]["p99_ms"] / b["ttft"]["p99_ms"],
                      "goal_met": goal})
     return {"weights": weights, "servers": servers, "rows": rows,
-            "mlx_lm_server_batching": MLX_LM_BATCHING}
+            "mlx_lm_server_batching": MLX_LM_BATCHING.format(version=mlx_lm.__version__)}
 
 
 MLX_LM_BATCHING = (
@@ -443,6 +446,10 @@ def _fmt(v, digits: int = 1) -> str:
     return f"{v:.{digits}f}"
 
 
+def _fmt_load(v) -> str:
+    return "unknown" if not v else ", ".join(f"{x:.1f}" for x in v)
+
+
 def _met(v: bool | None) -> str:
     return "not measured" if v is None else ("**met**" if v else "**missed**")
 
@@ -456,7 +463,12 @@ def render(data: dict) -> str:
            f"{data['weights']} on both sides, backend {info['backend']}, BLAS "
            f"{'OpenBLAS' if info.get('blas') else 'bundled reference'}, {data['cpus']} CPUs "
            f"({data['machine']}), mlx {info.get('mlx_version')}, mlx-lm "
-           f"{data['mlx_lm_version']}. Every number below comes from this run.", ""]
+           f"{data['mlx_lm_version']}. Every number below comes from this run. Load average "
+           f"(1, 5, 15 min) at the start {_fmt_load(data.get('load_average_start'))}, at the end "
+           f"{_fmt_load(data.get('load_average_end'))}: other processes on the machine slow "
+           "every side.", ""]
+    for name, error in (data.get("errors") or {}).items():
+        out += [f"**Section {name} failed**: `{error[:500]}`", ""]
     wl = (f"Long-tailed mix: `batchscope bench serve`'s `mixed` dataset (seed {data['seed']}), "
           f"lognormal prompt lengths (median {p['input_median']} words ~ tokens, at most "
           f"{p['input_len_cap']}) and output lengths (median {p['output_median']}, at most "
@@ -660,7 +672,7 @@ def write_plots(data: dict, out_dir: Path) -> list[Path]:
         path = out_dir / "peers_sweep.svg"
         path.write_text(line_svg("max_num_seqs sweep: throughput against p99 TPOT",
                                  "p99 TPOT (ms)", "output tokens/s",
-                                 [("max_num_seqs (labels)", pts)], "peers-sweep"))
+                                 [("engine (labels: max_num_seqs)", pts)], "peers-sweep"))
         written.append(path)
     return written
 
@@ -688,7 +700,6 @@ def main(argv: list[str] | None = None) -> int:
     weights = resolve_weights(args.weights, info)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    import mlx_lm
 
     parts = estimate_s(p, args.seed)
     est = sum(v for k, v in parts.items() if k in args.only)
@@ -717,23 +728,40 @@ def main(argv: list[str] | None = None) -> int:
         "static": lambda: section_static(p, weights, args.seed, log),
         "sweep": lambda: section_sweep(p, weights, args.seed, log),
     }
+    data["load_average_start"] = _loadavg()
+    errors: dict[str, str] = {}
     for name in SECTIONS:
-        if name in args.only:
+        if name not in args.only:
+            continue
+        try:
             data[name] = sections[name]()
-    if "http" in data:
-        data["http"]["mlx_lm_server_batching"] = MLX_LM_BATCHING.format(
-            version=mlx_lm.__version__)
-    data["elapsed_s"] = time.monotonic() - t0
-    data["goals"] = goals(data)
-
-    md = render(data)
-    (out_dir / "peers.md").write_text(md + "\n")
-    (out_dir / "peers.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
-    plots = write_plots(data, out_dir)
+        except Exception as e:  # the other sections still run; the results say what failed
+            traceback.print_exc()
+            errors[name] = f"{type(e).__name__}: {e}"
+            log(f"{name}: FAILED: {errors[name][:300]}")
+        # Written after every section, so a long run that fails late keeps what it measured.
+        data["elapsed_s"] = time.monotonic() - t0
+        data["load_average_end"] = _loadavg()
+        data["errors"] = errors
+        data["goals"] = goals(data)
+        md = render(data)
+        (out_dir / "peers.md").write_text(md + "\n")
+        (out_dir / "peers.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+        plots = write_plots(data, out_dir)
     print(md)
     log(f"done in {data['elapsed_s'] / 60:.1f} min (estimated {est / 60:.0f}); wrote "
         f"{', '.join(str(x) for x in [out_dir / 'peers.md', out_dir / 'peers.json', *plots])}")
+    if errors:
+        log(f"failed sections: {', '.join(errors)}")
+        return 1
     return 0
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _with_tmp(fn: Callable[[Path], dict]) -> dict:
