@@ -222,6 +222,14 @@ def test_integers_written_as_floats_are_integers(client):
     assert a.json()["choices"] == b.json()["choices"]
 
 
+@pytest.mark.parametrize("seed", [-(10**30), -1, 2**63 - 1, 2**64, 10**30])
+def test_any_integer_is_a_seed(client, seed):
+    body = {"prompt": "hi", "max_tokens": 2, "seed": seed, "temperature": 1.0}
+    first, again = (client.post("/v1/completions", json=body) for _ in range(2))
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 def test_unknown_model(client, path):
     error = assert_error(client.post(path, json=ENDPOINTS[path] | {"model": "gpt-4o"}), 404,
