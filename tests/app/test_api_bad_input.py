@@ -10,6 +10,7 @@ import pytest
 from api_helpers import CHAT, MAX_BODY, assert_error, make_app
 from starlette.testclient import TestClient
 
+from app.api import INLINE_TOKENIZE_CHARS
 from app.runs import RunRequest
 from engine.engine import Engine
 from engine.sampling import SamplingParams
@@ -319,8 +320,10 @@ def test_body_size_declared_but_not_sent(client):
     assert r.status_code in (400, 413)  # the transport may refuse the mismatch itself
 
 
-def test_prompts_are_tokenized_off_the_event_loop(client):
-    """A 1 MiB prompt takes the real tokenizer ~1 s: on the loop, every stream would stall."""
+def test_long_prompts_are_tokenized_off_the_event_loop(capped):
+    """A 1 MiB prompt takes the real tokenizer ~1 s: on the loop, every stream would stall.
+    (`capped`: `client` takes bodies of 8 KiB only.)"""
+    client = capped
     service = client.app.state.runs
     seen: list[bool] = []
     originals = service.encode, service.encode_chat
@@ -337,11 +340,16 @@ def test_prompts_are_tokenized_off_the_event_loop(client):
     service.encode = lambda text: seen.append(on_loop()) or originals[0](text)
     service.encode_chat = lambda messages: seen.append(on_loop()) or originals[1](messages)
     try:
-        for path, body in ENDPOINTS.items():
+        for path, body in ENDPOINTS.items():  # short: inline, no thread hop
             assert client.post(path, json=body | {"max_tokens": 1}).status_code == 200
+        long = "x" * (INLINE_TOKENIZE_CHARS + 1)  # then over the context: a 400, but tokenized
+        for path, body in [("/v1/completions", {"prompt": long}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": long}]})]:
+            assert client.post(path, json=body).status_code == 400
     finally:
         service.encode, service.encode_chat = originals
-    assert seen == [False, False]
+    assert seen == [True, True, False, False]
 
 
 # ---- the queue bound -------------------------------------------------------------------------
