@@ -706,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{'quick' if args.quick else 'full'} run, weights {weights}, backend {info['backend']}"
         f"; estimated {est / 60:.0f} min on a quiet 2-core machine ("
         + ", ".join(f"{k} ~{parts[k] / 60:.0f} min" for k in SECTIONS if k in args.only)
-        + "); longer when the CPUs are shared")
+        + f"); longer when the CPUs are shared (load average now {_fmt_load(_loadavg())} on "
+        f"{os.cpu_count()} CPUs)")
     shown = ["benchmarks/peers.py", *(argv if argv is not None else sys.argv[1:])]
     if Path(args.out_dir).is_absolute():  # no paths of this machine in the results
         shown = [("DIR" if a == args.out_dir else a.replace(args.out_dir, "DIR"))
