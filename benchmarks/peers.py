@@ -281,7 +281,7 @@ def section_sweep(p: Profile, weights: str, seed: int, log: Log) -> dict:
         finally:
             eng.stop()
         log(f"sweep: max_num_seqs {m}: {res['useful_tps']:.1f} tok/s, p99 TPOT "
-            f"{res['tpot_p99_ms']:.0f} ms, p99 TTFT {res['ttft_p99_ms']:.0f} ms")
+            f"{_fmt(res['tpot_p99_ms'], 0)} ms, p99 TTFT {res['ttft_p99_ms']:.0f} ms")
         rows.append({"max_num_seqs": m, **res})
     best = max(r["useful_tps"] for r in rows)
     knee = next(r["max_num_seqs"] for r in rows if r["useful_tps"] >= KNEE_SHARE * best)
