@@ -14,10 +14,10 @@ When both sides are bit-identical it says so, with the evidence: max |Δlogit| =
 compared token and max |ΔKV| = 0 over every compared position. It never invents a difference.
 
 Batch composition must be the same on every run of a side, or the comparison means nothing:
-requests submitted from a client thread race the engine thread (the target could be scheduled
-a step before the others arrive). So requests are submitted from the engine thread itself,
-through its `before_forward` hook, during a one-token "opener" request's step; they all reach
-the scheduler before the next step. The opener shares no step with the target.
+requests submitted one by one from a client thread race the engine thread (the target could be
+scheduled a step before the others arrive). So a side's requests go in with one
+Engine.submit_many call: the target and the others together, or the others held back by the
+engine until the target has produced `join_at` tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from engine.config import WEIGHT_FORMATS, EngineConfig
-from engine.engine import Engine, EngineError
+from engine.engine import Engine, EngineError, Submission
 from engine.events import FinishEvent
 from engine.kernels import KernelPolicy
 from engine.sampling import SamplingParams
@@ -317,57 +317,29 @@ class DivergenceRunner:
 
         self._runs += 1
         target_id = f"divergence-{self._runs}-target"
-        handles: list = []
-        state: dict[str, Any] = {"opened": False, "joined": not others, "error": None}
-
-        def submit_others() -> None:
-            for i, other in enumerate(others):
-                handles.append(engine.submit(other, other_params,
-                                             request_id=f"divergence-{self._runs}-other-{i}"))
-            state["joined"] = True
-
-        def hook(plan) -> None:  # on the engine thread, before each step's forward
-            try:
-                if not state["opened"]:
-                    state["opened"] = True
-                    handles.append(engine.submit(ids, target_params, request_id=target_id,
-                                                 trace=True))
-                    if side.join_at == 0:
-                        submit_others()
-                elif not state["joined"]:
-                    for g in plan.groups:
-                        if (g.seq.seq_id == target_id and g.sample
-                                and len(g.seq.output_ids) == side.join_at - 1):
-                            submit_others()
-            except Exception as e:  # reported below; never fail the engine's step
-                state["error"] = e
-
+        target = Submission(ids, target_params, target_id, trace=True)
+        companions = [Submission(other, other_params, f"divergence-{self._runs}-other-{i}")
+                      for i, other in enumerate(others)]
         self.progress(f"side {label}: running {side.label()}")
-        engine.before_forward = hook
+        first_step = engine.step_count + 1  # the engine is idle between runs
+        if companions and side.join_at > 0:
+            handles = engine.submit_many([target])
+            handles += engine.submit_many(companions, after=(target_id, side.join_at))
+        else:
+            handles = engine.submit_many([target] + companions)
         try:
-            opener = engine.submit(ids[:1], SamplingParams(max_tokens=1, ignore_eos=True)).result()
-            if not handles:
-                raise state["error"] or EngineError(
-                    f"the opener request failed: {opener.error or opener.reason}")
-            target = handles[0].result()
-            # The others were submitted at the latest in the target's last step, so they are
-            # all in `handles` now; wait for them too: the next run needs an idle engine.
-            for handle in list(handles[1:]):
-                handle.result()
-            if state["error"] is not None:
-                raise state["error"]
+            # Wait for the others too: the next run needs an idle engine.
+            results = [handle.result() for handle in handles]
         except BaseException:
-            engine.before_forward = None  # no more submissions
-            for handle in list(handles):  # leave nothing running behind a failed run
+            for handle in handles:  # leave nothing running behind a failed run
                 handle.cancel()
-            for handle in list(handles):
+            for handle in handles:
                 handle.result()
             raise
-        finally:
-            engine.before_forward = None
+        target = results[0]
         if target.reason == "error" or target.trace is None:
             raise EngineError(f"side {label}: the target request failed: {target.error}")
-        base = opener.steps[0] if opener.steps else 0
+        base = (target.steps[0] if target.steps else first_step) - 1
         last = target.steps[-1] if target.steps else base
         steps = []
         for record in engine.steps.recent():
@@ -382,7 +354,7 @@ class DivergenceRunner:
                     "target_rows": mine.rows if mine else 0})
         trace = [{**t, "step": t["step"] - base} for t in target.trace]
         return SideRun(side=side, prompt_ids=ids, finish=target, trace=trace, steps=steps,
-                       others_joined=state["joined"] and bool(others), model=engine.loaded.name,
+                       others_joined=shared_steps(target, results[1:]), model=engine.loaded.name,
                        weights=engine.loaded.weights,
                        eos_ids=set(getattr(engine.tokenizer, "eos_token_ids", ()) or ()))
 
@@ -405,6 +377,12 @@ class DivergenceRunner:
                       max_tokens=max_tokens, ignore_eos=ignore_eos,
                       elapsed_s=round(time.perf_counter() - t0, 3), backend=_backend())
         return record
+
+
+def shared_steps(target: FinishEvent, others: list[FinishEvent]) -> bool:
+    """Whether any of the other requests ran in a step of the target."""
+    mine = set(target.steps)
+    return any(mine.intersection(other.steps) for other in others)
 
 
 def _filler(engine: Engine, n: int, index: int) -> list[int]:

@@ -50,6 +50,16 @@ class _Request:
     trace: list[dict] | None = None  # per step, when the request asked to be traced
 
 
+@dataclass
+class Submission:
+    """One request of an Engine.submit_many batch (the arguments of Engine.submit)."""
+
+    prompt: str | list[int]
+    params: SamplingParams | None = None
+    request_id: str | None = None
+    trace: bool = False
+
+
 class Engine:
     """Continuous-batching engine. `loader` runs on the engine thread and returns a LoadedModel."""
 
@@ -70,6 +80,8 @@ class Engine:
         self.step_count = 0
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._requests: dict[str, _Request] = {}
+        # Requests held back by submit_many(after=...): request id -> [(tokens, requests)].
+        self._held: dict[str, list[tuple[int, list[_Request]]]] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -128,18 +140,35 @@ class Engine:
         keys and values it wrote (all layers) and its logits: FinishEvent.trace. Memory-heavy
         (~50 KB per token for the embedded model, plus the vocabulary's logits per sampled
         token): for divergence experiments, not for serving."""
+        return self.submit_many([Submission(prompt, params, request_id, trace)], loop=loop)[0]
+
+    def submit_many(self, submissions: list[Submission], *,
+                    loop: asyncio.AbstractEventLoop | None = None,
+                    after: tuple[str, int] | None = None) -> list[RequestHandle]:
+        """Queue several requests at once: they reach the scheduler together, before the same
+        step (a batch whose make-up does not depend on thread timing: divergence experiments).
+
+        after=(request_id, n) holds them until that request has produced n tokens (or has
+        finished), so they join it at a chosen point of its generation. All are validated
+        before any is queued: a RequestError queues none."""
         if not self.running:
             raise EngineError("engine is not running")
-        params = params or SamplingParams()
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate(prompt_ids, params)
-        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        handle = RequestHandle(request_id, prompt_ids, self.cancel, loop)
-        seq = Sequence(request_id, prompt_ids, params)
-        request = _Request(seq, handle, OutputText(self.tokenizer, params.stop),
-                           trace=[] if trace else None)
-        self._inbox.put(("add", request))
-        return handle
+        prepared = []
+        for sub in submissions:
+            params = sub.params or SamplingParams()
+            prompt_ids = (self.encode(sub.prompt) if isinstance(sub.prompt, str)
+                          else list(sub.prompt))
+            self.validate(prompt_ids, params)
+            prepared.append((sub, params, prompt_ids))
+        requests = []
+        for sub, params, prompt_ids in prepared:
+            request_id = sub.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+            handle = RequestHandle(request_id, prompt_ids, self.cancel, loop)
+            requests.append(_Request(Sequence(request_id, prompt_ids, params), handle,
+                                     OutputText(self.tokenizer, params.stop),
+                                     trace=[] if sub.trace else None))
+        self._inbox.put(("add", requests, after))
+        return [r.handle for r in requests]
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises RequestError naming what to change: the prompt or max_tokens."""
@@ -273,9 +302,16 @@ class Engine:
         if kind == "stop":
             self._stopped = True
         elif kind == "add":
-            req: _Request = msg[1]
-            self._requests[req.seq.seq_id] = req
-            self.scheduler.add(req.seq)
+            requests: list[_Request] = msg[1]
+            for req in requests:
+                self._requests[req.seq.seq_id] = req
+            after = msg[2]
+            target = self._requests.get(after[0]) if after else None
+            if target is not None and len(target.seq.output_ids) < after[1]:
+                self._held.setdefault(after[0], []).append((after[1], requests))
+            else:
+                for req in requests:
+                    self.scheduler.add(req.seq)
         elif kind == "cancel":
             req = self._requests.get(msg[1])
             if req is not None:
@@ -395,6 +431,7 @@ class Engine:
             self._finish(req, "stop")
             return
         seq.output_ids.append(sample.token_id)
+        self._release_held(seq.seq_id, len(seq.output_ids))
         text, stopped = req.output.add(sample.token_id)
         self._emit(req, TokenEvent(seq.seq_id, len(seq.output_ids) - 1, sample.token_id, text,
                                    sample.logprob, sample.top, now, step))
@@ -405,9 +442,29 @@ class Engine:
         elif seq.num_tokens >= self.max_model_len:
             self._finish(req, "length")
 
+    def _release_held(self, request_id: str, produced: int | None) -> None:
+        """Hand requests held for `request_id` to the scheduler once it has produced enough
+        tokens (produced=None: it finished, release them all)."""
+        groups = self._held.get(request_id)
+        if not groups:
+            return
+        keep = []
+        for tokens, requests in groups:
+            if produced is None or produced >= tokens:
+                for req in requests:
+                    if req.seq.seq_id in self._requests:  # not cancelled meanwhile
+                        self.scheduler.add(req.seq)
+            else:
+                keep.append((tokens, requests))
+        if keep:
+            self._held[request_id] = keep
+        else:
+            del self._held[request_id]
+
     def _finish(self, req: _Request, reason: str, error: str | None = None) -> None:
         seq = req.seq
         self._requests.pop(seq.seq_id, None)
+        self._release_held(seq.seq_id, None)
         self.scheduler.finish(seq, reason)  # frees the blocks whatever happens next
         # Text held back for a possible stop string is released with the finish.
         tail = req.output.flush() if reason in ("length", "stop") else ""

@@ -66,6 +66,7 @@ class RequestHandle:
         self._async_queue: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
         self._sync_queue: queue.Queue[Event] | None = None if loop else queue.Queue()
         self.finish: FinishEvent | None = None
+        self._consumed = False  # the finish has been read: iterating again yields nothing
 
     def push(self, event: Event) -> None:
         """Called on the engine thread."""
@@ -86,23 +87,21 @@ class RequestHandle:
     def __iter__(self) -> Iterator[Event]:
         if self._sync_queue is None:
             raise RuntimeError("this handle delivers events to asyncio: use `async for`")
-        while True:
+        while not self._consumed:
             event = self._sync_queue.get()
+            self._consumed = isinstance(event, FinishEvent)
             yield event
-            if isinstance(event, FinishEvent):
-                return
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         if self._async_queue is None:
             raise RuntimeError("this handle delivers events to a thread: use `for`")
-        while True:
+        while not self._consumed:
             event = await self._async_queue.get()
+            self._consumed = isinstance(event, FinishEvent)
             yield event
-            if isinstance(event, FinishEvent):
-                return
 
     def result(self) -> FinishEvent:
-        """Block until the request ends (thread consumers)."""
+        """Block until the request ends (thread consumers); again later, the same finish."""
         for _ in self:
             pass
         return self.finish

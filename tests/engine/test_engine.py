@@ -287,3 +287,69 @@ def test_trace_records_what_each_step_wrote_for_the_request(make_engine):
     assert len(sampled) == 5
     # The logits are the ones sampled from: greedy picks their argmax.
     assert [int(t["logits"].argmax()) for t in sampled] == finish.token_ids
+
+
+def test_submit_many_puts_requests_in_the_same_first_step(make_engine):
+    from engine.engine import Submission
+
+    engine = make_engine(block_size=4)
+    for _ in range(3):  # one by one, the first request may or may not run a step alone
+        handles = engine.submit_many([Submission(p, greedy(4)) for p in PROMPTS[:5]])
+        results = [h.result() for h in handles]
+        firsts = {r.steps[0] for r in results}
+        assert len(firsts) == 1, f"first steps {firsts}: not admitted together"
+    assert_no_blocks_held(engine)
+
+
+def test_submit_many_after_joins_at_the_chosen_token(make_engine):
+    from engine.engine import Submission
+
+    engine = make_engine(block_size=4)
+    queued = threading.Event()  # the target's first step waits until the others are queued
+    engine.before_forward = lambda plan: queued.wait(10)
+    target = engine.submit("The quick brown fox jumps", greedy(12))
+    events = []
+    # Held by the engine until the target has produced 5 tokens.
+    others = engine.submit_many([Submission(p, greedy(3)) for p in PROMPTS[:3]],
+                                after=(target.request_id, 5))
+    queued.set()
+    for event in target:
+        events.append(event)
+    results = [h.result() for h in others]
+    token_steps = [e.step for e in events if hasattr(e, "token_id")]
+    # Token #5 of the target is computed in the step where the others start their prefill.
+    assert {r.steps[0] for r in results} == {token_steps[5]}
+    assert_no_blocks_held(engine)
+
+
+def test_submit_many_validates_all_before_queueing_any(make_engine):
+    from engine.engine import Submission
+    from engine.errors import RequestError
+
+    engine = make_engine(block_size=4)
+    before = engine.step_count
+    with pytest.raises(RequestError):
+        engine.submit_many([Submission("fine", greedy(4)), Submission("", greedy(4))])
+    assert engine.step_count == before and not engine.scheduler.has_work()
+
+
+def test_held_requests_can_be_cancelled_and_are_released_when_the_target_ends(make_engine):
+    from engine.engine import Submission
+
+    engine = make_engine(block_size=4)
+    target = engine.submit("hello there", greedy(3))
+    held = engine.submit_many([Submission("zz", greedy(2)), Submission("paged", greedy(2))],
+                              after=(target.request_id, 100))  # more than the target makes
+    held[0].cancel()
+    assert target.result().completion_tokens == 3
+    assert held[0].result().reason == "cancelled"
+    late = held[1].result()  # released when the target finished, then run to the end
+    assert late.reason == "length" and late.steps[0] > target.result().steps[-1]
+    assert_no_blocks_held(engine)
+
+
+def test_result_can_be_read_twice(make_engine):
+    engine = make_engine(block_size=4)
+    handle = engine.submit("hello", greedy(2))
+    first = handle.result()
+    assert handle.result() is first and list(handle) == []
