@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -64,9 +65,17 @@ def bench_run(live, tmp_path_factory) -> dict:
     return json.loads(result.read_text())
 
 
-def server_runs(db: Database) -> list[Run]:
-    with db.read() as conn:
-        return list(conn.execute(select(Run).where(Run.source == "api")).all())
+def server_runs(db: Database, count: int, timeout: float = 20) -> list[Run]:
+    """The server's API runs, once `count` of them are finished: a run's finish is written
+    by the server's recorder thread after the client has read the last chunk."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with db.read() as conn:
+            runs = list(conn.execute(select(Run).where(Run.source == "api")).all())
+        done = [r for r in runs if r.status != "running"]
+        if len(done) >= count or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.05)
 
 
 def test_every_request_completes_with_the_servers_token_counts(live, bench_run):
@@ -75,7 +84,7 @@ def test_every_request_completes_with_the_servers_token_counts(live, bench_run):
     assert bench_run["summary"]["failed"] == 0
     # The server's own record of each request (its database), matched by prompt length
     # (bytes with the tiny model's byte tokenizer: all different).
-    recorded = {r.prompt_tokens: r for r in server_runs(live.db)}
+    recorded = {r.prompt_tokens: r for r in server_runs(live.db, len(PROMPTS))}
     assert len(recorded) == len(PROMPTS)
     for req in reqs:
         prompt = PROMPTS[req["index"]]
