@@ -23,7 +23,7 @@ from mlx_lm.generate import batch_generate, generate_step
 # isort: on
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.engine import Engine, Submission
 from engine.model_loader import load_model
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
@@ -77,7 +77,9 @@ def run_engine(eng: Engine, prompts, max_tokens):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     first_step = eng.step_count + 1
     t0 = time.perf_counter()
-    handles = [eng.submit(ids, params) for ids in prompts]
+    # All at once, like batch_generate's list: submitted one by one, the first could start
+    # its prefill alone before the others arrive.
+    handles = eng.submit_many([Submission(ids, params) for ids in prompts])
     results = [h.result() for h in handles]
     wall = time.perf_counter() - t0
     steps = [r for r in eng.steps.recent() if r.step >= first_step]
