@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require this key: `Authorization: Bearer KEY` for the API, a login "
                           "for the pages (default: $BATCHSCOPE_API_KEY, else none: keep the "
                           "server on loopback)")
+    srv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                     help="a host name the server answers to besides loopback ones (repeat "
+                          "for more); without a key on loopback, any other Host header gets a "
+                          "403 (protection against DNS rebinding)")
     srv.add_argument("--max-waiting-requests", type=int, default=None,
                      help="requests that may wait beyond the --max-num-seqs running; more get "
                           "HTTP 429 (default 256)")

@@ -108,5 +108,6 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
                     + benchmarks_page.routes + openapi.routes,
                     exception_handlers=api.exception_handlers, lifespan=lifespan)
     app.state.settings = settings  # routes read limits from here even before startup ends
-    security.install(app, settings.api_key)  # API key, login, CSRF and security headers
+    # API key, login, CSRF, the Host check and security headers.
+    security.install(app, settings.api_key, settings.allowed_hosts)
     return app

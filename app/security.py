@@ -15,6 +15,11 @@ Authentication, only when the server has a key (`--api-key` or $BATCHSCOPE_API_K
 CSRF, always (with or without a key: a web page can post to a loopback server too), for every
 method but GET/HEAD/OPTIONS, on every path. See `csrf_problem` for the rule.
 
+DNS rebinding, when `allowed_hosts` is set (`batchscope serve` sets it for a keyless server on
+loopback): the Host header must name a loopback address or one of the allowed names. Otherwise
+a page on a domain that its owner points at 127.0.0.1 is "same-origin" with this server in the
+browser, and could read the pages and pass the CSRF check.
+
 Without a key the server is open to whoever can reach it: keep it on loopback (the default);
 `batchscope serve` warns when it binds elsewhere without a key.
 """
@@ -84,10 +89,11 @@ def _digest(token: str) -> str:
 class Security:
     """The key and the live sessions of one app (`app.state.security`)."""
 
-    def __init__(self, api_key: str | None):
+    def __init__(self, api_key: str | None, allowed_hosts: tuple[str, ...] | None = None):
         if api_key is not None and not api_key.strip():
             raise ValueError("the API key must not be empty")
         self.api_key = api_key
+        self.allowed_hosts = allowed_hosts
         # sha256(token) -> expiry: a lookup by the digest leaks nothing about the token.
         self._sessions: OrderedDict[str, float] = OrderedDict()
 
@@ -194,6 +200,18 @@ def csrf_problem(scope: Scope, headers: Headers) -> str | None:
             "this server (browsers send one); scripts send JSON, or an Origin header")
 
 
+def host_problem(headers: Headers, allowed: tuple[str, ...]) -> str | None:
+    """Why the Host header is refused (DNS rebinding protection), or None."""
+    netloc = _netloc(f"http://{headers.get('host', '')}")
+    name = None if netloc is None else urlsplit(f"http://{netloc}").hostname
+    if name is not None and (is_loopback(name) or name in allowed):
+        return None
+    shown = headers.get("host", "")[:100]
+    return (f"Host {shown!r} is not allowed: this server answers to loopback names only "
+            "(protection against DNS rebinding); serve with --allowed-host NAME, or with "
+            "--api-key")
+
+
 def _is_api(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
@@ -247,6 +265,10 @@ class SecurityMiddleware:
         security = self.security
         bearer = _bearer(headers)
         scope["batchscope.auth"] = None
+        if security.allowed_hosts is not None:
+            problem = host_problem(headers, security.allowed_hosts)
+            if problem is not None:
+                return _forbidden(problem, path, headers, code="host_not_allowed")
         if security.enabled and not _is_public(path):
             if bearer is not None:  # an Authorization header: it alone decides
                 if not (bearer and security.key_matches(bearer)):
@@ -295,11 +317,11 @@ def _unauthorized(message: str, code: str) -> Response:
                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
-def _forbidden(message: str, path: str, headers: Headers) -> Response:
+def _forbidden(message: str, path: str, headers: Headers, code: str = "csrf_failed") -> Response:
     """A page for browsers (they ask for HTML), OpenAI-shaped JSON for everyone else."""
     if not ("text/html" in headers.get("accept", "") and not _is_api(path)
             and not path.endswith(".json")):
-        return JSONResponse(error_body(message, "invalid_request_error", None, "csrf_failed"),
+        return JSONResponse(error_body(message, "invalid_request_error", None, code),
                             status_code=403)
     return HTMLResponse(_LOGIN_PAGE_SHELL.format(title="Forbidden", body=(
         f'<h1>Forbidden</h1><p class="error-message" data-status="403">{_esc(message)}</p>'
@@ -381,10 +403,11 @@ routes = [
 ]
 
 
-def install(app: Any, api_key: str | None) -> Security:
+def install(app: Any, api_key: str | None,
+            allowed_hosts: tuple[str, ...] | None = None) -> Security:
     """Put the middleware in front of `app` (a Starlette app, before it starts) and add the
     login routes."""
-    security = Security(api_key)
+    security = Security(api_key, allowed_hosts)
     app.state.security = security
     app.router.routes.extend(routes)
     app.add_middleware(SecurityMiddleware, security=security)

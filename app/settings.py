@@ -29,6 +29,9 @@ class Settings:
     log_level: str = "info"
     # When set, the API and the pages need it (app/security.py). Kept out of repr and logs.
     api_key: str | None = field(default=None, repr=False)
+    # Host-header check against DNS rebinding (app/security.py): None, no check; a tuple,
+    # loopback names plus these. `from_args` turns it on for a keyless loopback server.
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -64,7 +67,7 @@ class Settings:
             port = int(port) if port is not None else defaults["port"].default
         except ValueError:
             raise ValueError(f"{ENV_PORT} must be an integer, got {port!r}") from None
-        return cls(
+        settings = cls(
             host=args.host or env.get(ENV_HOST) or defaults["host"].default,
             port=port,
             db_path=args.db or env.get(ENV_DB) or defaults["db_path"].default,
@@ -77,8 +80,31 @@ class Settings:
             log_level="debug" if getattr(args, "verbose", False) else "info",
             api_key=getattr(args, "api_key", None) or env.get(ENV_API_KEY) or None,
         )
+        settings.allowed_hosts = host_check(settings.host, settings.api_key,
+                                            getattr(args, "allowed_host", None) or [])
+        return settings
 
 
 def _given(args: argparse.Namespace, name: str, default: object) -> object:
     value = getattr(args, name, None)
     return default if value is None else value
+
+
+def host_check(host: str, api_key: str | None, extra: list[str]) -> tuple[str, ...] | None:
+    """The Host names a server accepts besides loopback ones, or None for no check.
+
+    A keyless server on loopback checks (a page on a domain that resolves to 127.0.0.1 could
+    otherwise read it: DNS rebinding); with a key, the key protects it; a keyless server bound
+    elsewhere was warned about and serves whatever names reach it, unless --allowed-host."""
+    names = tuple(name.strip().lower() for name in extra if name.strip())
+    if names:
+        return names
+    if api_key is None and is_loopback_host(host):
+        return ()
+    return None
+
+
+def is_loopback_host(host: str) -> bool:
+    from app.security import is_loopback
+
+    return is_loopback(host)

@@ -452,3 +452,34 @@ def test_hostile_divergence_experiment_is_escaped(hostile):
     assert entry["status"] == "done", entry
     assert_escaped(client.get(f"/divergence?id={exp_id}"), shows=[PROMPT, OUTPUT])
     assert_escaped(client.get("/divergence"), shows=[PAYLOADS[0]])  # the recent list
+
+
+# ---- the Host check (DNS rebinding) ----------------------------------------------------------
+@pytest.mark.parametrize("argv,expected", [
+    (["serve"], ()),  # keyless on loopback: loopback names only
+    (["serve", "--api-key", "k"], None),  # the key protects it
+    (["serve", "--host", "0.0.0.0"], None),  # exposed on purpose (and warned about)
+    (["serve", "--allowed-host", "Box.Lan", "--allowed-host", "x"], ("box.lan", "x")),
+])
+def test_serve_turns_the_host_check_on_for_a_keyless_loopback_server(argv, expected):
+    from app.cli import build_parser
+
+    settings = Settings.from_args(build_parser().parse_args(argv), environ={})
+    assert settings.allowed_hosts == expected
+
+
+def test_a_keyless_loopback_server_answers_to_loopback_names_only():
+    app = create_app(Settings(engine=EngineConfig(num_kv_blocks=64), allowed_hosts=("box.lan",)),
+                     engine_factory=lambda config: Engine(config, loader=tiny_model))
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+        for host in ("127.0.0.1:8000", "localhost:8000", "[::1]:8000", "box.lan:8000"):
+            assert client.get("/runs.json", headers={"host": host}).status_code in (200, 503)
+        # A domain its owner points at 127.0.0.1: the browser thinks it is same-origin.
+        for path, headers in (("/runs.json", {}), ("/", HTML), ("/v1/models", {})):
+            r = client.get(path, headers={"host": "rebind.evil.example:8000", **headers})
+            assert r.status_code == 403, (path, r.text)
+            assert "DNS rebinding" in r.text
+        r = client.post("/v1/completions", headers={"host": "rebind.evil.example:8000",
+                                                    "origin": "http://rebind.evil.example:8000"},
+                        json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
