@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+from engine.svg_axes import nice_ticks, tick_label
+
 log = logging.getLogger("batchscope.calibration")
 
 ENV_DIR = "BATCHSCOPE_CALIBRATION_DIR"
@@ -373,19 +375,6 @@ COLORS = {"unbatched": "#6b7280", "gemm": "#2563eb", "gemv": "#ea580c", "ratio":
 LABELS = {"unbatched": "unbatched", "gemm": "batched GEMM", "gemv": "batched row-wise GEMV"}
 
 
-def _nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    span = max(hi - lo, 1e-9)
-    raw = span / count
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def _fmt_tick(v: float) -> str:
-    return f"{v:g}" if abs(v) < 1e5 else f"{v:.2g}"
-
-
 def render_svg(result: Mapping[str, Any]) -> str:
     """Tokens/s vs concurrency for the three modes, and the GEMV/GEMM ratio with T marked."""
     rows = sorted(result["rows"], key=lambda r: r["concurrency"])
@@ -402,7 +391,7 @@ def render_svg(result: Mapping[str, Any]) -> str:
         return left + 16 + (math.log2(n) - lo_n) / (hi_n - lo_n) * (right - left - 32)
 
     tps = [r[f"{m}_tps"] for r in rows for m in MODES if r.get(f"{m}_tps") is not None]
-    y1_hi = _nice_ticks(0, max(tps or [1.0]) * 1.08)
+    y1_hi = nice_ticks(0, max(tps or [1.0]) * 1.08)
     y1_max = max(y1_hi[-1], max(tps or [1.0]) * 1.08)
 
     def y1(v: float) -> float:
@@ -434,12 +423,14 @@ def render_svg(result: Mapping[str, Any]) -> str:
         yy = y1(v)
         out.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{right}" y2="{yy:.1f}" '
                    f'stroke="#e5e7eb"/>')
-        out.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{_fmt_tick(v)}</text>')
-    for v in _nice_ticks(r_lo, r_hi, 4):
+        out.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">'
+                   f'{tick_label(v)}</text>')
+    for v in nice_ticks(r_lo, r_hi, 4):
         yy = y2(v)
         out.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{right}" y2="{yy:.1f}" '
                    f'stroke="#e5e7eb"/>')
-        out.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{_fmt_tick(v)}</text>')
+        out.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">'
+                   f'{tick_label(v)}</text>')
     for top, bottom in ((top1, bottom1), (top2, bottom2)):
         out.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" '
                    f'fill="none" stroke="#9ca3af"/>')

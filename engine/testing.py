@@ -63,3 +63,24 @@ def tiny_model(seed: int = 0, quantize: bool = True, **overrides) -> LoadedModel
     mx.eval(model.parameters())
     return LoadedModel(model=model, tokenizer=ByteTokenizer(), config=config, name="tiny-llama",
                        weights="q4" if quantize else "f32", source="tiny")
+
+
+class FixedTextTokenizer(ByteTokenizer):
+    """Decodes every token to the same text: tests make the model's output hostile with it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def decode(self, ids: list[int]) -> str:
+        return self.text * len(ids)
+
+
+def tiny_model_saying(text: str):
+    """The tiny model, every output token of which reads as `text`."""
+
+    def load(*args, **kwargs) -> LoadedModel:
+        loaded = tiny_model()
+        loaded.tokenizer = FixedTextTokenizer(text)
+        return loaded
+
+    return load

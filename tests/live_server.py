@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from app.db import Recorder, open_database
+
 
 @contextmanager
 def serving(app, timeout: float = 20.0) -> Iterator[str]:
@@ -32,3 +34,20 @@ def serving(app, timeout: float = 20.0) -> Iterator[str]:
         thread.join(timeout=timeout)
         sock.close()
         assert not thread.is_alive(), "server did not stop"
+
+
+def sqlite_recorder(path):
+    """A recorder_factory for create_app: a Recorder on the SQLite file at `path`, closed (with
+    its database) when the app shuts down."""
+
+    @contextmanager
+    def factory(settings) -> Iterator[Recorder]:
+        with open_database(path) as database:
+            recorder = Recorder(database, flush_interval=0.02)
+            recorder.start()
+            try:
+                yield recorder
+            finally:
+                recorder.close()
+
+    return factory

@@ -7,23 +7,12 @@ import math
 from collections.abc import Mapping, Sequence
 from html import escape
 
+from engine.svg_axes import nice_ticks, tick_label
+
 COLORS = ("#2357c6", "#c2410c", "#1f7a3f", "#7c3aed", "#b3261e", "#0e7490", "#a16207",
           "#be185d")
 WIDTH, HEIGHT = 700, 300
 LEFT, RIGHT, TOP, BOTTOM = 64, 430, 36, 250  # plot area; the legend sits right of it
-
-
-def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    span = max(hi - lo, 1e-9)
-    raw = span / count
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def _tick(v: float) -> str:
-    return f"{v:g}" if abs(v) < 1e5 else f"{v:.2g}"
 
 
 def run_name(run: Mapping) -> str:
@@ -57,13 +46,14 @@ def _frame(title: str, x_label: str, y_label: str, x_ticks: list[float],
         yy = y(v)
         out.append(f'<line x1="{LEFT}" y1="{yy:.1f}" x2="{RIGHT}" y2="{yy:.1f}" '
                    'stroke="#e5e7eb"/>')
-        out.append(f'<text x="{LEFT - 6}" y="{yy + 4:.1f}" text-anchor="end">{_tick(v)}</text>')
+        out.append(f'<text x="{LEFT - 6}" y="{yy + 4:.1f}" text-anchor="end">'
+                   f'{tick_label(v)}</text>')
     for v in x_ticks:
         xx = x(v)
         out.append(f'<line x1="{xx:.1f}" y1="{BOTTOM}" x2="{xx:.1f}" y2="{BOTTOM + 4}" '
                    'stroke="#9ca3af"/>')
         out.append(f'<text x="{xx:.1f}" y="{BOTTOM + 16}" text-anchor="middle">'
-                   f"{_tick(v)}</text>")
+                   f"{tick_label(v)}</text>")
     out.append(f'<rect x="{LEFT}" y="{TOP}" width="{RIGHT - LEFT}" height="{BOTTOM - TOP}" '
                'fill="none" stroke="#9ca3af"/>')
     out.append(f'<text x="{(LEFT + RIGHT) / 2}" y="{HEIGHT - 12}" text-anchor="middle" '

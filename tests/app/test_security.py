@@ -22,8 +22,7 @@ from app.security import COOKIE, csrf_problem, exposure_warning, safe_next
 from app.settings import Settings
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import LoadedModel
-from engine.testing import ByteTokenizer, tiny_model
+from engine.testing import tiny_model, tiny_model_saying
 
 KEY = "k3y-for-tests-only"
 ORIGIN = "http://testserver"  # TestClient's own origin
@@ -37,17 +36,8 @@ PROMPT = PAYLOADS[0] + " and " + PAYLOADS[1]
 OUTPUT = "<img src=x onerror=alert(1)><script>alert(1)</script>"  # every output token's text
 
 
-class PayloadTokenizer(ByteTokenizer):
-    """Each token decodes to OUTPUT: whatever the model picks, its text is an XSS payload."""
-
-    def decode(self, ids: list[int]) -> str:
-        return OUTPUT * len(ids)
-
-
-def payload_model(*args, **kwargs) -> LoadedModel:
-    loaded = tiny_model()
-    loaded.tokenizer = PayloadTokenizer()
-    return loaded
+# Each token decodes to OUTPUT: whatever the model picks, its text is an XSS payload.
+payload_model = tiny_model_saying(OUTPUT)
 
 
 def make_app(api_key: str | None = None, recorder=None, loader=tiny_model):

@@ -11,15 +11,13 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from headless_chromium import chromium, require_chromium
-from live_server import serving
+from live_server import serving, sqlite_recorder
 
-from app.db import Recorder, open_database
 from app.main import create_app
 from app.settings import Settings
 from engine.config import EngineConfig
@@ -43,19 +41,9 @@ def live(tmp_path_factory) -> Iterator[tuple[str, Any]]:
 
     db_dir = tmp_path_factory.mktemp("browser")
 
-    @contextmanager
-    def recorder(settings: Settings) -> Iterator[Recorder]:
-        with open_database(db_dir / "runs.db") as database:
-            rec = Recorder(database, flush_interval=0.02)
-            rec.start()
-            try:
-                yield rec
-            finally:
-                rec.close()
-
     app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128)),
                      engine_factory=lambda config: Engine(config, loader=tiny_model),
-                     recorder_factory=recorder)
+                     recorder_factory=sqlite_recorder(db_dir / "runs.db"))
     with serving(app, WAIT) as url:
         yield url, app
 

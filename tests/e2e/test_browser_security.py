@@ -11,24 +11,21 @@ Needs chromium + chromium-driver (tests/headless_chromium.py: skipped without, f
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from headless_chromium import chromium, require_chromium
-from live_server import serving
+from live_server import serving, sqlite_recorder
 from starlette.applications import Starlette
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
-from app.db import Recorder, open_database
 from app.main import create_app
 from app.security import COOKIE
 from app.settings import Settings
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import LoadedModel
-from engine.testing import ByteTokenizer, tiny_model
+from engine.testing import tiny_model_saying
 
 pytestmark = pytest.mark.slow
 
@@ -45,34 +42,16 @@ OUTPUT = "<img src=x onerror=\"window.__xss = 3\"><script>window.__xss = 4</scri
 TOKENS = 4
 
 
-class PayloadTokenizer(ByteTokenizer):
-    def decode(self, ids: list[int]) -> str:
-        return OUTPUT * len(ids)
-
-
-def payload_model(*args, **kwargs) -> LoadedModel:
-    loaded = tiny_model()
-    loaded.tokenizer = PayloadTokenizer()
-    return loaded
+payload_model = tiny_model_saying(OUTPUT)
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> Iterator[tuple[str, Any]]:
     db_dir = tmp_path_factory.mktemp("browser-security")
 
-    @contextmanager
-    def recorder(settings: Settings) -> Iterator[Recorder]:
-        with open_database(db_dir / "runs.db") as database:
-            rec = Recorder(database, flush_interval=0.02)
-            rec.start()
-            try:
-                yield rec
-            finally:
-                rec.close()
-
     app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128), api_key=KEY),
                      engine_factory=lambda config: Engine(config, loader=payload_model),
-                     recorder_factory=recorder)
+                     recorder_factory=sqlite_recorder(db_dir / "runs.db"))
     with serving(app, WAIT) as url:
         yield url, app
 
