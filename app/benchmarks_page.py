@@ -18,7 +18,8 @@ from starlette.routing import Route
 
 from app.bench import plots, store
 from app.bench.metrics import METRIC_TITLES, METRICS
-from app.pages import NO_DATABASE, _database, _error, _json_safe, _read, _render, _wants_json
+from app.json_safe import json_safe
+from app.pages import NO_DATABASE, _database, _error, _read, _render, _wants_json
 
 LIST_LIMIT = 200
 DEFAULT_PLOTTED = 6
@@ -67,7 +68,7 @@ async def benchmarks(request: Request) -> Response:
                                "plotted": [r["id"] for r in plotted],
                                "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
     if _wants_json(request):
-        return JSONResponse(_json_safe(context))
+        return JSONResponse(json_safe(context))
     svgs = {"throughput": plots.throughput_svg(listing["runs"])}
     if plotted:
         for metric, title in CDF_METRICS:
@@ -88,7 +89,7 @@ async def benchmark_detail(request: Request) -> Response:
         return _error(request, 404, f"no benchmark run {run_id}", "run_id", "not_found")
     context = {**_view(run), "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
     if _wants_json(request):
-        return JSONResponse(_json_safe(context))
+        return JSONResponse(json_safe(context))
     svgs = {metric: plots.latency_cdf_svg([run], metric, title)
             for metric, title in CDF_METRICS}
     return HTMLResponse(_render(request, "benchmark.html", {**context, "svgs": svgs}))

@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from app.pages import _json_safe, _render, _wants_json
+from app.json_safe import json_safe
+from app.pages import _render, _wants_json
 from engine.calibration import (
     backend_key,
     calibration_path,
@@ -74,7 +75,7 @@ async def calibration_page(request: Request) -> Response:
                                            engine.loaded.weights, backend)
     context = calibration_context(engine, found, backend)
     if _wants_json(request):
-        return JSONResponse(_json_safe(context))
+        return JSONResponse(json_safe(context))
     # The plot is drawn from the JSON (numbers only; text escaped), not read from the .svg file.
     svg = None
     if found is not None:

@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from app.api import MAX_STOP, error_body
 from app.db import queries
+from app.json_safe import json_safe
 from app.runs import RunService
 from engine.sampling import SamplingParams
 
@@ -123,17 +124,6 @@ def _wants_json(request: Request) -> bool:
     return "application/json" in accept and "text/html" not in accept
 
 
-def _json_safe(value: Any) -> Any:
-    """JSON has no NaN or infinities (a -inf logprob): they become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def _html(request: Request, template: str, context: dict, status: int = 200) -> HTMLResponse:
     return HTMLResponse(_render(request, template, context), status_code=status)
 
@@ -149,7 +139,7 @@ def _render(request: Request, template: str, context: dict) -> str:
 def _page(request: Request, template: str, context: dict, status: int = 200) -> Response:
     """One context, two renderings: the template, or the context itself as JSON."""
     if _wants_json(request):
-        return JSONResponse(_json_safe(context), status_code=status)
+        return JSONResponse(json_safe(context), status_code=status)
     return _html(request, template, context, status)
 
 

@@ -5,28 +5,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import sqlalchemy.exc
 from sqlalchemy import func, insert, select
 
 from app.db.database import Database, DatabaseError
 from app.db.models import BenchmarkRun
+from app.json_safe import json_safe
 
 LIST_COLUMNS = ("id", "created_at", "url", "model", "label", "endpoint", "dataset",
                 "num_prompts", "request_rate", "max_concurrency", "seed", "duration_s",
                 "completed", "failed")
-
-
-def _finite(value: Any) -> Any:
-    """JSON columns get no NaN or infinities (SQLite's JSON would reject them)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 def save_run(db: Database, *, url: str, model: str, endpoint: str, dataset: str,
@@ -42,8 +31,8 @@ def save_run(db: Database, *, url: str, model: str, endpoint: str, dataset: str,
         label=label, endpoint=endpoint, dataset=dataset, num_prompts=num_prompts,
         request_rate=request_rate, max_concurrency=max_concurrency, seed=seed,
         duration_s=float(summary["duration_s"]), completed=int(summary["completed"]),
-        failed=int(summary["failed"]), config_json=_finite(dict(config or {})),
-        summary_json=_finite(dict(summary)), requests_json=_finite(list(requests)))
+        failed=int(summary["failed"]), config_json=json_safe(dict(config or {})),
+        summary_json=json_safe(dict(summary)), requests_json=json_safe(list(requests)))
     try:
         with db.write_engine.begin() as conn:
             result = conn.execute(insert(BenchmarkRun).values(**values))
