@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.config import WEIGHT_FORMATS, EngineConfig
 from engine.engine import Engine, EngineError, Submission
-from engine.events import FinishEvent
+from engine.events import FinishEvent, TokenEvent
 from engine.kernels import KernelPolicy
 from engine.sampling import SamplingParams
 
@@ -217,6 +217,7 @@ class SideRun:
     model: str
     weights: str  # as loaded ("auto" resolved)
     eos_ids: set[int] = field(default_factory=set)
+    tokens: list[dict] = field(default_factory=list)  # the target's token events (runs database)
 
 
 def _blocks(lengths: Iterable[int], block_size: int) -> int:
@@ -328,6 +329,8 @@ class DivergenceRunner:
         else:
             handles = engine.submit_many([target] + companions)
         try:
+            # The target's token events, kept so that the run can be recorded like a served one.
+            events = [e for e in handles[0] if isinstance(e, TokenEvent)]
             # Wait for the others too: the next run needs an idle engine.
             results = [handle.result() for handle in handles]
         except BaseException:
@@ -353,10 +356,13 @@ class DivergenceRunner:
                     "target_phase": mine.phase if mine else None,
                     "target_rows": mine.rows if mine else 0})
         trace = [{**t, "step": t["step"] - base} for t in target.trace]
+        tokens = [{"token_id": e.token_id, "text": e.text, "logprob": e.logprob,
+                   "time": e.time, "step": e.step - base} for e in events]
         return SideRun(side=side, prompt_ids=ids, finish=target, trace=trace, steps=steps,
                        others_joined=shared_steps(target, results[1:]), model=engine.loaded.name,
                        weights=engine.loaded.weights,
-                       eos_ids=set(getattr(engine.tokenizer, "eos_token_ids", ()) or ()))
+                       eos_ids=set(getattr(engine.tokenizer, "eos_token_ids", ()) or ()),
+                       tokens=tokens)
 
     def run(self, prompt: str | list[int], a: SideConfig, b: SideConfig, max_tokens: int = 64,
             *, top_k: int = 5, chat: bool = False, ignore_eos: bool = True) -> dict:
@@ -569,7 +575,12 @@ def _side(run: SideRun, chosen: list[int]) -> dict:
     return {"config": run.side.to_dict(), "label": run.side.label(), "model": run.model,
             "weights": run.weights, "token_ids": list(run.finish.token_ids),
             "text": run.finish.text, "finish_reason": run.finish.reason,
-            "chosen": chosen, "others_joined": run.others_joined, "steps": run.steps}
+            "chosen": chosen, "others_joined": run.others_joined, "steps": run.steps,
+            "tokens": run.tokens, "preemptions": run.finish.preemptions,
+            "times": {"queued": run.finish.arrival_time,
+                      "first_scheduled": run.finish.first_scheduled_time,
+                      "first_token": run.finish.first_token_time,
+                      "finished": run.finish.finish_time}}
 
 
 def _common_prefix(x: str, y: str) -> int:

@@ -46,6 +46,13 @@ def test_four_bit_gemm_and_gemv_are_bit_identical_alone_and_alongside():
     first_a, first_b = r["sides"]["a"]["steps"][0], r["sides"]["b"]["steps"][0]
     assert (first_a["rows"], first_a["requests"], first_a["path"]) == (85, 3, "gemm")
     assert (first_b["rows"], first_b["requests"], first_b["path"]) == (20, 1, "gemv")
+    # Each side keeps its target's token events (recorded as a run by app/divergence_store.py).
+    for side in r["sides"].values():
+        assert [t["token_id"] for t in side["tokens"]] == side["token_ids"]
+        assert "".join(t["text"] for t in side["tokens"]) == side["text"]
+        assert [t["step"] for t in side["tokens"]] == [s["step"] for s in side["steps"]]
+        times = side["times"]
+        assert times["queued"] <= times["first_token"] <= times["finished"]
 
 
 @pytest.mark.parametrize("join_at", [0, 3])
