@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "linear call gets exactly --invariant-tile rows (costs throughput)")
     g.add_argument("--invariant-tile", type=int, default=16,
                    help="rows per linear call in --batch-invariant mode")
+    g.add_argument("--decode-attention", default="auto", choices=["auto", "native", "mlx"],
+                   help="decode rows' attention: the native paged kernel (CPU backend, built "
+                        "by scripts/setup.sh), MLX ops, or auto (native when available)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -48,7 +51,7 @@ def engine_config(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len, kernel_policy=args.kernel_policy,
         kernel_threshold=args.kernel_threshold, batch_invariant=args.batch_invariant,
-        invariant_tile=args.invariant_tile)
+        invariant_tile=args.invariant_tile, decode_attention=args.decode_attention)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

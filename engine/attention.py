@@ -1,25 +1,31 @@
-"""Attention for a packed step: each sequence's rows attend over its own gathered context.
+"""Attention for a packed step: each sequence's rows attend over its own context.
 
-On the CPU backend MLX's fused scaled_dot_product_attention falls back to a composition of
-matmul + softmax; writing that composition here over the head-major paged pool is bit-identical
-(tests/engine/test_attention.py). The query transform and the output layout are done once for
-the whole step, and one `split` per operand cuts every sequence's queries, keys and values out
-as views, so each sequence and layer costs three ops (matmul, softmax, matmul). On the CPU
-backend each MLX op has a fixed dispatch cost that, at 16 sequences x 30 layers, is a visible
-part of a decode step: benchmarks/attention.py measures this path against a padded batch. On
-Metal and CUDA the fused kernel is the fast path and is used per sequence.
+Two ways, both exact per sequence (never over a padded batch: padding changes the length of
+the softmax and matmul reductions, and with them the floating-point result, which would make a
+request's output depend on what shares its batch):
 
-Attention is computed per sequence, never over a padded batch: padding changes the length of
-the softmax and matmul reductions, and with them the floating-point result
-(benchmarks/attention.py reports the difference), which would make a request's output depend on
-what shares its batch.
+- Decode rows on the CPU backend go through the native kernel (engine/native/): one op per
+  layer reads every row's keys and values straight from the paged pool through its block
+  table, with arithmetic that depends on the row alone. benchmarks/attention.py measures it
+  against the MLX-ops path and mlx-lm's padded fused call.
+- Everything else (prefill chunks, other backends, or the kernel not built) uses MLX ops over
+  contexts gathered by block. On the CPU backend MLX's fused scaled_dot_product_attention falls
+  back to a composition of matmul + softmax; writing that composition here over the head-major
+  pool is bit-identical to it (tests/engine/test_attention.py), at three ops per sequence and
+  layer, each with a fixed dispatch cost. On Metal and CUDA the fused kernel is used per
+  sequence.
+
+The native kernel rounds where MLX's ops round for float16/bfloat16 but sums in its own order,
+so in float32 it differs from the MLX-ops path by ~1e-7 (tests/engine/test_attention.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 
 def use_fused_attention() -> bool:
@@ -91,3 +97,79 @@ def _cut(x: mx.array, spans: list[Span], axis: int, kind: str) -> list[mx.array]
             piece = piece[tuple(index)]
         out.append(piece)
     return out
+
+
+@dataclass
+class StepAttention:
+    """How one step's rows attend, worked out once per step and used by every layer.
+
+    Rows [0, native_rows) of the reordered q go through the native kernel; the rest are
+    `spans` over the blocks `read` gathers. `order` reorders q so (None: already in order),
+    `inverse` puts the output rows back."""
+
+    spans: list[Span]
+    read: mx.array | None  # block ids gathered for the spans
+    native_rows: int
+    tables: mx.array | None  # (native_rows, max_blocks) int32
+    lens: mx.array | None  # (native_rows,) int32
+    order: mx.array | None
+    inverse: mx.array | None
+
+
+def plan_step(contexts: list[tuple[int, int, list[int]]], block_size: int,
+              native: bool) -> StepAttention:
+    """contexts: per sequence, in row order, (rows, context length, block table). With
+    `native`, single-row (decode) sequences go to the native kernel."""
+    to_native = [native and rows == 1 for rows, _, _ in contexts]
+    starts = np.cumsum([0] + [rows for rows, _, _ in contexts])
+    order = ([int(starts[i]) for i, n in enumerate(to_native) if n]
+             + [r for i, n in enumerate(to_native) if not n
+                for r in range(starts[i], starts[i + 1])])
+    tables = lens = None
+    natives = [c for c, n in zip(contexts, to_native, strict=True) if n]
+    if natives:
+        width = max(-(-ctx // block_size) for _, ctx, _ in natives)
+        table = np.zeros((len(natives), width), dtype=np.int32)
+        for i, (_, ctx, blocks) in enumerate(natives):
+            n_blocks = -(-ctx // block_size)
+            table[i, :n_blocks] = blocks[:n_blocks]
+        tables = mx.array(table)
+        lens = mx.array(np.asarray([ctx for _, ctx, _ in natives], dtype=np.int32))
+    spans, read, row, ctx_at = [], [], len(natives), 0
+    for (rows, ctx, blocks), n in zip(contexts, to_native, strict=True):
+        if n:
+            continue
+        # Contexts are gathered by whole blocks (cheaper than slot by slot); each starts at a
+        # block boundary of the gathered array and its span ignores the tail padding.
+        n_blocks = -(-ctx // block_size)
+        read.extend(blocks[:n_blocks])
+        spans.append(Span(row, rows, ctx_at, ctx))
+        row += rows
+        ctx_at += n_blocks * block_size
+    identity = order == list(range(len(order)))
+    return StepAttention(
+        spans=spans, read=mx.array(np.asarray(read, dtype=np.int64)) if read else None,
+        native_rows=len(natives), tables=tables, lens=lens,
+        order=None if identity else mx.array(order),
+        inverse=None if identity else mx.array(np.argsort(order)))
+
+
+def attend_step(q: mx.array, plan: StepAttention, pool_layer: tuple[mx.array, mx.array],
+                gather: Callable[[mx.array], tuple[mx.array, mx.array]], scale: float,
+                fused: bool, kernel: Callable | None, block_size: int) -> mx.array:
+    """One layer's attention for a planned step. q: (rows, heads, dim); pool_layer: this
+    layer's (keys, values) pool arrays, already holding the step's writes; gather(block_ids)
+    -> the contexts of those blocks. Returns (rows, heads * dim) in the step's row order."""
+    if plan.order is not None:
+        q = q[plan.order]
+    outs = []
+    if plan.native_rows:
+        outs.append(kernel(q[:plan.native_rows], *pool_layer, plan.tables, plan.lens, scale,
+                           block_size))
+    if plan.spans:
+        keys, values = gather(plan.read)
+        rest = q[plan.native_rows:] if plan.native_rows else q
+        spans = [Span(s.row - plan.native_rows, s.rows, s.ctx, s.ctx_len) for s in plan.spans]
+        outs.append(attend(rest, keys, values, spans, scale, fused))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return out if plan.inverse is None else out[plan.inverse]

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from engine.kernels import KernelPolicy
 
 WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
+# Decode attention (engine/attention.py): "auto" is the native kernel on the CPU backend when
+# it is built, else MLX ops; "native" requires the kernel; "mlx" never uses it.
+DECODE_ATTENTION = ("auto", "native", "mlx")
 
 
 @dataclass
@@ -28,6 +31,7 @@ class EngineConfig:
     # exactly `invariant_tile` rows (padded), whatever the step holds. Overrides kernel_policy.
     batch_invariant: bool = False
     invariant_tile: int = 16
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -38,6 +42,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
+                             f"got {self.decode_attention!r}")
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
         if self.max_model_len is not None and self.max_model_len < 2:

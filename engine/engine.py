@@ -194,6 +194,18 @@ class Engine:
                 f"{self.config.num_kv_blocks}",
                 "max_tokens" if n < capacity else "prompt", "context_length_exceeded")
 
+    @property
+    def decode_attention(self) -> str:
+        """Which attention decode rows use, in words (logged at start, shown by the CLI)."""
+        if self.runner.attention_kernel is not None:
+            return "native paged kernel"
+        if self.runner.fused_attention:
+            return "MLX fused attention per sequence"
+        from engine import native
+
+        why = native.why_not() if self.config.decode_attention == "auto" else None
+        return "MLX ops per sequence" + (f" (native kernel {why})" if why else "")
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, exact even for part of a UTF-8 character (logprobs)."""
         if self._token_bytes is None:
@@ -267,7 +279,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.pool = KVPool(self.loaded.num_layers, cfg.num_kv_blocks, cfg.block_size,
                            self.loaded.num_kv_heads, self.loaded.head_dim)
-        self.runner = ModelRunner(self.loaded.model, self.pool)
+        self.runner = ModelRunner(self.loaded.model, self.pool, cfg.decode_attention)
         self.runner.tile = cfg.invariant_tile
         threshold, self.kernel_threshold_source = resolve_threshold(cfg, self.loaded,
                                                                     backend_info())
@@ -281,9 +293,9 @@ class Engine:
                  self.pool.dtype, time.perf_counter() - t0)
         info = backend_info()
         log.info("model %s (%s weights) on %s, BLAS %s; KV pool %d blocks x %d tokens; "
-                 "context %d", self.loaded.name, self.loaded.weights, info["backend"],
-                 info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
-                 self.max_model_len)
+                 "context %d; decode attention: %s", self.loaded.name, self.loaded.weights,
+                 info["backend"], info.get("blas") or "bundled", cfg.num_kv_blocks,
+                 cfg.block_size, self.max_model_len, self.decode_attention)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

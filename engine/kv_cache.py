@@ -60,6 +60,10 @@ class KVPool:
         """Gather the keys and values at `slots` (in order) -> (kv_heads, len(slots), head_dim)."""
         return self._keys[layer][:, slots], self._values[layer][:, slots]
 
+    def layer(self, layer: int) -> tuple[mx.array, mx.array]:
+        """One layer's whole (keys, values) pool arrays, for kernels that read by block table."""
+        return self._keys[layer], self._values[layer]
+
     def read_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
         """Gather whole blocks (in order) -> (kv_heads, len(block_ids) * block_size, head_dim).
 

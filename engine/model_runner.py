@@ -3,7 +3,8 @@
 All of a step's token positions (prefill chunks and decode rows) are packed into one
 (1, rows, hidden) input, so each linear layer sees exactly the step's rows. Attention is done
 per sequence, reading its keys and values from the paged pool through its block table with its
-own causal offset. mlx-lm's modules provide the weights, norms, RoPE and activation; this file
+own causal offset (engine/attention.py: the native kernel for decode rows on the CPU, MLX ops
+otherwise). mlx-lm's modules provide the weights, norms, RoPE and activation; this file
 only routes the data. Logits are computed only for the rows that are sampled.
 """
 
@@ -16,7 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.attention import Span, attend, use_fused_attention
+from engine import native
+from engine.attention import attend_step, plan_step, use_fused_attention
+from engine.config import DECODE_ATTENTION
 from engine.kernels import apply_linear
 from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
@@ -69,7 +72,7 @@ class UnsupportedModelError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool):
+    def __init__(self, model, pool: KVPool, decode_attention: str = "auto"):
         self.model = model
         self.pool = pool
         inner = getattr(model, "model", None)
@@ -88,6 +91,7 @@ class ModelRunner:
         self.inner = inner
         self.layers = layers
         self.fused_attention = use_fused_attention()
+        self.attention_kernel = _decode_kernel(decode_attention, self.fused_attention)
         self.path = "gemm"
         self.tile = 16  # rows per call on the batch-invariant ("tiled") path
 
@@ -123,29 +127,21 @@ class ModelRunner:
     # ---- forward ---------------------------------------------------------------------------
     def _forward(self, groups: list[RowGroup]) -> tuple[mx.array | None, list[RowGroup]]:
         bs = self.pool.block_size
-        tokens, positions, write_slots, read_blocks, spans = [], [], [], [], []
-        row = ctx = 0
+        tokens, positions, write_slots, contexts = [], [], [], []
         for g in groups:
             tokens.extend(g.token_ids)
             positions.extend(range(g.start, g.start + g.num_rows))
             ctx_len = g.start + g.num_rows
             write_slots.append(_slots(g.block_table, ctx_len, bs)[g.start:])
-            # Contexts are gathered by whole blocks (cheaper than slot by slot); each starts at
-            # a block boundary of the gathered array and its span ignores the tail padding.
-            n_blocks = -(-ctx_len // bs)
-            read_blocks.extend(g.block_table[:n_blocks])
-            spans.append(Span(row, g.num_rows, ctx, ctx_len))
-            row += g.num_rows
-            ctx += n_blocks * bs
+            contexts.append((g.num_rows, ctx_len, g.block_table))
         write = mx.array(np.concatenate(write_slots))
-        read = mx.array(np.asarray(read_blocks, dtype=np.int64))
+        plan = plan_step(contexts, bs, native=self.attention_kernel is not None)
         pos = mx.array(positions, dtype=mx.int32)
         rows = len(tokens)
 
         x = self.inner.embed_tokens(mx.array(tokens)[None])  # (1, rows, hidden)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), pos, write, read,
-                                    spans, rows)
+            x = x + self._attention(i, layer, layer.input_layernorm(x), pos, write, plan, rows)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
 
         sampled = [g for g in groups if g.sample]
@@ -164,7 +160,7 @@ class ModelRunner:
             logits = apply_linear(self.inner.embed_tokens.as_linear, h, self.path, self.tile)
         return logits[0], sampled
 
-    def _attention(self, layer_index, layer, h, pos, write, read, spans, rows):
+    def _attention(self, layer_index, layer, h, pos, write, plan, rows):
         attn = layer.self_attn
         n_heads, n_kv = attn.n_heads, attn.n_kv_heads
         q = self.linear(attn.q_proj, h).reshape(rows, n_heads, -1)
@@ -177,8 +173,9 @@ class ModelRunner:
         k = attn.rope(k[:, :, None, :], offset=pos)[:, :, 0, :]
         self.pool.write(layer_index, write, k, v)
 
-        keys, values = self.pool.read_blocks(layer_index, read)  # every span's context
-        o = attend(q, keys, values, spans, attn.scale, self.fused_attention)
+        o = attend_step(q, plan, self.pool.layer(layer_index),
+                        lambda blocks: self.pool.read_blocks(layer_index, blocks), attn.scale,
+                        self.fused_attention, self.attention_kernel, self.pool.block_size)
         return self.linear(attn.o_proj, o[None])
 
     def _mlp(self, mlp, h):
@@ -222,6 +219,21 @@ class ModelRunner:
                 top = pairs[:want]
             out[g.seq_id] = Sample(ids_list[i], lp_list[i], top)
         return out
+
+
+def _decode_kernel(decode_attention: str, fused: bool):
+    """The native decode-attention op to use, or None for MLX ops (see engine/attention.py)."""
+    if decode_attention not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
+                         f"got {decode_attention!r}")
+    if decode_attention == "mlx" or (decode_attention == "auto" and fused):
+        return None
+    if fused:
+        raise ValueError("decode_attention 'native' runs on the CPU backend only")
+    kernel = native.paged_decode_attention()
+    if kernel is None and decode_attention == "native":
+        raise ValueError(f"decode_attention 'native': the kernel is {native.why_not()}")
+    return kernel
 
 
 def _sample_row(logprobs: mx.array, p: SamplingParams, output_index: int) -> mx.array:

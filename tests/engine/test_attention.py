@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
+import numpy as np
 import pytest
 
-from engine.attention import Span, attend
+from engine.attention import Span, attend, attend_step, plan_step
+from engine.kv_cache import KVPool
 
 
 def random_step(spans_shape, dtype, seed=0):
@@ -53,3 +57,160 @@ def test_causal_rows_do_not_see_later_positions():
     changed = attend(q, k2, v2, spans, 0.3, fused=False)
     assert mx.array_equal(full[:3], changed[:3]).item()
     assert not mx.array_equal(full[3], changed[3]).item()
+
+
+# ---- the native paged kernel (engine/native/) ----------------------------------------------
+
+def native_kernel():
+    """The kernel, or a skip outside CI (in CI, where setup builds it, its absence fails)."""
+    from engine import native
+
+    kernel = native.paged_decode_attention()
+    if kernel is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"native kernel {native.why_not()}")
+        pytest.skip(f"native kernel {native.why_not()}")
+    return kernel
+
+
+def fragmented_pool(lens, dtype, block_size=16, kv_heads=3, dim=64, seed=0):
+    """A pool with random contents and, per sequence, a block table of scattered blocks."""
+    rng = np.random.default_rng(seed)
+    need = sum(-(-n // block_size) for n in lens)
+    num_blocks = 3 * need + 4
+    pool = KVPool(1, num_blocks, block_size, kv_heads, dim)
+    fill = rng.standard_normal((num_blocks * block_size, kv_heads, dim)).astype(np.float32)
+    pool.write(0, mx.arange(num_blocks * block_size), mx.array(fill).astype(dtype),
+               mx.array(fill * 0.5 - 0.1).astype(dtype))
+    order = rng.permutation(num_blocks)  # a real pool is fragmented
+    tables, at = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append([int(b) for b in order[at:at + nb]])
+        at += nb
+    return pool, tables
+
+
+def table_array(tables, width=None):
+    width = width or max(map(len, tables))
+    out = np.zeros((len(tables), width), np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return mx.array(out)
+
+
+def numpy_reference(q, keys, values, lens, tables, scale, block_size):
+    """Float64 attention over each row's slots: an independent reference for the kernel."""
+    q = np.array(q.astype(mx.float32), np.float64)
+    k = np.array(keys.astype(mx.float32), np.float64)
+    v = np.array(values.astype(mx.float32), np.float64)
+    rows, heads, dim = q.shape
+    rep = heads // k.shape[0]
+    out = np.zeros((rows, heads, dim))
+    for r, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        slots = (np.array(table)[:, None] * block_size + np.arange(block_size)).reshape(-1)[:n]
+        for h in range(heads):
+            s = k[h // rep, slots] @ q[r, h] * scale
+            p = np.exp(s - s.max())
+            out[r, h] = (p / p.sum()) @ v[h // rep, slots]
+    return out.reshape(rows, heads * dim)
+
+
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-6), (mx.float16, 4e-3),
+                                       (mx.bfloat16, 3e-2)])
+def test_native_kernel_matches_float64_attention_over_fragmented_blocks(dtype, tol):
+    kernel = native_kernel()
+    lens = [1, 15, 16, 17, 40, 129, 300]
+    pool, tables = fragmented_pool(lens, dtype)
+    q = mx.random.normal((len(lens), 9, 64), key=mx.random.key(1)).astype(dtype)
+    out = kernel(q, *pool.layer(0), table_array(tables), mx.array(lens), 0.125, 16)
+    assert out.shape == (len(lens), 9 * 64) and out.dtype == dtype
+    ref = numpy_reference(q, *pool.layer(0), lens, tables, 0.125, 16)
+    assert np.max(np.abs(np.array(out.astype(mx.float32)) - ref)) < tol
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_native_kernel_is_close_to_the_mlx_ops_path(dtype):
+    kernel = native_kernel()
+    lens = [5, 33, 64, 200]
+    pool, tables = fragmented_pool(lens, dtype, seed=3)
+    q = mx.random.normal((len(lens), 9, 64), key=mx.random.key(2)).astype(dtype)
+    plan_native = plan_step([(1, n, t) for n, t in zip(lens, tables, strict=True)], 16, True)
+    plan_ops = plan_step([(1, n, t) for n, t in zip(lens, tables, strict=True)], 16, False)
+    assert plan_native.native_rows == 4 and plan_ops.native_rows == 0
+
+    def run(plan, k):
+        return attend_step(q, plan, pool.layer(0), lambda b: pool.read_blocks(0, b), 0.125,
+                           False, k, 16)
+
+    a, b = run(plan_native, kernel), run(plan_ops, None)
+    delta = mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
+    # Two different computations: close (in float16 the rounding to the dtype hides the
+    # different order of the sums altogether here)
+    assert delta < (1e-6 if dtype == mx.float32 else 2e-3)
+
+
+def test_native_kernel_gives_a_row_the_same_bits_alone_and_with_any_company():
+    kernel = native_kernel()
+    lens = [3, 300, 17, 64, 129, 1, 48]
+    pool, tables = fragmented_pool(lens, mx.float32, seed=5)
+    q = mx.random.normal((len(lens), 9, 64), key=mx.random.key(3))
+    k, v = pool.layer(0)
+    together = kernel(q, k, v, table_array(tables), mx.array(lens), 0.125, 16)
+    for i, n in enumerate(lens):
+        alone = kernel(q[i:i + 1], k, v, table_array([tables[i]]), mx.array([n]), 0.125, 16)
+        # a wider table than the row needs (a longer batch-mate) must not matter either
+        wide = kernel(q[i:i + 1], k, v, table_array([tables[i]], 40), mx.array([n]), 0.125, 16)
+        assert mx.array_equal(alone, together[i:i + 1]).item()
+        assert mx.array_equal(wide, alone).item()
+
+
+def test_a_mixed_step_puts_native_decode_rows_and_prefill_spans_back_in_row_order():
+    kernel = native_kernel()
+    # (rows, context): decode, prefill chunk, decode, prefill of a whole prompt, decode
+    shape = [(1, 40), (12, 52), (1, 7), (5, 5), (1, 129)]
+    pool, tables = fragmented_pool([c for _, c in shape], mx.float32, seed=7)
+    rows = sum(r for r, _ in shape)
+    q = mx.random.normal((rows, 9, 64), key=mx.random.key(4))
+    contexts = [(r, c, t) for (r, c), t in zip(shape, tables, strict=True)]
+    plan = plan_step(contexts, 16, native=True)
+    assert plan.native_rows == 3 and len(plan.spans) == 2 and plan.order is not None
+    out = attend_step(q, plan, pool.layer(0), lambda b: pool.read_blocks(0, b), 0.125, False,
+                      kernel, 16)
+    row = 0
+    for (r, c), t in zip(shape, tables, strict=True):
+        if r == 1:
+            alone = kernel(q[row:row + 1], *pool.layer(0), table_array([t]), mx.array([c]),
+                           0.125, 16)
+        else:
+            keys, values = pool.read_blocks(0, mx.array(t))
+            alone = attend(q[row:row + r], keys, values, [Span(0, r, 0, c)], 0.125, fused=False)
+        assert mx.array_equal(out[row:row + r], alone).item()
+        row += r
+
+
+def test_native_kernel_refuses_bad_tables_and_shapes_with_errors():
+    kernel = native_kernel()
+    pool, tables = fragmented_pool([20], mx.float32)
+    k, v = pool.layer(0)
+    q = mx.zeros((1, 9, 64))
+    with pytest.raises(RuntimeError, match="block id is out of range"):
+        mx.eval(kernel(q, k, v, mx.array([[0, 10**6]], dtype=mx.int32), mx.array([20]), 0.1, 16))
+    with pytest.raises(RuntimeError, match="context length is out of range"):
+        mx.eval(kernel(q, k, v, table_array(tables), mx.array([0]), 0.1, 16))
+    with pytest.raises(ValueError, match="block_tables must be"):
+        kernel(q, k, v, table_array(tables + tables), mx.array([20]), 0.1, 16)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel(q.astype(mx.float16), k, v, table_array(tables), mx.array([20]), 0.1, 16)
+
+
+def test_decode_attention_setting_is_checked():
+    from engine.config import EngineConfig
+    from engine.model_runner import _decode_kernel
+
+    with pytest.raises(ValueError, match="decode_attention must be one of"):
+        EngineConfig(decode_attention="fast")
+    assert _decode_kernel("mlx", fused=False) is None
+    assert _decode_kernel("auto", fused=True) is None  # GPU: MLX's fused attention
+    with pytest.raises(ValueError, match="CPU backend only"):
+        _decode_kernel("native", fused=True)
