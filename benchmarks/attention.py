@@ -5,11 +5,12 @@ Two measurements, each interleaved round by round so that machine noise hits all
 
 1. One layer's attention for C decode rows (SmolLM2-135M shapes, contexts of 52-152 tokens, as in
    benchmarks/engine_batching.py after 32 tokens): gathering the contexts from the paged pool
-   slot by slot and block by block, the engine's exact per-sequence attention, and mlx-lm's
-   way (a contiguous padded cache, one fused call with a mask), with the largest difference
-   between the two outputs.
-2. A whole decode step of the real model at C rows: the engine's forward, the same with
-   attention left out, and mlx-lm's batched forward on a BatchKVCache.
+   slot by slot and block by block, the engine's per-sequence attention in MLX ops, the native
+   paged kernel (engine/native/, reads the pool directly), and mlx-lm's way (a contiguous
+   padded cache, one fused call with a mask), with the largest differences between outputs.
+2. A whole decode step of the real model at C rows: the engine's forward with the native kernel
+   and with MLX ops, the same with attention left out, and mlx-lm's batched forward on a
+   BatchKVCache.
 
     .venv/bin/python benchmarks/attention.py [--weights f32] [--concurrency 4 8 16] [--rounds 15]
 """
@@ -30,6 +31,7 @@ from mlx_lm.models.cache import BatchKVCache
 # isort: on
 
 import engine.model_runner as model_runner
+from engine import native
 from engine.attention import Span, attend
 from engine.kv_cache import KVPool
 from engine.model_loader import load_model
@@ -93,14 +95,31 @@ def layer_attention(c: int, rounds: int, heads=9, kv_heads=3, dim=64, num_blocks
     def padded():
         return mx.fast.scaled_dot_product_attention(q4, kpad, vpad, scale=scale, mask=mask)
 
-    delta = mx.max(mx.abs(engine_path() - padded().reshape(c, heads * dim))).item()
+    kernel = native.paged_decode_attention()
+    width = max(-(-n // BLOCK) for n in lens)
+    table = np.zeros((c, width), np.int32)
+    at = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // BLOCK)
+        table[i, :nb] = tables[at:at + nb]
+        at += nb
+    table, ctx_lens = mx.array(table), mx.array(np.asarray(lens, np.int32))
+
+    def native_path():
+        return kernel(q, *pool.layer(0), table, ctx_lens, scale, BLOCK)
+
+    ops = engine_path()
+    deltas = {"MLX-ops path vs padded": mx.max(mx.abs(ops - padded().reshape(c, heads * dim)))}
     variants = {
         "gather by slot": lambda: mx.eval(pool.read(0, slots)),
         "gather by block": lambda: mx.eval(pool.read_blocks(0, blocks)),
-        "engine: gather + exact attention": lambda: mx.eval(engine_path()),
+        "engine, MLX ops: gather + exact attention": lambda: mx.eval(engine_path()),
         "mlx-lm: padded fused attention": lambda: mx.eval(padded()),
     }
-    return timed_rounds(variants, rounds), delta
+    if kernel is not None:
+        deltas["native kernel vs MLX-ops path"] = mx.max(mx.abs(native_path() - ops))
+        variants["engine, native paged kernel"] = lambda: mx.eval(native_path())
+    return timed_rounds(variants, rounds), {k: v.item() for k, v in deltas.items()}
 
 
 def decode_step(loaded, c: int, rounds: int):
@@ -111,7 +130,8 @@ def decode_step(loaded, c: int, rounds: int):
     lens = context_lengths(c)
     pool = KVPool(loaded.num_layers, 1024, BLOCK, args.num_key_value_heads,
                   args.hidden_size // args.num_attention_heads)
-    runner = ModelRunner(model, pool)
+    runner = ModelRunner(model, pool, "auto")
+    mlx_ops = ModelRunner(model, pool, "mlx")
     groups, prefill, next_block = [], [], 0
     for i, n in enumerate(lens):
         nb = -(-(n + 1) // BLOCK)
@@ -132,21 +152,23 @@ def decode_step(loaded, c: int, rounds: int):
             cache._idx -= 1
             cache.offset = cache.offset - 1
 
-    real_attend = model_runner.attend
+    real_attend = model_runner.attend_step
 
     def without_attention():
-        def skip(q, keys, values, spans, scale, fused):
+        def skip(q, *args):
             return q.reshape(q.shape[0], -1)
 
-        model_runner.attend = skip
+        model_runner.attend_step = skip
         try:
             runner.run(groups)
         finally:
-            model_runner.attend = real_attend
+            model_runner.attend_step = real_attend
 
-    variants = {"engine step": lambda: runner.run(groups),
-                "engine step without attention": without_attention,
-                "mlx-lm batched step": mlx_lm_step}
+    variants = {"engine step": lambda: runner.run(groups)}
+    if runner.attention_kernel is not None:
+        variants["engine step, MLX-ops attention"] = lambda: mlx_ops.run(groups)
+    variants |= {"engine step without attention": without_attention,
+                 "mlx-lm batched step": mlx_lm_step}
     return timed_rounds(variants, rounds)
 
 
@@ -166,13 +188,16 @@ def main() -> int:
     args = ap.parse_args()
 
     loaded = load_model("embedded", args.weights)
+    kernel = "built" if native.paged_decode_attention() else f"unavailable: {native.why_not()}"
     out = [f"Model {loaded.name}, weights {loaded.weights}, backend {mx.default_device()}; "
-           f"{args.rounds} interleaved rounds; contexts of 52-152 tokens.", ""]
+           f"{args.rounds} interleaved rounds; contexts of 52-152 tokens; native kernel {kernel}.",
+           ""]
     for c in args.concurrency:
         print(f"# {c} decode rows: one layer's attention...", file=sys.stderr, flush=True)
-        layer, delta = layer_attention(c, args.rounds)
-        out += [f"### {c} decode rows", ""] + table("one layer", layer)
-        out += ["", f"Largest |engine - padded| in the attention output: {delta:.2e}", ""]
+        layer, deltas = layer_attention(c, args.rounds)
+        out += [f"### {c} decode rows", ""] + table("one layer", layer) + [""]
+        out += [f"Largest |difference| in the attention output, {name}: {d:.2e}"
+                for name, d in deltas.items()] + [""]
         print(f"# {c} decode rows: whole step...", file=sys.stderr, flush=True)
         step = decode_step(loaded, c, args.rounds)
         ratio = min(step["mlx-lm batched step"]) / min(step["engine step"])
