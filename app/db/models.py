@@ -60,7 +60,7 @@ class Run(Base):
     session_id: Mapped[int | None] = mapped_column(
         ForeignKey("engine_sessions.id", ondelete="SET NULL"), index=True)
     created_at: Mapped[float] = mapped_column(Float)
-    source: Mapped[str] = mapped_column(String(20))  # playground | api | cli | bench
+    source: Mapped[str] = mapped_column(String(20))  # playground | api | cli | bench | divergence
     endpoint: Mapped[str] = mapped_column(String(20))  # completions | chat
     model: Mapped[str] = mapped_column(String(200))
     weights: Mapped[str] = mapped_column(String(50))
@@ -197,3 +197,29 @@ class BenchmarkRun(Base):
     requests_json: Mapped[list] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_benchmark_runs_created_at", "created_at"),)
+
+
+class DivergenceExperiment(Base):
+    """One finished (or failed) divergence experiment (engine/divergence.py): its parameters,
+    the verdict, and the whole record the /divergence page renders. Its two sides are runs
+    (source "divergence"); a failed experiment has no runs, only its error."""
+
+    __tablename__ = "divergence_experiments"
+
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(20))  # web | cli
+    status: Mapped[str] = mapped_column(String(20))  # done | error
+    prompt_text: Mapped[str] = mapped_column(Text)
+    params_json: Mapped[dict] = mapped_column(JSON)
+    run_a_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    run_b_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    verdict: Mapped[str | None] = mapped_column(String(20))  # identical | same_tokens | forked
+    verdict_text: Mapped[str | None] = mapped_column(Text)  # the record's sentence
+    fork_token_index: Mapped[int | None] = mapped_column(Integer)  # first differing token
+    error: Mapped[str | None] = mapped_column(Text)
+    record_json: Mapped[dict | None] = mapped_column(NullableJSON)
+
+    __table_args__ = (Index("ix_divergence_experiments_created_at", "created_at"),)

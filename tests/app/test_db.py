@@ -9,6 +9,7 @@ import sqlite3
 import stat
 
 import pytest
+import sqlalchemy.exc
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from app.db import Database, DatabaseError, Recorder, open_database
 from app.db.cli import add_db_commands
-from app.db.database import alembic_config
+from app.db.database import alembic_config, create_sqlite_engine, run_migrations
 from app.db.models import Base
 from app.db.queries import distinct_values, get_run, list_runs, run_metrics
 from engine.events import FinishEvent, TokenEvent
@@ -84,7 +85,8 @@ def test_open_creates_and_migrates_to_head(tmp_path):
     with open_database(tmp_path / "new.db") as db:
         assert current_revision(db) == head_revision()
         tables = set(inspect(db.engine).get_table_names())
-        assert {"engine_sessions", "runs", "run_tokens", "steps", "step_entries"} <= tables
+        assert {"engine_sessions", "runs", "run_tokens", "steps", "step_entries",
+                "benchmark_runs", "divergence_experiments"} <= tables
         with db.read() as conn:
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
@@ -101,6 +103,43 @@ def test_reopening_is_idempotent_and_keeps_data(tmp_path):
             with db.read() as conn:
                 rows = conn.exec_driver_sql("SELECT id, config_json FROM engine_sessions").all()
             assert rows == [(session_id, '{"max_num_seqs": 4}')]
+
+
+def test_upgrade_from_0002_adds_divergence_experiments_and_keeps_runs(tmp_path):
+    path = tmp_path / "old.db"
+    engine = create_sqlite_engine(path)
+    try:
+        run_migrations(engine, "0002")  # a database written before divergence experiments
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO runs (id, created_at, source, endpoint, model, weights, "
+                "kernel_policy, prompt_text, prompt_token_ids_json, params_json, status, "
+                "output_text, prompt_tokens, completion_tokens, queued_at) VALUES ('old-run', "
+                "1.0, 'api', '/v1/completions', 'm', 'q4', 'gemm', 'hi', '[1]', '{}', "
+                "'finished', 'there', 1, 1, 1.0)")
+        assert "divergence_experiments" not in inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+    with open_database(path) as db:
+        assert current_revision(db) == head_revision()
+        columns = {c["name"] for c in inspect(db.engine).get_columns("divergence_experiments")}
+        assert {"id", "created_at", "started_at", "finished_at", "status", "params_json",
+                "run_a_id", "run_b_id", "verdict", "fork_token_index", "error",
+                "record_json"} <= columns
+        foreign = inspect(db.engine).get_foreign_keys("divergence_experiments")
+        assert sorted(fk["constrained_columns"][0] for fk in foreign) == ["run_a_id", "run_b_id"]
+        assert {fk["referred_table"] for fk in foreign} == {"runs"}
+        with db.read() as conn:
+            assert conn.exec_driver_sql("SELECT output_text FROM runs").scalar() == "there"
+        insert = ("INSERT INTO divergence_experiments (id, created_at, source, status, "
+                  "prompt_text, params_json, run_a_id, run_b_id) VALUES (?, 1.0, 'web', 'done', "
+                  "'hi', '{}', ?, ?)")
+        with db.write_engine.begin() as conn:
+            conn.exec_driver_sql(insert, ("d1", "old-run", "old-run"))
+        # The run ids are foreign keys: a missing run is refused.
+        with pytest.raises(sqlalchemy.exc.IntegrityError):
+            with db.write_engine.begin() as conn:
+                conn.exec_driver_sql(insert, ("d2", "no-such-run", None))
 
 
 def test_schema_matches_models(db):
