@@ -9,13 +9,18 @@ step wrote each cached position on each side, and where the keys/values first di
 
 The server's own engine is busy serving, so experiments run in one worker thread with engines
 of their own (they load the same model: fine on this machine), one experiment at a time.
-Results are kept in memory on app.state, the latest MAX_KEEP; persisting them (the runs
-database) is left for later.
+Queued and running experiments live in memory on app.state (the Lab). A finished or failed one
+is written to the runs database by the worker thread (app/divergence_store.py: the record, and
+its two sides as runs with their tokens, shown on /runs and /compare), then dropped from memory:
+the page lists and loads it from the database, so it survives a restart. Without a database
+(or when writing fails) finished experiments stay in memory, the latest MAX_KEEP, and the page
+says so.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import queue
 import threading
@@ -24,17 +29,22 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from app import divergence_store as store
 from app.api import error_body
 from app.pages import _error, _html, _page, _read_form, _wants_json
 from engine.config import WEIGHT_FORMATS
 from engine.divergence import DivergenceRunner, SideConfig, timeline
 from engine.kernels import POLICIES
 
-MAX_KEEP = 32  # finished experiments kept
+log = logging.getLogger("batchscope.divergence")
+
+MAX_KEEP = 32  # finished experiments kept in memory (without a database)
+MAX_LISTED = 100  # saved experiments listed on the page
 MAX_PENDING = 4  # queued or running; more get a 503
 MAX_PROMPT_CHARS = 4000
 MAX_TOKENS_LIMIT = 256
@@ -54,11 +64,13 @@ class LabBusy(RuntimeError):
 
 
 class Lab:
-    """Experiments by id (queued, running, finished) and the worker thread that runs them."""
+    """Experiments by id (queued, running; finished ones without a database) and the worker
+    thread that runs them and saves what finishes into `database` (None: memory only)."""
 
-    def __init__(self, model: str = "embedded", loader: Any = None):
+    def __init__(self, model: str = "embedded", loader: Any = None, database: Any = None):
         self.model = model
         self.loader = loader  # weights -> LoadedModel; None: the engine's loader (tests: tiny)
+        self.database = database
         self._items: OrderedDict[str, dict] = OrderedDict()
         self._lock = threading.Lock()
         self._queue: queue.Queue[str] = queue.Queue()
@@ -71,9 +83,7 @@ class Lab:
             if pending >= MAX_PENDING:
                 raise LabBusy(f"{pending} experiments are queued or running; try again later")
             exp_id = self._new_id()
-            self._items[exp_id] = {"id": exp_id, "status": "queued", "created": time.time(),
-                                   "started": None, "finished": None, "params": params,
-                                   "progress": [], "record": None, "error": None}
+            self._items[exp_id] = _entry(exp_id, "queued", params)
             self._trim()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name="batchscope-divergence",
@@ -87,13 +97,13 @@ class Lab:
         with self._lock:
             exp_id = self._new_id()
             now = time.time()
-            self._items[exp_id] = {"id": exp_id, "status": "done", "created": now,
-                                   "started": now, "finished": now, "params": params or {},
-                                   "progress": [], "record": record, "error": None}
-            self._trim()
+            self._items[exp_id] = _entry(exp_id, "done", params or {}, started=now,
+                                         finished=now, record=record)
+        self._finished(exp_id)
         return exp_id
 
     def get(self, exp_id: str) -> dict | None:
+        """An experiment held in memory (not one already saved: see store.get_experiment)."""
         with self._lock:
             entry = self._items.get(exp_id)
             return None if entry is None else {**entry, "progress": list(entry["progress"])}
@@ -102,6 +112,24 @@ class Lab:
         with self._lock:
             entries = list(self._items.values())
         return [_summary(e) for e in reversed(entries)]
+
+    def _finished(self, exp_id: str) -> None:
+        """Save a finished or failed experiment, then let the database hold it; kept in memory
+        when there is no database or the write fails (the page shows why)."""
+        if self.database is not None:
+            entry = self.get(exp_id)
+            try:
+                store.save_experiment(self.database, entry)
+            except Exception as e:  # kept in memory instead; the worker carries on
+                log.error("divergence experiment %s not saved: %s", exp_id, e)
+                self._update(exp_id, save_error=str(e))
+            else:
+                # Dropped only once committed: a reader finds it in memory or in the database.
+                with self._lock:
+                    self._items.pop(exp_id, None)
+                return
+        with self._lock:
+            self._trim()
 
     def _new_id(self) -> str:
         return f"div-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
@@ -141,6 +169,14 @@ class Lab:
             except Exception as e:  # shown on the page; the worker carries on
                 self._update(exp_id, status="error", finished=time.time(),
                              error=f"{type(e).__name__}: {e}")
+            self._finished(exp_id)
+
+
+def _entry(exp_id: str, status: str, params: dict, **fields: Any) -> dict:
+    """An experiment as the Lab holds it (store.get_experiment returns the same shape)."""
+    return {"id": exp_id, "status": status, "created": time.time(), "started": None,
+            "finished": None, "params": params, "progress": [], "record": None, "error": None,
+            "source": "web", "runs": None, "saved": False, "save_error": None, **fields}
 
 
 def _summary(e: dict) -> dict:
@@ -150,10 +186,13 @@ def _summary(e: dict) -> dict:
     def label(s: str) -> str | None:
         return params.get(s, {}).get("label") or sides.get(s, {}).get("label")
 
-    return {"id": e["id"], "status": e["status"], "created": e["created"],
-            "prompt": (params.get("prompt") or record.get("prompt") or "")[:80],
+    return {"id": e["id"], "status": e["status"], "created": e["created"], "source": "web",
+            "prompt": (params.get("prompt") or record.get("prompt") or "")[:store.PROMPT_PREVIEW],
             "a": label("a"), "b": label("b"),
-            "verdict": record.get("verdict") or e["error"]}
+            "verdict": record.get("verdict") or e["error"],
+            "verdict_kind": store.verdict_kind(record) if e["record"] else None,
+            "fork_token_index": (record.get("fork") or {}).get("token_index"), "runs": None,
+            "saved": False}
 
 
 def lab_for(app: Any) -> Lab:
@@ -161,7 +200,9 @@ def lab_for(app: Any) -> Lab:
     if lab is None:
         settings = getattr(app.state, "settings", None)
         model = settings.engine.model if settings is not None else "embedded"
-        lab = app.state.divergence_lab = Lab(model, getattr(app.state, "divergence_loader", None))
+        recorder = getattr(app.state, "recorder", None)  # the runs database, if any
+        lab = app.state.divergence_lab = Lab(model, getattr(app.state, "divergence_loader", None),
+                                             getattr(recorder, "database", None))
     return lab
 
 
@@ -322,12 +363,21 @@ def _what(first: int, last: int, prompt_tokens: int) -> str:
 
 
 # ---- views ---------------------------------------------------------------------------------
-def _context(request: Request, form: dict, errors: dict, entry: dict | None) -> dict:
+async def _context(request: Request, form: dict, errors: dict, entry: dict | None) -> dict:
     lab = lab_for(request.app)
+    experiments = lab.recent()
+    total_saved = None
+    if lab.database is not None:
+        saved = await anyio.to_thread.run_sync(store.list_experiments, lab.database, MAX_LISTED)
+        total_saved = saved["total"]
+        held = {e["id"] for e in experiments}  # just saved, not yet dropped from memory
+        experiments += [e for e in saved["experiments"] if e["id"] not in held]
+        experiments.sort(key=lambda e: e["created"], reverse=True)
     context: dict[str, Any] = {
         "form": form, "errors": errors, "weights_choices": list(WEIGHT_FORMATS),
         "policies": list(POLICIES), "max_tokens_limit": MAX_TOKENS_LIMIT,
-        "experiments": lab.recent(), "experiment": None, "view": None}
+        "persisted": lab.database is not None, "saved_total": total_saved,
+        "max_keep": MAX_KEEP, "experiments": experiments, "experiment": None, "view": None}
     if entry is not None:
         context["experiment"] = entry
         if entry["record"] is not None:
@@ -340,14 +390,18 @@ async def divergence(request: Request) -> Response:
     entry = None
     form = dict(DEFAULT_FORM)
     if exp_id:
-        entry = lab_for(request.app).get(exp_id)
+        lab = lab_for(request.app)
+        entry = lab.get(exp_id)  # queued, running, or kept in memory
+        if entry is None and lab.database is not None:
+            entry = await anyio.to_thread.run_sync(store.get_experiment, lab.database, exp_id)
         if entry is None:
-            return _error(request, 404, f"no divergence experiment {exp_id!r} (results are "
-                                        "kept in memory: a restarted server has none)", "id",
-                          "not_found")
+            where = ("" if lab.database is not None else " (no database: results are kept in "
+                     "memory only, and a restarted server has none)")
+            return _error(request, 404, f"no divergence experiment {exp_id[:100]!r}{where}",
+                          "id", "not_found")
         if entry["params"]:
             form = form_values(entry["params"])
-    return _page(request, "divergence.html", _context(request, form, {}, entry))
+    return _page(request, "divergence.html", await _context(request, form, {}, entry))
 
 
 async def start_divergence(request: Request) -> Response:
@@ -360,7 +414,8 @@ async def start_divergence(request: Request) -> Response:
             name, message = next(iter(errors.items()))
             return JSONResponse(error_body(message, param=name, code="invalid_value"), 400)
         values = {**DEFAULT_FORM, **{k: v for k, v in form.items() if k in DEFAULT_FORM}}
-        return _html(request, "divergence.html", _context(request, values, errors, None), 400)
+        return _html(request, "divergence.html", await _context(request, values, errors, None),
+                     400)
     try:
         exp_id = lab_for(request.app).submit(params)
     except LabBusy as e:

@@ -1,0 +1,204 @@
+"""Divergence experiments in the runs database: an experiment run through the page is saved with
+its two sides as runs (their tokens equal to the record's), a new app over the same file lists
+and shows it, a failed one is saved with its error, and bad ids are 404s."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import pytest
+from bs4 import BeautifulSoup
+from starlette.testclient import TestClient
+
+from app import divergence_store
+from app.db.database import DatabaseError
+from app.divergence_page import lab_for
+from app.main import create_app
+from app.settings import Settings
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.testing import tiny_model
+from tests.live_server import sqlite_recorder
+
+JSON = {"accept": "application/json"}
+FORM = {"prompt": "Hello <b>world</b>", "max_tokens": "6", "top_k": "3",
+        "a_weights": "f32", "a_policy": "gemm", "a_threshold": "1", "a_alongside": "20",
+        "a_join": "0", "a_others_tokens": "4",
+        "b_weights": "bf16", "b_policy": "gemv", "b_threshold": "1", "b_alongside": "",
+        "b_join": "0", "b_others_tokens": "4"}
+
+
+def two_models(weights: str):
+    """A different random model on side B ("bf16" here): the sides fork."""
+    return tiny_model(seed=0 if weights == "f32" else 1, quantize=False)
+
+
+def broken_loader(weights: str):
+    raise RuntimeError(f"no {weights} weights on this shelf")
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return tmp_path / "runs.db"
+
+
+def open_client(db_path, loader=two_models) -> TestClient:
+    """An app recording into db_path (None: without a database); enter it with `with`."""
+    factory = sqlite_recorder(db_path) if db_path is not None else None
+    app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128)),
+                     engine_factory=lambda config: Engine(config, loader=tiny_model),
+                     recorder_factory=factory)
+    app.state.divergence_loader = loader  # read when the lab is first made
+    # Form posts come from the page itself (app/security.py's CSRF rule).
+    return TestClient(app, headers={"origin": "http://testserver"})
+
+
+def run_and_wait(client: TestClient, form: dict = FORM) -> dict:
+    r = client.post("/divergence", data=form, follow_redirects=False)
+    assert r.status_code == 303, r.text[:300]
+    exp_id = r.headers["location"].split("id=")[1]
+    deadline = time.time() + 120
+    while True:
+        entry = client.get(f"/divergence.json?id={exp_id}").json()["experiment"]
+        # Finished, and then saved (or not, with the reason).
+        if entry["status"] in ("done", "error") and (entry["saved"] or entry["save_error"]):
+            return entry
+        assert time.time() < deadline, entry
+        time.sleep(0.05)
+
+
+def rows(db_path, sql: str, *args) -> list[sqlite3.Row]:
+    conn = sqlite3.connect(db_path)
+    conn.row_factory = sqlite3.Row
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
+
+
+def test_a_finished_experiment_is_saved_with_its_two_runs_and_survives_a_restart(db_path):
+    with open_client(db_path) as client:
+        entry = run_and_wait(client)
+        assert entry["status"] == "done" and entry["saved"], entry["save_error"]
+        exp_id, record = entry["id"], entry["record"]
+        assert record["fork"] is not None, record["verdict"]  # two different models
+        assert lab_for(client.app).get(exp_id) is None  # the database holds it now
+        runs = entry["runs"]
+        assert runs == {"a": f"{exp_id}-a", "b": f"{exp_id}-b"}
+
+        # The experiment's row refers to its two runs; the runs hold the sides' tokens.
+        (row,) = rows(db_path, "SELECT * FROM divergence_experiments WHERE id = ?", exp_id)
+        assert (row["run_a_id"], row["run_b_id"]) == (runs["a"], runs["b"])
+        assert row["status"] == "done" and row["source"] == "web"
+        assert row["verdict"] == "forked" and row["verdict_text"] == record["verdict"]
+        assert row["fork_token_index"] == record["fork"]["token_index"]
+        assert row["prompt_text"] == FORM["prompt"] and row["error"] is None
+        for s in ("a", "b"):
+            side = record["sides"][s]
+            (run,) = rows(db_path, "SELECT * FROM runs WHERE id = ?", runs[s])
+            assert run["source"] == "divergence" and run["status"] == "finished"
+            assert run["weights"] == side["weights"] and run["output_text"] == side["text"]
+            assert run["completion_tokens"] == len(side["token_ids"]) == 6
+            tokens = rows(db_path, "SELECT token_id, text FROM run_tokens WHERE run_id = ? "
+                                   "ORDER BY idx", runs[s])
+            assert [t["token_id"] for t in tokens] == side["token_ids"]
+            # Text held back (a partial character) comes only with the finish, as when serving.
+            assert side["text"].startswith("".join(t["text"] for t in tokens))
+        a_tokens = record["sides"]["a"]["token_ids"]
+        assert a_tokens != record["sides"]["b"]["token_ids"]
+
+        # The runs show on /runs and /runs/{id}, and /compare finds the fork.
+        listed = client.get("/runs.json").json()["runs"]
+        assert {r["id"] for r in listed} >= {runs["a"], runs["b"]}
+        run_a = client.get(f"/runs/{runs['a']}.json").json()
+        assert [t["token_id"] for t in run_a["tokens"]] == a_tokens
+        assert run_a["kernel_policy"] == "gemm" and run_a["params"]["alongside"] == [20]
+        compared = client.get(f"/compare.json?a={runs['a']}&b={runs['b']}").json()
+        assert compared["first_difference"] == record["fork"]["token_index"]
+        assert "kernel_policy" in compared["params_differing"]
+
+        page = BeautifulSoup(client.get(f"/divergence?id={exp_id}").text, "html.parser")
+        links = page.find("p", class_="div-runs")
+        assert links.find("a", attrs={"data-side": "a"})["href"] == f"/runs/{runs['a']}"
+        assert links.find("a", attrs={"data-side": "b"})["href"] == f"/runs/{runs['b']}"
+        assert links.find("a", class_="compare")["href"] == \
+            f"/compare?a={runs['a']}&b={runs['b']}"
+        assert page.find(class_="storage")["data-persisted"] == "true"
+
+    # A new app over the same file: no experiment in memory, all of it from the database.
+    with open_client(db_path) as client:
+        listing = client.get("/divergence.json").json()
+        assert listing["persisted"] is True and listing["saved_total"] == 1
+        (summary,) = listing["experiments"]
+        assert summary["id"] == exp_id and summary["verdict"] == record["verdict"]
+        assert summary["runs"] == runs and summary["a"] == record["sides"]["a"]["label"]
+        again = client.get(f"/divergence.json?id={exp_id}").json()
+        assert again["experiment"]["record"]["sides"]["b"]["token_ids"] == \
+            record["sides"]["b"]["token_ids"]
+        assert again["view"]["fork_token"] == record["fork"]["token_index"]
+        page = BeautifulSoup(client.get(f"/divergence?id={exp_id}").text, "html.parser")
+        assert page.find(class_="verdict").get_text(strip=True) == record["verdict"]
+        assert page.find("tr", attrs={"data-id": exp_id}) is not None
+        # The form is filled with the saved experiment's settings.
+        form = page.find("form", class_="div-form")
+        assert form.find("input", attrs={"name": "a_alongside"})["value"] == "20"
+
+
+def test_a_failed_experiment_is_saved_with_its_error(db_path):
+    with open_client(db_path, loader=broken_loader) as client:
+        entry = run_and_wait(client)
+        assert entry["status"] == "error" and entry["saved"]
+        assert "no f32 weights on this shelf" in entry["error"]
+        assert entry["runs"] is None and entry["record"] is None
+    (row,) = rows(db_path, "SELECT * FROM divergence_experiments")
+    assert row["status"] == "error" and "no f32 weights on this shelf" in row["error"]
+    assert row["run_a_id"] is None and row["record_json"] is None
+    assert rows(db_path, "SELECT id FROM runs") == []
+    with open_client(db_path) as client:
+        page = BeautifulSoup(client.get(f"/divergence?id={row['id']}").text, "html.parser")
+        assert "no f32 weights on this shelf" in page.find(class_="error-message").get_text()
+
+
+def test_a_failed_write_keeps_the_experiment_in_memory(db_path, monkeypatch):
+    def refuse(db, entry, origin="web"):
+        raise DatabaseError("cannot record the divergence experiment: disk full")
+
+    monkeypatch.setattr(divergence_store, "save_experiment", refuse)
+    with open_client(db_path) as client:
+        entry = run_and_wait(client)
+        assert entry["status"] == "done" and not entry["saved"]
+        assert "disk full" in entry["save_error"]
+        page = BeautifulSoup(client.get(f"/divergence?id={entry['id']}").text, "html.parser")
+        assert "disk full" in page.find(class_="save-error").get_text()
+    assert rows(db_path, "SELECT id FROM divergence_experiments") == []
+
+
+@pytest.mark.parametrize("persisted", [True, False])
+def test_an_unknown_id_is_a_404(db_path, persisted):
+    with open_client(db_path if persisted else None) as client:
+        for bad in ("nope", "div-1-abcdef", "' OR 1=1 --", "x" * 5000, "%00"):
+            r = client.get("/divergence", params={"id": bad})
+            assert r.status_code == 404 and r.headers["content-type"].startswith("text/html")
+            r = client.get("/divergence.json", params={"id": bad})
+            assert r.status_code == 404
+            error = r.json()["error"]
+            assert error["param"] == "id" and error["code"] == "not_found"
+            assert ("no database" in error["message"]) is not persisted
+        listing = client.get("/divergence.json").json()
+        assert listing["persisted"] is persisted
+        page = BeautifulSoup(client.get("/divergence").text, "html.parser")
+        assert page.find(class_="storage")["data-persisted"] == str(persisted).lower()
+
+
+def test_without_a_database_finished_experiments_stay_in_memory():
+    with open_client(None) as client:
+        r = client.post("/divergence", data=FORM, follow_redirects=False)
+        exp_id = r.headers["location"].split("id=")[1]
+        deadline = time.time() + 120
+        while (entry := client.get(f"/divergence.json?id={exp_id}").json()["experiment"]
+               )["status"] not in ("done", "error"):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert entry["status"] == "done" and not entry["saved"] and entry["runs"] is None
+        assert lab_for(client.app).get(exp_id) is not None
