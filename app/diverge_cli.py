@@ -23,6 +23,8 @@ examples:
       --b policy=auto,threshold=4,alongside=120,join=8
   # how often does it fork here? 20 built-in prompts, or one prompt a line from FILE
   batchscope diverge --search --a policy=gemm --b policy=gemv
+  # save it in the server's runs database: listed at /divergence, its sides at /runs
+  batchscope diverge "Once upon a time" --a policy=gemm --b policy=gemv --db batchscope.db
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+import uuid
 from typing import Any
 
 WEIGHTS = ["auto", "q4", "f32", "bf16"]
@@ -64,6 +68,10 @@ def add_diverge_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--all-tokens", action="store_true",
                    help="print every compared token's logit row (default: the telling ones)")
     p.add_argument("--json", action="store_true", help="print the record as JSON")
+    p.add_argument("--db", default=None, metavar="PATH",
+                   help="also save the experiment (its record, and its two sides as runs) in "
+                        "this SQLite runs database, e.g. the server's ./batchscope.db, to see "
+                        "it at /divergence (default: not saved; not with --search)")
     p.set_defaults(func=cmd_diverge)
     return p
 
@@ -93,6 +101,8 @@ def cmd_diverge(args: argparse.Namespace) -> int:
     if args.search is not None:
         if args.prompt:
             raise ValueError("give either a prompt or --search, not both")
+        if args.db is not None:
+            raise ValueError("--db saves one experiment: give a prompt, not --search")
         prompts = load_prompts(args.search) if args.search else list(BUILTIN_PROMPTS)
         if args.limit:
             prompts = prompts[:args.limit]
@@ -102,10 +112,57 @@ def cmd_diverge(args: argparse.Namespace) -> int:
         return 0
     if not args.prompt:
         raise ValueError("a prompt is required (or --search)")
-    record = run_experiment(args.prompt, a, b, **common)
-    print(json.dumps(record, ensure_ascii=False) if args.json
-          else format_record(record, args.all_tokens))
-    return 0
+    if args.db is None:
+        record = run_experiment(args.prompt, a, b, **common)
+        print(json.dumps(record, ensure_ascii=False) if args.json
+              else format_record(record, args.all_tokens))
+        return 0
+    return _run_and_save(args, a, b, common)
+
+
+def _run_and_save(args: argparse.Namespace, a: Any, b: Any, common: dict) -> int:
+    """One experiment, saved as the web page saves one (app/divergence_store.py), failed or
+    not. The database is opened first, so a bad path fails before the model loads."""
+    from app.db.database import DatabaseError, open_database
+    from engine.divergence import run_experiment
+
+    try:
+        db = open_database(args.db)
+    except DatabaseError as e:
+        print(f"batchscope diverge: error: {e}", file=sys.stderr)
+        return 2
+    now = time.time()
+    entry = {"id": f"div-cli-{uuid.uuid4().hex[:12]}", "status": "done", "created": now,
+             "started": now, "finished": None, "record": None, "error": None,
+             "params": {"prompt": args.prompt, "max_tokens": args.max_tokens,
+                        "top_k": args.top_k, "chat": args.chat, "a": a.to_dict(),
+                        "b": b.to_dict(), "model": args.model,
+                        "ignore_eos": common["ignore_eos"]}}
+    with db:
+        try:
+            entry["record"] = run_experiment(args.prompt, a, b, **common)
+        except Exception as e:
+            entry.update(status="error", error=f"{type(e).__name__}: {e}", finished=time.time())
+            _save(db, entry)
+            raise
+        entry["finished"] = time.time()
+        print(json.dumps(entry["record"], ensure_ascii=False) if args.json
+              else format_record(entry["record"], args.all_tokens))
+        return 0 if _save(db, entry) else 1
+
+
+def _save(db: Any, entry: dict) -> bool:
+    from app.db.database import DatabaseError
+    from app.divergence_store import save_experiment
+
+    try:
+        save_experiment(db, entry, origin="cli")
+    except DatabaseError as e:
+        print(f"batchscope diverge: error: not saved: {e}", file=sys.stderr)
+        return False
+    print(f"diverge: saved as experiment {entry['id']} in {db.path} "
+          f"(/divergence?id={entry['id']})", file=sys.stderr)
+    return True
 
 
 # ---- text output ---------------------------------------------------------------------------

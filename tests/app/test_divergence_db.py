@@ -1,9 +1,11 @@
 """Divergence experiments in the runs database: an experiment run through the page is saved with
 its two sides as runs (their tokens equal to the record's), a new app over the same file lists
-and shows it, a failed one is saved with its error, and bad ids are 404s."""
+and shows it, a failed one is saved with its error, bad ids are 404s, and `batchscope diverge
+--db` writes a row the page reads."""
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import time
 
@@ -11,7 +13,9 @@ import pytest
 from bs4 import BeautifulSoup
 from starlette.testclient import TestClient
 
+import engine.divergence
 from app import divergence_store
+from app.cli import build_parser
 from app.db.database import DatabaseError
 from app.divergence_page import lab_for
 from app.main import create_app
@@ -32,6 +36,10 @@ FORM = {"prompt": "Hello <b>world</b>", "max_tokens": "6", "top_k": "3",
 def two_models(weights: str):
     """A different random model on side B ("bf16" here): the sides fork."""
     return tiny_model(seed=0 if weights == "f32" else 1, quantize=False)
+
+
+def q4_loader(weights: str):
+    return tiny_model(quantize=weights == "q4")
 
 
 def broken_loader(weights: str):
@@ -202,3 +210,38 @@ def test_without_a_database_finished_experiments_stay_in_memory():
             time.sleep(0.05)
         assert entry["status"] == "done" and not entry["saved"] and entry["runs"] is None
         assert lab_for(client.app).get(exp_id) is not None
+
+
+def test_cli_db_writes_an_experiment_the_page_reads(db_path, monkeypatch, capsys):
+    # The tiny model instead of the embedded one; the rest of the command runs as it is.
+    monkeypatch.setattr(engine.divergence, "run_experiment",
+                        functools.partial(engine.divergence.run_experiment, loader=q4_loader))
+    parser = build_parser()
+    args = parser.parse_args(["diverge", "Hello there", "--a", "weights=q4,policy=gemm",
+                              "--b", "weights=q4,policy=gemv", "--max-tokens", "5",
+                              "--db", str(db_path)])
+    assert args.func(args) == 0
+    err = capsys.readouterr().err
+    (row,) = rows(db_path, "SELECT * FROM divergence_experiments")
+    assert f"saved as experiment {row['id']}" in err
+    assert row["source"] == "cli" and row["verdict"] == "identical"  # 4-bit on a CPU
+    with open_client(db_path) as client:
+        listing = client.get("/divergence.json").json()["experiments"]
+        assert [e["id"] for e in listing] == [row["id"]] and listing[0]["source"] == "cli"
+        entry = client.get(f"/divergence.json?id={row['id']}").json()["experiment"]
+        assert entry["record"]["bit_identical"] and entry["params"]["prompt"] == "Hello there"
+        run_b = client.get(f"/runs/{entry['runs']['b']}.json").json()
+        assert run_b["endpoint"] == "batchscope diverge" and run_b["kernel_policy"] == "gemv"
+        assert [t["token_id"] for t in run_b["tokens"]] == \
+            entry["record"]["sides"]["b"]["token_ids"]
+        assert len(run_b["tokens"]) == 5
+
+
+def test_cli_db_errors(tmp_path, capsys):
+    parser = build_parser()
+    args = parser.parse_args(["diverge", "hi", "--db", str(tmp_path / "missing" / "x.db")])
+    assert args.func(args) == 2  # before any model is loaded
+    assert "does not exist" in capsys.readouterr().err
+    args = parser.parse_args(["diverge", "--search", "--db", str(tmp_path / "x.db")])
+    with pytest.raises(ValueError, match="--db saves one experiment"):
+        args.func(args)
