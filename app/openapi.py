@@ -445,9 +445,17 @@ def _schemas(model: str, vocab: int | None, max_tokens: int, context: int) -> di
         },
         "Calibration": {"type": "object", "description": "the calibration for the served "
                         "model, weights and backend, if one was measured"},
-        "Divergence": {"type": "object", "required": ["experiments"],
-                       "properties": {"experiments": {"type": "array"},
-                                      "experiment": {"type": ["object", "null"]}}},
+        "Divergence": {"type": "object", "required": ["experiments", "persisted"],
+                       "properties": {
+                           "experiments": {"type": "array", "description": "newest first: "
+                                           "queued and running ones, then the saved ones"},
+                           "experiment": {"type": ["object", "null"], "description": "with "
+                                          "?id=: its record, and `runs` (its two sides' run "
+                                          "ids) once saved"},
+                           "persisted": {"type": "boolean", "description": "whether finished "
+                                         "experiments are saved in the runs database (false: "
+                                         "kept in memory only)"},
+                           "saved_total": {"type": ["integer", "null"], "minimum": 0}}},
     }
 
 
@@ -557,7 +565,8 @@ def build(*, model: str, vocab: int | None, context: int, max_tokens: int | None
             ], ("400", "401")),
             "/calibration.json": _twin("The kernel-path calibration for this model",
                                        "Calibration"),
-            "/divergence.json": _twin("Divergence experiments (kept in memory)", "Divergence",
+            "/divergence.json": _twin("Divergence experiments (saved in the runs database; "
+                                      "in memory without one)", "Divergence",
                                       [_query("id", {"type": "string"})], ("401", "404")),
         },
         "components": {
