@@ -36,6 +36,7 @@ from engine.engine import Engine, EngineError, Submission
 from engine.events import FinishEvent, TokenEvent
 from engine.kernels import KernelPolicy
 from engine.sampling import SamplingParams
+from engine.telemetry import StepRecord
 
 Progress = Callable[[str], None] | None
 # Builds the model for a weights format (on the engine thread); None: the engine's own loader.
@@ -218,6 +219,11 @@ class SideRun:
     weights: str  # as loaded ("auto" resolved)
     eos_ids: set[int] = field(default_factory=set)
     tokens: list[dict] = field(default_factory=list)  # the target's token events (runs database)
+    # Every step the side's engine ran for this run, as StepRecord.to_dict() with the step
+    # renumbered like `steps` (engine_step: the engine's own number): the runs database's steps.
+    engine_steps: list[dict] = field(default_factory=list)
+    request_ids: dict = field(default_factory=dict)  # {"target": id, "alongside": [ids]}
+    engine_config: dict = field(default_factory=dict)  # the engine as it ran this side
 
 
 def _blocks(lengths: Iterable[int], block_size: int) -> int:
@@ -323,29 +329,36 @@ class DivergenceRunner:
                       for i, other in enumerate(others)]
         self.progress(f"side {label}: running {side.label()}")
         first_step = engine.step_count + 1  # the engine is idle between runs
-        if companions and side.join_at > 0:
-            handles = engine.submit_many([target])
-            handles += engine.submit_many(companions, after=(target_id, side.join_at))
-        else:
-            handles = engine.submit_many([target] + companions)
+        # Every step of this run, whatever the ring buffer's size: the engine is idle before
+        # the submission, and it appends a step's record before that step's events go out.
+        ran: list[StepRecord] = []
+        unsubscribe = engine.steps.subscribe(ran.append)
         try:
-            # The target's token events, kept so that the run can be recorded like a served one.
-            events = [e for e in handles[0] if isinstance(e, TokenEvent)]
-            # Wait for the others too: the next run needs an idle engine.
-            results = [handle.result() for handle in handles]
-        except BaseException:
-            for handle in handles:  # leave nothing running behind a failed run
-                handle.cancel()
-            for handle in handles:
-                handle.result()
-            raise
+            if companions and side.join_at > 0:
+                handles = engine.submit_many([target])
+                handles += engine.submit_many(companions, after=(target_id, side.join_at))
+            else:
+                handles = engine.submit_many([target] + companions)
+            try:
+                # The target's token events, kept to record the run like a served one.
+                events = [e for e in handles[0] if isinstance(e, TokenEvent)]
+                # Wait for the others too: the next run needs an idle engine.
+                results = [handle.result() for handle in handles]
+            except BaseException:
+                for handle in handles:  # leave nothing running behind a failed run
+                    handle.cancel()
+                for handle in handles:
+                    handle.result()
+                raise
+        finally:
+            unsubscribe()
         target = results[0]
         if target.reason == "error" or target.trace is None:
             raise EngineError(f"side {label}: the target request failed: {target.error}")
         base = (target.steps[0] if target.steps else first_step) - 1
         last = target.steps[-1] if target.steps else base
         steps = []
-        for record in engine.steps.recent():
+        for record in ran:
             if base < record.step <= last:
                 mine = next((e for e in record.entries if e.request_id == target_id), None)
                 steps.append({
@@ -358,11 +371,20 @@ class DivergenceRunner:
         trace = [{**t, "step": t["step"] - base} for t in target.trace]
         tokens = [{"token_id": e.token_id, "text": e.text, "logprob": e.logprob,
                    "time": e.time, "step": e.step - base} for e in events]
+        engine_steps = [{**r.to_dict(), "step": r.step - base, "engine_step": r.step}
+                        for r in ran]
+        # The side's kernel policy is set per run, not in the engine's configuration.
+        engine_config = {**asdict(engine.config), "max_model_len": engine.max_model_len,
+                         "kernel_policy": side.kernel_policy,
+                         "kernel_threshold": side.kernel_threshold}
         return SideRun(side=side, prompt_ids=ids, finish=target, trace=trace, steps=steps,
                        others_joined=shared_steps(target, results[1:]), model=engine.loaded.name,
                        weights=engine.loaded.weights,
                        eos_ids=set(getattr(engine.tokenizer, "eos_token_ids", ()) or ()),
-                       tokens=tokens)
+                       tokens=tokens, engine_steps=engine_steps,
+                       request_ids={"target": target_id,
+                                    "alongside": [c.request_id for c in companions]},
+                       engine_config=engine_config)
 
     def run(self, prompt: str | list[int], a: SideConfig, b: SideConfig, max_tokens: int = 64,
             *, top_k: int = 5, chat: bool = False, ignore_eos: bool = True) -> dict:
@@ -580,7 +602,9 @@ def _side(run: SideRun, chosen: list[int]) -> dict:
             "times": {"queued": run.finish.arrival_time,
                       "first_scheduled": run.finish.first_scheduled_time,
                       "first_token": run.finish.first_token_time,
-                      "finished": run.finish.finish_time}}
+                      "finished": run.finish.finish_time},
+            "engine_steps": run.engine_steps, "request_ids": run.request_ids,
+            "engine": run.engine_config}
 
 
 def _common_prefix(x: str, y: str) -> int:

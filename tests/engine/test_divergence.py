@@ -9,6 +9,7 @@ import pytest
 
 from engine.divergence import (
     BUILTIN_PROMPTS,
+    DivergenceRunner,
     SideConfig,
     SideRun,
     compare,
@@ -141,6 +142,48 @@ def test_search_counts_and_prompt_files(tmp_path):
     assert len(out["smallest_margins"]) == 2
     assert out["tokens_compared"] == 12 and out["close_calls"] == 0  # no noise, no close call
     assert len(BUILTIN_PROMPTS) == 20 and len(set(BUILTIN_PROMPTS)) == 20
+
+
+def test_each_side_keeps_every_step_its_engine_ran():
+    """The record holds each side's full StepRecords (the runs database's steps): the target's
+    steps and the others' after it finished, nothing from the other side's run."""
+    a = SideConfig(weights="q4", kernel_policy="gemm", alongside=(40, 25),
+                   alongside_max_tokens=9)  # the others outlive the 5-token target
+    b = SideConfig(weights="q4", kernel_policy="gemv", alongside=(30,), join_at=2)
+    with DivergenceRunner(loader) as runner:
+        r = runner.run(PROMPT, a, b, max_tokens=5)
+        engine = runner._engines[a.engine_key()]  # both sides ran on this one, A then B
+        assert engine is runner._engines[b.engine_key()]
+        ring = {rec.step: rec.to_dict() for rec in engine.steps.recent()}
+        ran = engine.step_count
+    sa, sb = r["sides"]["a"], r["sides"]["b"]
+    numbers = [s["engine_step"] for s in sa["engine_steps"] + sb["engine_steps"]]
+    assert numbers == list(range(1, ran + 1))  # every step the engine ran, each once
+    for side, n_others in ((sa, 2), (sb, 1)):
+        ids = side["request_ids"]
+        assert len(ids["alongside"]) == n_others and ids["target"] not in ids["alongside"]
+        by_number = {s["step"]: s for s in side["engine_steps"]}
+        for s in side["engine_steps"]:
+            assert {**s, "step": s["engine_step"]} == {**ring[s["engine_step"]],
+                                                       "engine_step": s["engine_step"]}
+            assert {e["request_id"] for e in s["entries"]} <= {ids["target"], *ids["alongside"]}
+        # The summary steps are the target's, numbered alike, with the same path and rows.
+        for t in side["steps"]:
+            full = by_number[t["step"]]
+            assert (full["kernel_path"], full["total_rows"]) == (t["path"], t["rows"])
+            assert ids["target"] in {e["request_id"] for e in full["entries"]}
+        assert side["engine"]["kernel_policy"] == side["config"]["kernel_policy"]
+        assert side["engine"]["enable_prefix_caching"] is False
+    # On A the others ran on alone after the target's last step.
+    after = [s for s in sa["engine_steps"] if s["step"] > sa["steps"][-1]["step"]]
+    assert after and all(sa["request_ids"]["target"] not in
+                         {e["request_id"] for e in s["entries"]} for s in after)
+    assert {e["request_id"] for e in sa["engine_steps"][0]["entries"]} == \
+        {sa["request_ids"]["target"], *sa["request_ids"]["alongside"]}
+    # On B the other joins at the target's token #2: the first steps are the target's alone.
+    assert [e["request_id"] for e in sb["engine_steps"][0]["entries"]] == \
+        [sb["request_ids"]["target"]]
+    assert all(s["kernel_path"] == "gemv" for s in sb["engine_steps"])
 
 
 # ---- the comparison on hand-made traces ----------------------------------------------------
