@@ -159,14 +159,18 @@ def _run_steps(conn: Connection | Session, run_id: str) -> list[dict]:
     keys = [(r["session_id"], r["s_step"]) for r in own]
     mates: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for chunk in _chunks(keys, 400):  # SQLite caps bound parameters per statement
+        # recorded: whether the mate is a run (a divergence side's companions are not).
         rows = conn.execute(
-            select(StepEntry.session_id, StepEntry.step, *(getattr(StepEntry, f)
-                                                            for f in _ENTRY_FIELDS))
+            select(StepEntry.session_id, StepEntry.step,
+                   *(getattr(StepEntry, f) for f in _ENTRY_FIELDS),
+                   Run.id.is_not(None).label("recorded"))
+            .outerjoin(Run, Run.id == StepEntry.run_id)
             .where(tuple_(StepEntry.session_id, StepEntry.step).in_(chunk),
                    StepEntry.run_id != run_id)
             .order_by(StepEntry.run_id)).mappings().all()
         for r in rows:
-            mates[(r["session_id"], r["step"])].append(_entry(r))
+            mates[(r["session_id"], r["step"])].append(
+                {**_entry(r), "recorded": bool(r["recorded"])})
     steps = []
     for r in own:
         step = {_FIELD_NAMES.get(f, f): r[f"s_{f}"] for f in _STEP_FIELDS}

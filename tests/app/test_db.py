@@ -212,7 +212,9 @@ def test_get_run_returns_tokens_steps_and_metrics(db, recorder):
     times = [1000.5, 1000.6, 1000.8, 1001.1]  # gaps 0.1, 0.2, 0.3
     for i, t in enumerate(times):
         recorder.token(token("A", i, t, step=i + 1))
-    recorder.step(session, step_record(1, 1000.2, [("A", "prefill", 5), ("B", "prefill", 3)]))
+    # X was never recorded as a run (a divergence side's companions are such mates).
+    recorder.step(session, step_record(1, 1000.2, [("A", "prefill", 5), ("B", "prefill", 3),
+                                                    ("X", "prefill", 2)]))
     recorder.step(session, step_record(2, 1000.55, [("A", "decode", 1), ("B", "decode", 1),
                                                     ("C", "prefill", 4)]))
     recorder.step(session, step_record(3, 1000.7, [("B", "decode", 1)]))  # without A
@@ -238,7 +240,8 @@ def test_get_run_returns_tokens_steps_and_metrics(db, recorder):
     first, second = run["steps"]
     assert first["entry"] == {"run_id": "A", "phase": "prefill", "rows": 5, "context_len": 11,
                               "blocks_held": 1, "sampled": True}
-    assert [m["run_id"] for m in first["batch_mates"]] == ["B"]
+    assert [(m["run_id"], m["recorded"]) for m in first["batch_mates"]] == [
+        ("B", True), ("X", False)]
     assert [(m["run_id"], m["phase"]) for m in second["batch_mates"]] == [
         ("B", "decode"), ("C", "prefill")]
     assert second["total_rows"] == 6 and second["prefill_rows"] == 4
