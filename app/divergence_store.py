@@ -3,10 +3,13 @@
 A finished experiment becomes three things, written in one transaction (as app/bench/store.py
 writes a benchmark run): a row in divergence_experiments with its parameters, verdict and the
 whole record the /divergence page renders, and its two sides as rows of `runs` (source
-"divergence", ids EXPERIMENT-a and EXPERIMENT-b) with their output tokens in run_tokens, so
-/runs, /runs/{id} and /compare show them like served runs. Their steps are not written: the
-record holds what the page needs of them, not the engine's full step records. A failed
-experiment is a row with its error and no runs.
+"divergence", ids EXPERIMENT-a and EXPERIMENT-b) with their output tokens in run_tokens and
+every step their engine ran in steps/step_entries, under an engine_sessions row per side (its
+model, weights, kernel policy and configuration), so /runs, /runs/{id} and /compare show them
+like served runs. The requests that ran alongside the target are step entries under ids
+EXPERIMENT-a-alongside-N, not runs: filler text whose steps are already the side's (step_entries
+has no foreign key to runs, and /runs stays a list of what was asked). A failed experiment is a
+row with its error and no runs.
 
 An entry is the dict the page shows: id, status, created, started, finished, params, record,
 error (app/divergence_page.py's Lab keeps the same shape in memory).
@@ -17,11 +20,12 @@ from __future__ import annotations
 import math
 
 import sqlalchemy.exc
-from sqlalchemy import func, insert, select
+from sqlalchemy import Connection, func, insert, select
 from sqlalchemy.orm import Session
 
 from app.db.database import Database, DatabaseError
-from app.db.models import DivergenceExperiment, Run, RunToken
+from app.db.models import DivergenceExperiment, EngineSession, Run, RunToken
+from app.db.recorder import write_steps
 from app.json_safe import json_safe
 from engine.divergence import SideConfig
 
@@ -60,21 +64,54 @@ def save_experiment(db: Database, entry: dict, origin: str = "web") -> None:
             if record is not None:  # the runs first: the experiment's row refers to them
                 for s in ("a", "b"):
                     side = record["sides"][s]
+                    session_id = _write_session(conn, entry["id"], s, side)
                     conn.execute(insert(Run).values(
-                        **_run_row(ids[s], s, side, record, entry, prompt, origin)))
+                        **_run_row(ids[s], s, side, record, entry, prompt, origin),
+                        session_id=session_id))
                     tokens = _token_rows(ids[s], side)
                     if tokens:
                         conn.execute(insert(RunToken), tokens)
+                    write_steps(conn, [(session_id, step) for step in _steps(ids[s], side)])
             conn.execute(insert(DivergenceExperiment).values(**row))
     except sqlalchemy.exc.DBAPIError as e:
         raise DatabaseError(f"cannot record the divergence experiment in {db.path}: "
                             f"{e.orig}") from e
 
 
+def _kernel_policy(side: dict) -> str:
+    c = SideConfig.from_dict(side["config"])
+    return "batch-invariant" if c.batch_invariant else c.policy.describe()
+
+
+def _write_session(conn: Connection, exp_id: str, s: str, side: dict) -> int | None:
+    """The side's engine as an engine session (its steps are keyed by it); None for a record
+    from before the sides kept their engine steps."""
+    steps = side.get("engine_steps")
+    if not steps:
+        return None
+    config = {**(side.get("engine") or {}),
+              "divergence": {"experiment": exp_id, "side": s, "config": side["config"]}}
+    return conn.execute(insert(EngineSession).values(
+        started_at=steps[0]["started_at"], model=side["model"], weights=side["weights"],
+        kernel_policy=_kernel_policy(side), config_json=json_safe(config))
+    ).inserted_primary_key[0]
+
+
+def _steps(run_id: str, side: dict) -> list[dict]:
+    """The side's engine steps with the engine's request ids replaced by the run's id (the
+    target) and RUN-alongside-N (the others), so /runs/{id} finds its steps and batch-mates."""
+    ids = side.get("request_ids") or {}
+    names = {ids.get("target"): run_id,
+             **{r: f"{run_id}-alongside-{i}" for i, r in enumerate(ids.get("alongside") or [])}}
+    return [{**step, "entries": [{**e, "request_id": names.get(e["request_id"], e["request_id"])}
+                                 for e in step["entries"]],
+             "preempted": [names.get(r, r) for r in step.get("preempted") or []]}
+            for step in side.get("engine_steps") or []]
+
+
 def _run_row(run_id: str, s: str, side: dict, record: dict, entry: dict, prompt: str,
              origin: str) -> dict:
     config = side["config"]
-    c = SideConfig.from_dict(config)
     times = side.get("times") or {}  # records from before the sides kept their times: none
     queued = times.get("queued") or entry.get("started") or entry["created"]
     chat = bool(record.get("chat"))
@@ -85,9 +122,9 @@ def _run_row(run_id: str, s: str, side: dict, record: dict, entry: dict, prompt:
               **{k: v for k, v in config.items() if k != "label"},
               "others_joined": side.get("others_joined")}
     return dict(
-        id=run_id, session_id=None, created_at=queued, source=SOURCE,
+        id=run_id, created_at=queued, source=SOURCE,
         endpoint=ENDPOINTS.get(origin, origin), model=side["model"], weights=side["weights"],
-        kernel_policy="batch-invariant" if c.batch_invariant else c.policy.describe(),
+        kernel_policy=_kernel_policy(side),
         prompt_text=prompt, messages_json=[{"role": "user", "content": prompt}] if chat else None,
         prompt_token_ids_json=list(record["prompt_ids"]), params_json=json_safe(params),
         status="finished", finish_reason=side["finish_reason"], error=None,

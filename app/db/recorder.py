@@ -302,7 +302,7 @@ def _write(conn: Connection, items: list[_Item], results: list[tuple[Future, Any
     for item in by_kind["finish"]:
         _write_finish(conn, item.payload)
     if by_kind["step"]:
-        _write_steps(conn, [item.payload for item in by_kind["step"]])
+        write_steps(conn, [item.payload for item in by_kind["step"]])
 
 
 def _write_tokens(conn: Connection, events: list) -> None:
@@ -338,7 +338,11 @@ def _write_finish(conn: Connection, e) -> None:
         raise MissingRunError(f"no run {e.request_id!r}")
 
 
-def _write_steps(conn: Connection, payloads: list[tuple[int, Any]]) -> None:
+def write_steps(conn: Connection, payloads: list[tuple[int, Any]]) -> None:
+    """Insert (session id, StepRecord or its to_dict()) pairs into steps and step_entries:
+    the writer thread's steps, and app/divergence_store.py's for an experiment's sides."""
+    if not payloads:
+        return
     steps: list[dict] = []
     entries: list[dict] = []
     for session_id, record in payloads:

@@ -6,6 +6,7 @@ and shows it, a failed one is saved with its error, bad ids are 404s, and `batch
 from __future__ import annotations
 
 import functools
+import json
 import sqlite3
 import time
 
@@ -153,6 +154,85 @@ def test_a_finished_experiment_is_saved_with_its_two_runs_and_survives_a_restart
         assert form.find("input", attrs={"name": "a_alongside"})["value"] == "20"
 
 
+def test_the_sides_steps_are_recorded_like_a_served_runs(db_path, monkeypatch):
+    """Each side's engine steps go to steps/step_entries under an engine session of its own:
+    /runs/{id} shows the target's steps with the companions as (unlinked) batch-mates."""
+    ran = {}  # weights -> steps that side's engine ran (f32 on A, bf16 on B: one engine each)
+    close = engine.divergence.DivergenceRunner.close
+
+    def count_then_close(runner):
+        ran.update({key[0]: e.step_count for key, e in runner._engines.items()})
+        close(runner)
+
+    monkeypatch.setattr(engine.divergence.DivergenceRunner, "close", count_then_close)
+    form = {**FORM, "a_alongside": "20,12", "a_others_tokens": "9"}  # they outlive the target
+    with open_client(db_path) as client:
+        entry = run_and_wait(client, form)
+        assert entry["status"] == "done" and entry["saved"], entry["save_error"]
+        exp_id, record, runs = entry["id"], entry["record"], entry["runs"]
+        sessions = set()
+        for s, policy in (("a", "gemm"), ("b", "gemv")):
+            side = record["sides"][s]
+            (run,) = rows(db_path, "SELECT * FROM runs WHERE id = ?", runs[s])
+            (session,) = rows(db_path, "SELECT * FROM engine_sessions WHERE id = ?",
+                              run["session_id"])
+            sessions.add(session["id"])
+            assert (session["model"], session["weights"], session["kernel_policy"]) == \
+                (run["model"], run["weights"], policy)
+            config = json.loads(session["config_json"])
+            assert config["divergence"] == {"experiment": exp_id, "side": s,
+                                            "config": side["config"]}
+            assert config["kernel_policy"] == policy and not config["enable_prefix_caching"]
+
+            # Every step the side's engine ran, as the record has it.
+            steps = rows(db_path, "SELECT * FROM steps WHERE session_id = ? ORDER BY step",
+                         session["id"])
+            engine_steps = side["engine_steps"]
+            assert len(steps) == len(engine_steps) == ran[side["config"]["weights"]]
+            if s == "a":  # the others ran on after the target's last step
+                assert len(engine_steps) > len(side["steps"])
+            else:
+                assert len(engine_steps) == len(side["steps"])
+            for row, full in zip(steps, engine_steps, strict=True):
+                assert (row["step"], row["kernel_path"], row["total_rows"], row["prefill_rows"],
+                        row["decode_rows"], row["kv_blocks_used"]) == \
+                    (full["step"], full["kernel_path"], full["total_rows"], full["prefill_rows"],
+                     full["decode_rows"], full["kv_blocks_used"])
+            others = [f"{runs[s]}-alongside-{i}" for i in range(2 if s == "a" else 0)]
+            entries = rows(db_path, "SELECT step, run_id FROM step_entries WHERE session_id = ?",
+                           session["id"])
+            assert {e["run_id"] for e in entries} == {runs[s], *others}
+            assert {e["step"] for e in entries if e["run_id"] == runs[s]} == \
+                {t["step"] for t in side["steps"]}
+
+            # /runs/{id}: the target's steps, with the record's path and rows per step.
+            shown = client.get(f"/runs/{runs[s]}.json").json()
+            assert [(x["step"], x["kernel_path"], x["total_rows"]) for x in shown["steps"]] == \
+                [(t["step"], t["path"], t["rows"]) for t in side["steps"]]
+            assert all(x["session_id"] == session["id"] for x in shown["steps"])
+            # Its tokens point at steps it sampled in.
+            sampled = {x["step"] for x in shown["steps"] if x["entry"]["sampled"]}
+            assert {t["step"] for t in shown["tokens"]} <= sampled
+            mates = {m["run_id"]: m["recorded"] for x in shown["steps"] for m in x["batch_mates"]}
+            assert mates == dict.fromkeys(others, False)
+            page = BeautifulSoup(client.get(f"/runs/{runs[s]}").text, "html.parser")
+            table = page.find("table", class_="steps")
+            assert len(table.find("tbody").find_all("tr")) == len(side["steps"])
+            cells = table.find_all("td", attrs={"data-col": "batch_mates"})
+            assert [c.find("a") for c in cells] == [None] * len(cells)  # not runs: no links
+            assert {code.get_text() for c in cells for code in c.find_all("code")} == set(others)
+        assert len(sessions) == 2
+        # The first step of A is the mixed one; B ran its target alone, row by row.
+        first_a = client.get(f"/runs/{runs['a']}.json").json()["steps"][0]
+        assert first_a["prefill_rows"] == record["prompt_tokens"] + 20 + 12
+        assert len(first_a["batch_mates"]) == 2
+        assert all(x["batch_mates"] == [] and x["kernel_path"] == "gemv"
+                   for x in client.get(f"/runs/{runs['b']}.json").json()["steps"])
+        compared = client.get(f"/compare.json?a={runs['a']}&b={runs['b']}").json()
+        assert compared["first_difference"] == record["fork"]["token_index"]
+        assert client.get(f"/compare?a={runs['a']}&b={runs['b']}").status_code == 200
+
+
 def test_a_failed_experiment_is_saved_with_its_error(db_path):
     with open_client(db_path, loader=broken_loader) as client:
         entry = run_and_wait(client)
@@ -235,6 +315,9 @@ def test_cli_db_writes_an_experiment_the_page_reads(db_path, monkeypatch, capsys
         assert [t["token_id"] for t in run_b["tokens"]] == \
             entry["record"]["sides"]["b"]["token_ids"]
         assert len(run_b["tokens"]) == 5
+        # Its steps too: alone, 4-bit, row by row.
+        assert len(run_b["steps"]) == 5
+        assert all(s["kernel_path"] == "gemv" and s["batch_mates"] == [] for s in run_b["steps"])
 
 
 def test_cli_db_errors(tmp_path, capsys):
