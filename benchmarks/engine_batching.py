@@ -5,13 +5,31 @@ length are generated (greedy, --max-tokens each). Reports aggregate prefill and 
 and their ratios against batch_generate measured in the same run, plus the share of engine step
 time spent outside the model forward.
 
+Prefill and decode are measured the same way for all three, from whole calls on the wall
+clock, so that no system's own accounting decides what counts as which:
+- prefill: a call with max_tokens=1 (every prompt in, every first token out);
+- decode: a call with max_tokens=N+1; its extra time over the first call, for its extra tokens.
+A split at "the moment the first tokens come back" is not fair: batch_generate launches its
+next step before it returns a step's tokens (pipelining), so such a split gives it a head start
+of up to one step (~3% of 32). Its own counters differ again (the last prompt token and its
+logits count as decode; the caller's time between steps is left out), and so do the engine's
+step records; both are kept in the JSON ("self_reported"). No system stops at EOS here: every
+request generates exactly max_tokens.
+
     .venv/bin/python benchmarks/engine_batching.py [--weights auto] [--concurrency 1 4 8 16]
+        [--repeats 3]
+
+With --repeats N each concurrency runs N interleaved rounds (engine, batch_generate, serial,
+again); the table gives each rate's median over the rounds, the median of the per-round
+ratios, and the range of the decode ratio, since one round on a shared machine can be off by
+10% or more.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,7 +37,7 @@ from pathlib import Path
 # isort: off
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 import mlx.core as mx
-from mlx_lm.generate import batch_generate, generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 # isort: on
 
 from engine.config import EngineConfig
@@ -46,34 +64,32 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def run_serial(model, prompts, max_tokens):
-    prefill_time = decode_time = 0.0
-    generated = 0
-    for ids in prompts:
-        t0 = time.perf_counter()
-        steps = generate_step(mx.array(ids), model, max_tokens=max_tokens)
-        next(steps)
-        t1 = time.perf_counter()
-        n = 1 + sum(1 for _ in steps)
-        prefill_time += t1 - t0
-        decode_time += time.perf_counter() - t1
-        generated += n
-    return {"prompt_tokens": sum(map(len, prompts)), "prefill_time": prefill_time,
-            "generated": generated, "decode_tokens": generated - len(prompts),
-            "decode_time": decode_time, "wall": prefill_time + decode_time}
-
-
-def run_batch_generate(model, tokenizer, prompts, max_tokens):
+def run_serial(model, prompts, max_tokens) -> dict:
     t0 = time.perf_counter()
-    result = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens)
-    wall = time.perf_counter() - t0
-    s = result.stats
-    return {"prompt_tokens": s.prompt_tokens, "prefill_time": s.prompt_time,
-            "generated": s.generation_tokens, "decode_tokens": s.generation_tokens,
-            "decode_time": s.decode_time, "wall": wall}
+    generated = 0
+    for ids in prompts:  # one request after another
+        generated += sum(1 for _ in generate_step(mx.array(ids), model, max_tokens=max_tokens))
+    return {"generated": generated, "wall": time.perf_counter() - t0}
 
 
-def run_engine(eng: Engine, prompts, max_tokens):
+def run_batch_generate(model, tokenizer, prompts, max_tokens) -> dict:
+    """mlx-lm's batch_generate loop (a BatchGenerator, responses until all finish), without
+    stop tokens so that every request generates max_tokens, as in the other two."""
+    t0 = time.perf_counter()
+    gen = BatchGenerator(model, stop_tokens=[])
+    gen.insert(prompts, [max_tokens] * len(prompts))
+    generated = 0
+    with gen.stats() as s:
+        while responses := gen.next_generated():
+            generated += len(responses)
+    gen.close()
+    return {"generated": generated, "wall": time.perf_counter() - t0,
+            "self_reported": {"prompt_tokens": s.prompt_tokens, "prompt_time": s.prompt_time,
+                              "generation_tokens": s.generation_tokens,
+                              "decode_time": s.decode_time}}
+
+
+def run_engine(eng: Engine, prompts, max_tokens) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     first_step = eng.step_count + 1
     t0 = time.perf_counter()
@@ -85,13 +101,24 @@ def run_engine(eng: Engine, prompts, max_tokens):
     steps = [r for r in eng.steps.recent() if r.step >= first_step]
     prefill = [r for r in steps if r.prefill_rows and not r.decode_rows]
     decode = [r for r in steps if r.decode_rows and not r.prefill_rows]
-    return {"prompt_tokens": sum(r.prefill_rows for r in prefill),
-            "prefill_time": sum(r.wall_time for r in prefill),
-            "generated": sum(r.completion_tokens for r in results),
-            "decode_tokens": sum(r.decode_rows for r in decode),
-            "decode_time": sum(r.wall_time for r in decode), "wall": wall,
+    return {"generated": sum(r.completion_tokens for r in results), "wall": wall,
+            "self_reported": {"prefill_rows": sum(r.prefill_rows for r in prefill),
+                              "prefill_steps_time": sum(r.wall_time for r in prefill),
+                              "decode_rows": sum(r.decode_rows for r in decode),
+                              "decode_steps_time": sum(r.wall_time for r in decode)},
             "mixed_steps": len(steps) - len(prefill) - len(decode),
             "outside_model": sum(r.scheduler_time for r in steps) / sum(r.wall_time for r in steps)}
+
+
+def measure(run, prompts, max_tokens: int) -> dict:
+    """Prefill from a max_tokens=1 call, decode from the extra time of a max_tokens+1 call."""
+    first = run(prompts, 1)
+    full = run(prompts, max_tokens + 1)
+    assert first["generated"] == len(prompts), first
+    assert full["generated"] == len(prompts) * (max_tokens + 1), full
+    return full | {"prompt_tokens": sum(map(len, prompts)), "prefill_time": first["wall"],
+                   "decode_tokens": full["generated"] - first["generated"],
+                   "decode_time": full["wall"] - first["wall"], "first_call": first}
 
 
 def rates(m: dict) -> dict:
@@ -100,11 +127,33 @@ def rates(m: dict) -> dict:
             "overall_tps": m["generated"] / m["wall"]}
 
 
+RATES = ("prefill_tps", "decode_tps", "overall_tps")
+
+
+def summarize(c: int, rounds: list[dict]) -> dict:
+    """One concurrency's rounds -> median rates per system and the per-round ratios."""
+    row = {"concurrency": c, "rounds": rounds}
+    for system in ("engine", "batch_generate", "serial"):
+        row[system] = {k: statistics.median(r[system][k] for r in rounds) for k in RATES}
+    row["engine"]["outside_model"] = statistics.median(r["engine"]["outside_model"]
+                                                       for r in rounds)
+    row["engine"]["mixed_steps"] = max(r["engine"]["mixed_steps"] for r in rounds)
+    row["ratios"] = {}
+    for k in RATES:
+        per_round = [r["engine"][k] / r["batch_generate"][k] for r in rounds]
+        row["ratios"][k] = {"median": statistics.median(per_round), "min": min(per_round),
+                            "max": max(per_round)}
+    return row
+
+
 def render_table(rows, model, weights, info, max_tokens) -> str:
     lines = [
         f"Model {model}, weights {weights}, backend {info['backend']}, BLAS "
-        f"{'OpenBLAS' if info.get('blas') else 'bundled reference'}; {max_tokens} new tokens "
-        "per request, prompts of 20-120 tokens, greedy. Ratios are engine / batch_generate.",
+        f"{'OpenBLAS' if info.get('blas') else 'bundled reference'}; prompts of 20-120 "
+        f"tokens, greedy; prefill from a 1-token call, decode from the extra time of a "
+        f"{max_tokens + 1}-token call; medians of {len(rows[0]['rounds'])} "
+        "interleaved rounds. Ratios are engine / batch_generate (median of the rounds' ratios; "
+        "decode: lowest-highest round in brackets).",
         "",
         "| requests | decode tok/s: engine | batch_generate | serial | ratio "
         "| prefill tok/s: engine | batch_generate | serial | ratio "
@@ -112,13 +161,14 @@ def render_table(rows, model, weights, info, max_tokens) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        e, b, s = r["engine"], r["batch_generate"], r["serial"]
+        e, b, s, q = r["engine"], r["batch_generate"], r["serial"], r["ratios"]
+        d = q["decode_tps"]
         lines.append(
             f"| {r['concurrency']} | {e['decode_tps']:.1f} | {b['decode_tps']:.1f} | "
-            f"{s['decode_tps']:.1f} | {e['decode_tps'] / b['decode_tps']:.2f}x | "
+            f"{s['decode_tps']:.1f} | {d['median']:.2f}x ({d['min']:.2f}-{d['max']:.2f}) | "
             f"{e['prefill_tps']:.0f} | {b['prefill_tps']:.0f} | {s['prefill_tps']:.0f} | "
-            f"{e['prefill_tps'] / b['prefill_tps']:.2f}x | {e['overall_tps']:.1f} | "
-            f"{b['overall_tps']:.1f} | {e['overall_tps'] / b['overall_tps']:.2f}x | "
+            f"{q['prefill_tps']['median']:.2f}x | {e['overall_tps']:.1f} | "
+            f"{b['overall_tps']:.1f} | {q['overall_tps']['median']:.2f}x | "
             f"{e['outside_model'] * 100:.1f}% |")
     return "\n".join(lines)
 
@@ -131,10 +181,11 @@ def engine_config(weights: str, concurrency: list[int]) -> EngineConfig:
                         enable_prefix_caching=False)
 
 
-def compare(eng: Engine, loaded, concurrency: list[int], max_tokens: int,
+def compare(eng: Engine, loaded, concurrency: list[int], max_tokens: int, repeats: int = 1,
             log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> list[dict]:
-    """Warm up, then for each concurrency C: engine, batch_generate and serial on C prompts.
-    `loaded` is the same model (and weights) as the engine's, loaded on this thread."""
+    """Warm up, then for each concurrency C, `repeats` rounds of engine, batch_generate and
+    serial on C prompts. `loaded` is the same model (and weights) as the engine's, loaded on
+    this thread."""
     warm = make_prompts(loaded.tokenizer, 2)
     run_engine(eng, warm, 4)
     run_batch_generate(loaded.model, loaded.tokenizer, warm, 4)
@@ -143,14 +194,18 @@ def compare(eng: Engine, loaded, concurrency: list[int], max_tokens: int,
     rows = []
     for c in concurrency:
         prompts = make_prompts(loaded.tokenizer, c)
-        log(f"# concurrency {c}: engine...")
-        e = run_engine(eng, prompts, max_tokens)
-        log(f"# concurrency {c}: batch_generate...")
-        b = run_batch_generate(loaded.model, loaded.tokenizer, prompts, max_tokens)
-        log(f"# concurrency {c}: serial...")
-        s = run_serial(loaded.model, prompts, max_tokens)
-        rows.append({"concurrency": c, "engine": {**e, **rates(e)},
-                     "batch_generate": {**b, **rates(b)}, "serial": {**s, **rates(s)}})
+        rounds = []
+        for i in range(repeats):
+            log(f"# concurrency {c}, round {i + 1}/{repeats}: engine, batch_generate, serial...")
+            e = measure(lambda p, n: run_engine(eng, p, n), prompts, max_tokens)
+            b = measure(lambda p, n: run_batch_generate(loaded.model, loaded.tokenizer, p, n),
+                        prompts, max_tokens)
+            s = measure(lambda p, n: run_serial(loaded.model, p, n), prompts, max_tokens)
+            rounds.append({"engine": {**e, **rates(e)}, "batch_generate": {**b, **rates(b)},
+                           "serial": {**s, **rates(s)}})
+            ratio = rates(e)["decode_tps"] / rates(b)["decode_tps"]
+            log(f"#   decode: engine / batch_generate {ratio:.2f}x")
+        rows.append(summarize(c, rounds))
     return rows
 
 
@@ -159,6 +214,7 @@ def main() -> int:
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per concurrency")
     ap.add_argument("--out", default="benchmarks/results/engine_batching.json")
     ap.add_argument("--render", action="store_true", help="only re-print the table of --out")
     args = ap.parse_args()
@@ -174,7 +230,7 @@ def main() -> int:
     info = backend_info()
     print(f"# model {loaded.name}, weights {loaded.weights}, backend {info['backend']}, "
           f"BLAS {info.get('blas') or 'bundled'}", file=sys.stderr)
-    rows = compare(eng, loaded, args.concurrency, args.max_tokens)
+    rows = compare(eng, loaded, args.concurrency, args.max_tokens, args.repeats)
     eng.stop()
 
     table = render_table(rows, loaded.name, loaded.weights, info, args.max_tokens)
