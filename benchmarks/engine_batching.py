@@ -237,7 +237,9 @@ def main() -> int:
     print("\n" + table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"weights": loaded.weights, "backend": info, "rows": rows},
+    # The BLAS library by name: where it lives on this machine is no result.
+    backend = info | {"blas": Path(info["blas"]).name if info.get("blas") else None}
+    out.write_text(json.dumps({"weights": loaded.weights, "backend": backend, "rows": rows},
                               indent=2))
     out.with_suffix(".md").write_text(table + "\n")
     print(f"(written to {out} and {out.with_suffix('.md')})")
