@@ -10,8 +10,9 @@ runs 16 prompts at once in each of two engines and compares their greedy tokens:
 
 A prompt whose tokens differ is a candidate; confirm it with `batchscope diverge` (alone vs
 alongside 15 others), which also gives the logits at the fork and the cache-contamination trace.
-With float32 + OpenBLAS the two sides differ by ~4e-5 in the logits, so only a near-tie forks:
-on the development machine, 128 prompts x 160 tokens (20480 tokens, 14 minutes) gave 1 fork.
+With float32 + OpenBLAS the two sides differ by ~3e-5 in the logits, so only a near-tie forks:
+on the development machine, with the native attention kernel, all 240 prompts x 160 tokens
+(38400 tokens a side, 29 minutes) gave 1 fork (docs/divergence-fork.md).
 
     .venv/bin/python benchmarks/fork_screen.py [--count 128] [--max-tokens 160] [--weights f32]
 """
