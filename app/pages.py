@@ -9,6 +9,7 @@ app/streams.py; the form it reads and the rendering helpers it uses are here.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,11 @@ def fmt_time(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def as_json(value: Any) -> str:
+    """A value as JSON text for a page, non-ASCII kept as is (autoescape escapes the HTML)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
 def visible(text: str | None) -> str:
     """Whitespace and control characters made visible, for single-token cells."""
     if text is None:
@@ -93,7 +99,8 @@ def _templates(request: Request) -> Environment:
         # autoescape everywhere: prompts and outputs are untrusted.
         env = Environment(loader=FileSystemLoader(TEMPLATES_DIR), autoescape=True,
                           undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-        env.filters.update(ms=fmt_ms, rate=fmt_rate, lp=fmt_lp, ts=fmt_time, visible=visible)
+        env.filters.update(ms=fmt_ms, rate=fmt_rate, lp=fmt_lp, ts=fmt_time, visible=visible,
+                           json=as_json)
         request.app.state.page_templates = env
     return env
 

@@ -123,6 +123,12 @@ def test_a_finished_experiment_is_saved_with_its_two_runs_and_survives_a_restart
         run_a = client.get(f"/runs/{runs['a']}.json").json()
         assert [t["token_id"] for t in run_a["tokens"]] == a_tokens
         assert run_a["kernel_policy"] == "gemm" and run_a["params"]["alongside"] == [20]
+        # Parameters read as written: the label's "·" is not shown as a \u escape.
+        run_page = BeautifulSoup(client.get(f"/runs/{runs['a']}").text, "html.parser")
+        label_cell = next(tr.find("code") for tr in run_page.find_all("tr")
+                          if tr.find("th") and tr.find("th").get_text() == "label")
+        assert "·" in run_a["params"]["label"]
+        assert label_cell.get_text() == f'"{run_a["params"]["label"]}"'
         compared = client.get(f"/compare.json?a={runs['a']}&b={runs['b']}").json()
         assert compared["first_difference"] == record["fork"]["token_index"]
         assert "kernel_policy" in compared["params_differing"]
