@@ -17,8 +17,6 @@ error (app/divergence_page.py's Lab keeps the same shape in memory).
 
 from __future__ import annotations
 
-import math
-
 import sqlalchemy.exc
 from sqlalchemy import Connection, func, insert, select
 from sqlalchemy.orm import Session
@@ -138,13 +136,9 @@ def _run_row(run_id: str, s: str, side: dict, record: dict, entry: dict, prompt:
 
 def _token_rows(run_id: str, side: dict) -> list[dict]:
     return [{"run_id": run_id, "idx": i, "token_id": t["token_id"], "text": t["text"],
-             "logprob": t["logprob"] if _finite(t.get("logprob")) else None,
+             "logprob": json_safe(t.get("logprob")),
              "top_logprobs_json": None, "t": t["time"], "step": t.get("step")}
             for i, t in enumerate(side.get("tokens") or [])]
-
-
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
 
 
 _LIST_COLUMNS = (DivergenceExperiment.id, DivergenceExperiment.created_at,

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.kv_cache import KVPool
+
 
 def use_fused_attention() -> bool:
     return mx.default_device() != mx.cpu
@@ -154,20 +156,18 @@ def plan_step(contexts: list[tuple[int, int, list[int]]], block_size: int,
         inverse=None if identity else mx.array(np.argsort(order)))
 
 
-def attend_step(q: mx.array, plan: StepAttention, pool_layer: tuple[mx.array, mx.array],
-                gather: Callable[[mx.array], tuple[mx.array, mx.array]], scale: float,
-                fused: bool, kernel: Callable | None, block_size: int) -> mx.array:
-    """One layer's attention for a planned step. q: (rows, heads, dim); pool_layer: this
-    layer's (keys, values) pool arrays, already holding the step's writes; gather(block_ids)
-    -> the contexts of those blocks. Returns (rows, heads * dim) in the step's row order."""
+def attend_step(q: mx.array, plan: StepAttention, pool: KVPool, layer: int, scale: float,
+                fused: bool, kernel: Callable | None) -> mx.array:
+    """One layer's attention for a planned step. q: (rows, heads, dim); the pool already holds
+    the step's writes for this layer. Returns (rows, heads * dim) in the step's row order."""
     if plan.order is not None:
         q = q[plan.order]
     outs = []
     if plan.native_rows:
-        outs.append(kernel(q[:plan.native_rows], *pool_layer, plan.tables, plan.lens, scale,
-                           block_size))
+        outs.append(kernel(q[:plan.native_rows], *pool.layer(layer), plan.tables, plan.lens,
+                           scale, pool.block_size))
     if plan.spans:
-        keys, values = gather(plan.read)
+        keys, values = pool.read_blocks(layer, plan.read)
         rest = q[plan.native_rows:] if plan.native_rows else q
         spans = [Span(s.row - plan.native_rows, s.rows, s.ctx, s.ctx_len) for s in plan.spans]
         outs.append(attend(rest, keys, values, spans, scale, fused))

@@ -12,6 +12,12 @@ WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
 DECODE_ATTENTION = ("auto", "native", "mlx")
 
 
+def check_decode_attention(value: str) -> None:
+    if value not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
+                         f"got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     model: str = "embedded"  # "embedded" or a local mlx-lm model folder
@@ -42,9 +48,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
-                             f"got {self.decode_attention!r}")
+        check_decode_attention(self.decode_attention)
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
         if self.max_model_len is not None and self.max_model_len < 2:

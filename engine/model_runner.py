@@ -19,7 +19,7 @@ import numpy as np
 
 from engine import native
 from engine.attention import attend_step, plan_step, use_fused_attention
-from engine.config import DECODE_ATTENTION
+from engine.config import check_decode_attention
 from engine.kernels import apply_linear
 from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
@@ -173,9 +173,8 @@ class ModelRunner:
         k = attn.rope(k[:, :, None, :], offset=pos)[:, :, 0, :]
         self.pool.write(layer_index, write, k, v)
 
-        o = attend_step(q, plan, self.pool.layer(layer_index),
-                        lambda blocks: self.pool.read_blocks(layer_index, blocks), attn.scale,
-                        self.fused_attention, self.attention_kernel, self.pool.block_size)
+        o = attend_step(q, plan, self.pool, layer_index, attn.scale, self.fused_attention,
+                        self.attention_kernel)
         return self.linear(attn.o_proj, o[None])
 
     def _mlp(self, mlp, h):
@@ -223,9 +222,7 @@ class ModelRunner:
 
 def _decode_kernel(decode_attention: str, fused: bool):
     """The native decode-attention op to use, or None for MLX ops (see engine/attention.py)."""
-    if decode_attention not in DECODE_ATTENTION:
-        raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
-                         f"got {decode_attention!r}")
+    check_decode_attention(decode_attention)
     if decode_attention == "mlx" or (decode_attention == "auto" and fused):
         return None
     if fused:

@@ -56,11 +56,11 @@ inline float in(float x) {
 // same bits whatever else shares the step.
 template <typename T>
 void decode_attention(const T* q, const T* k_pool, const T* v_pool, const int32_t* tables,
-                      const int32_t* lens, T* out, Shapes s, int first, int last) {
+                      const int32_t* lens, T* out, Shapes s) {
   const int rep = s.heads / s.kv_heads;
   const int dim = s.dim;
   std::vector<float> qf(rep * dim), scores, acc(rep * dim), sums(rep);
-  for (int unit = first; unit < last; ++unit) {
+  for (int unit = 0; unit < s.rows * s.kv_heads; ++unit) {
     const int r = unit / s.kv_heads;
     const int g = unit % s.kv_heads;
     const int len = lens[r];
@@ -188,22 +188,20 @@ void PagedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs,
         }
       }
     }
-    // Single-threaded: splitting the rows over a second thread per call measured slower on
-    // 2 cores (0.17 vs 0.09 ms at 4 decode rows, no gain at 16): starting the thread costs
-    // about what it saves.
-    const int units = shapes.rows * shapes.kv_heads;
+    // Single-threaded: a build that split the rows over a second thread per call was slower in
+    // benchmarks/attention.py on 2 cores (0.17 vs 0.09 ms at 4 decode rows, no gain at 16).
     switch (out.dtype()) {
       case mx::float32:
         decode_attention(q.data<float>(), k.data<float>(), v.data<float>(), table_ptr, len_ptr,
-                  out.data<float>(), shapes, 0, units);
+                  out.data<float>(), shapes);
         break;
       case mx::float16:
         decode_attention(q.data<mx::float16_t>(), k.data<mx::float16_t>(), v.data<mx::float16_t>(),
-                  table_ptr, len_ptr, out.data<mx::float16_t>(), shapes, 0, units);
+                  table_ptr, len_ptr, out.data<mx::float16_t>(), shapes);
         break;
       default:
         decode_attention(q.data<mx::bfloat16_t>(), k.data<mx::bfloat16_t>(), v.data<mx::bfloat16_t>(),
-                  table_ptr, len_ptr, out.data<mx::bfloat16_t>(), shapes, 0, units);
+                  table_ptr, len_ptr, out.data<mx::bfloat16_t>(), shapes);
         break;
     }
   });

@@ -140,8 +140,7 @@ def test_native_kernel_is_close_to_the_mlx_ops_path(dtype):
     assert plan_native.native_rows == 4 and plan_ops.native_rows == 0
 
     def run(plan, k):
-        return attend_step(q, plan, pool.layer(0), lambda b: pool.read_blocks(0, b), 0.125,
-                           False, k, 16)
+        return attend_step(q, plan, pool, 0, 0.125, False, k)
 
     a, b = run(plan_native, kernel), run(plan_ops, None)
     delta = mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
@@ -175,8 +174,7 @@ def test_a_mixed_step_puts_native_decode_rows_and_prefill_spans_back_in_row_orde
     contexts = [(r, c, t) for (r, c), t in zip(shape, tables, strict=True)]
     plan = plan_step(contexts, 16, native=True)
     assert plan.native_rows == 3 and len(plan.spans) == 2 and plan.order is not None
-    out = attend_step(q, plan, pool.layer(0), lambda b: pool.read_blocks(0, b), 0.125, False,
-                      kernel, 16)
+    out = attend_step(q, plan, pool, 0, 0.125, False, kernel)
     row = 0
     for (r, c), t in zip(shape, tables, strict=True):
         if r == 1:
