@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE / "build"
-MODULE = "_paged_attention"
+MODULE = "_kernels"
 
 
 def main() -> int:
