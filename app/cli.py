@@ -40,6 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-attention", default="auto", choices=["auto", "native", "mlx"],
                    help="decode rows' attention: the native paged kernel (CPU backend, built "
                         "by scripts/setup.sh), MLX ops, or auto (native when available)")
+    g.add_argument("--decode-matmul", default="auto", choices=["auto", "native", "mlx"],
+                   help="linear layers of float32 steps of up to 16 rows on the gemm path: the "
+                        "native kernel (CPU backend, batch-invariant), MLX's matmul (the "
+                        "BLAS), or auto (native when available)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -51,7 +55,8 @@ def engine_config(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len, kernel_policy=args.kernel_policy,
         kernel_threshold=args.kernel_threshold, batch_invariant=args.batch_invariant,
-        invariant_tile=args.invariant_tile, decode_attention=args.decode_attention)
+        invariant_tile=args.invariant_tile, decode_attention=args.decode_attention,
+        decode_matmul=args.decode_matmul)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -12,9 +12,21 @@ WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
 DECODE_ATTENTION = ("auto", "native", "mlx")
 
 
+# Decode matmuls (engine/model_runner.py): "auto" is the native float32 kernel for steps of at
+# most DECODE_MATMUL_MAX_ROWS rows on the "gemm" path, on the CPU backend when it is built;
+# "native" requires the kernel; "mlx" always takes MLX's matmul (the BLAS on the CPU).
+DECODE_MATMUL = DECODE_ATTENTION
+
+
 def check_decode_attention(value: str) -> None:
     if value not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
+                         f"got {value!r}")
+
+
+def check_decode_matmul(value: str) -> None:
+    if value not in DECODE_MATMUL:
+        raise ValueError(f"decode_matmul must be one of {', '.join(DECODE_MATMUL)}, "
                          f"got {value!r}")
 
 
@@ -38,6 +50,7 @@ class EngineConfig:
     batch_invariant: bool = False
     invariant_tile: int = 16
     decode_attention: str = "auto"
+    decode_matmul: str = "auto"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -49,6 +62,7 @@ class EngineConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         check_decode_attention(self.decode_attention)
+        check_decode_matmul(self.decode_matmul)
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
         if self.max_model_len is not None and self.max_model_len < 2:

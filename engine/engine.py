@@ -206,6 +206,22 @@ class Engine:
         why = native.why_not() if self.config.decode_attention == "auto" else None
         return "MLX ops per sequence" + (f" (native kernel {why})" if why else "")
 
+    @property
+    def decode_matmul(self) -> str:
+        """Which matmul few-row float32 steps use, in words (logged at start)."""
+        from engine.model_runner import DECODE_MATMUL_MAX_ROWS
+
+        if self.runner.matmul_kernel is not None:
+            if self.runner.native_matmul_applies:
+                return f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows"
+            return f"MLX (the native kernel takes float32 only, weights are {self.loaded.weights})"
+        if self.runner.fused_attention:
+            return "MLX"
+        from engine import native
+
+        why = native.why_not() if self.config.decode_matmul == "auto" else None
+        return "MLX" + (f" (native kernel {why})" if why else "")
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, exact even for part of a UTF-8 character (logprobs)."""
         if self._token_bytes is None:
@@ -279,7 +295,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.pool = KVPool(self.loaded.num_layers, cfg.num_kv_blocks, cfg.block_size,
                            self.loaded.num_kv_heads, self.loaded.head_dim)
-        self.runner = ModelRunner(self.loaded.model, self.pool, cfg.decode_attention)
+        self.runner = ModelRunner(self.loaded.model, self.pool, cfg.decode_attention,
+                                  cfg.decode_matmul)
         self.runner.tile = cfg.invariant_tile
         threshold, self.kernel_threshold_source = resolve_threshold(cfg, self.loaded,
                                                                     backend_info())
@@ -293,9 +310,10 @@ class Engine:
                  self.pool.dtype, time.perf_counter() - t0)
         info = backend_info()
         log.info("model %s (%s weights) on %s, BLAS %s; KV pool %d blocks x %d tokens; "
-                 "context %d; decode attention: %s", self.loaded.name, self.loaded.weights,
-                 info["backend"], info.get("blas") or "bundled", cfg.num_kv_blocks,
-                 cfg.block_size, self.max_model_len, self.decode_attention)
+                 "context %d; decode attention: %s; decode matmul: %s", self.loaded.name,
+                 self.loaded.weights, info["backend"], info.get("blas") or "bundled",
+                 cfg.num_kv_blocks, cfg.block_size, self.max_model_len, self.decode_attention,
+                 self.decode_matmul)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -19,12 +19,15 @@ import numpy as np
 
 from engine import native
 from engine.attention import attend_step, plan_step, use_fused_attention
-from engine.config import check_decode_attention
+from engine.config import check_decode_attention, check_decode_matmul
 from engine.kernels import apply_linear
 from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
 
 NEG_INF = float("-inf")
+# Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: measured
+# by benchmarks/decode_linear.py, where it is faster than MLX's BLAS matmul at 1-16 rows.
+DECODE_MATMUL_MAX_ROWS = 16
 
 
 @dataclass
@@ -72,7 +75,8 @@ class UnsupportedModelError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, decode_attention: str = "auto"):
+    def __init__(self, model, pool: KVPool, decode_attention: str = "auto",
+                 decode_matmul: str = "auto"):
         self.model = model
         self.pool = pool
         inner = getattr(model, "model", None)
@@ -92,11 +96,26 @@ class ModelRunner:
         self.layers = layers
         self.fused_attention = use_fused_attention()
         self.attention_kernel = _decode_kernel(decode_attention, self.fused_attention)
+        self.matmul_kernel = _matmul_kernel(decode_matmul, self.fused_attention)
         self.path = "gemm"
         self.tile = 16  # rows per call on the batch-invariant ("tiled") path
 
-    # The one place a linear layer runs: the step's kernel path decides how.
-    def linear(self, module, x: mx.array) -> mx.array:
+    @property
+    def native_matmul_applies(self) -> bool:
+        """Whether few-row gemm steps reach the native kernel (float32 linear layers)."""
+        return (self.matmul_kernel is not None
+                and _float32_weight(self.layers[0].self_attn.q_proj) is not None)
+
+    # The one place a linear layer runs: the step's kernel path decides how. A "gemm" step of
+    # few rows takes the native kernel for float32 weights (one call, each row on its own).
+    def linear(self, module, x: mx.array, weight: mx.array | None = None) -> mx.array:
+        if (self.matmul_kernel is not None and self.path == "gemm"
+                and x.shape[1] <= DECODE_MATMUL_MAX_ROWS):
+            weight = _float32_weight(module) if weight is None else weight
+            if weight is not None:
+                out = self.matmul_kernel(x, weight)
+                bias = getattr(module, "bias", None)
+                return out if bias is None else out + bias
         return apply_linear(module, x, self.path, self.tile)
 
     def run(self, groups: list[RowGroup], path: str = "gemm") -> StepOutput:
@@ -156,8 +175,9 @@ class ModelRunner:
         h = self.inner.norm(x[:, mx.array(last_rows)])  # (1, sampled, hidden)
         if hasattr(self.model, "lm_head"):
             logits = self.linear(self.model.lm_head, h)
-        else:
-            logits = apply_linear(self.inner.embed_tokens.as_linear, h, self.path, self.tile)
+        else:  # tied embeddings
+            embed = self.inner.embed_tokens
+            logits = self.linear(embed.as_linear, h, _float32_weight(embed, nn.Embedding))
         return logits[0], sampled
 
     def _attention(self, layer_index, layer, h, pos, write, plan, rows):
@@ -231,6 +251,27 @@ def _decode_kernel(decode_attention: str, fused: bool):
     if kernel is None and decode_attention == "native":
         raise ValueError(f"decode_attention 'native': the kernel is {native.why_not()}")
     return kernel
+
+
+def _matmul_kernel(decode_matmul: str, fused: bool):
+    """The native decode linear op to use, or None for MLX's matmul."""
+    check_decode_matmul(decode_matmul)
+    if decode_matmul == "mlx" or (decode_matmul == "auto" and fused):
+        return None
+    if fused:
+        raise ValueError("decode_matmul 'native' runs on the CPU backend only")
+    kernel = native.decode_linear()
+    if kernel is None and decode_matmul == "native":
+        raise ValueError(f"decode_matmul 'native': the kernel is {native.why_not()}")
+    return kernel
+
+
+def _float32_weight(module, kind=nn.Linear) -> mx.array | None:
+    """The weight the native kernel can take: an unquantized float32 one (quantized layers
+    are other classes, and bfloat16/float16 ones keep MLX's matmul)."""
+    if type(module) is not kind or module.weight.dtype != mx.float32:
+        return None
+    return module.weight
 
 
 def _sample_row(logprobs: mx.array, p: SamplingParams, output_index: int) -> mx.array:

@@ -1,0 +1,209 @@
+"""The native float32 decode linear (engine/native/decode_linear.cpp) and where it is used."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine.kv_cache import KVPool
+from engine.model_runner import DECODE_MATMUL_MAX_ROWS, ModelRunner, RowGroup
+from engine.sampling import SamplingParams
+from engine.testing import tiny_model
+
+
+def native_linear():
+    """The op, or a skip outside CI (in CI, where setup builds it, its absence fails)."""
+    from engine import native
+
+    op = native.decode_linear()
+    if op is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"native kernel {native.why_not()}")
+        pytest.skip(f"native kernel {native.why_not()}")
+    return op
+
+
+def random(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# Shapes of SmolLM2's layers, and odd ones that exercise every tail: rows not a multiple of the
+# 8-row tile, outputs not a multiple of 3, in_features not a multiple of 16.
+SHAPES = [(1, 576, 576), (3, 576, 1536), (16, 1536, 576), (8, 576, 192), (13, 37, 7),
+          (7, 100, 49), (2, 17, 3), (1, 1, 1), (9, 576, 4099)]
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_matches_a_float64_reference(rows, k, n):
+    op = native_linear()
+    x, w = random((rows, k), 1), random((n, k), 2)
+    out = np.array(op(mx.array(x), mx.array(w)))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert out.shape == (rows, n)
+    # float32 sums of k products: a few ulps of the largest partial sum
+    scale = np.abs(x).max() * np.abs(w).max() * k
+    assert np.abs(out - ref).max() <= 4e-7 * scale + 1e-6
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_a_row_gets_the_same_bits_alone_and_with_any_company(rows, k, n):
+    op = native_linear()
+    x, w = random((rows, k), 3), mx.array(random((n, k), 4))
+    together = np.array(op(mx.array(x), w))
+    for i in range(rows):
+        alone = np.array(op(mx.array(x[i:i + 1]), w))[0]
+        assert np.array_equal(alone, together[i]), i
+    # the same row at another place among other rows, in a call with more rows
+    others = random((DECODE_MATMUL_MAX_ROWS, k), 5)
+    others[11] = x[0]
+    assert np.array_equal(np.array(op(mx.array(others), w))[11], together[0])
+
+
+def test_keeps_leading_dimensions_and_is_close_to_mlx_matmul():
+    op = native_linear()
+    x, w = mx.array(random((1, 5, 576), 6)), mx.array(random((1536, 576), 7))
+    out = op(x, w)
+    assert out.shape == (1, 5, 1536)
+    assert mx.allclose(out, x @ w.T, rtol=1e-5, atol=1e-4).item()
+
+
+def test_two_threads_calling_at_once_both_get_their_results():
+    """The worker pool serves one caller at a time; the other computes on its own thread."""
+    op = native_linear()
+    w = mx.array(random((4096, 576), 8))
+    inputs = [mx.array(random((6, 576), 10 + i)) for i in range(2)]
+    expected = [np.array(op(x, w)) for x in inputs]
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                out = np.array(op(inputs[i], w))
+                if not np.array_equal(out, expected[i]):
+                    results[i] = False
+                    return
+            results[i] = True
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == {0: True, 1: True}
+
+
+def test_refuses_other_dtypes_and_mismatched_shapes():
+    op = native_linear()
+    with pytest.raises(ValueError, match="disagree on in_features"):
+        op(mx.zeros((2, 5)), mx.zeros((3, 4)))
+    with pytest.raises(ValueError, match="only float32"):
+        op(mx.zeros((2, 4), dtype=mx.float16), mx.zeros((3, 4), dtype=mx.float16))
+    with pytest.raises(ValueError, match=r"weight \(out, in\)"):
+        op(mx.zeros((2, 4)), mx.zeros((4,)))
+
+
+def test_decode_matmul_setting_is_checked():
+    from engine.config import EngineConfig
+    from engine.model_runner import _matmul_kernel
+
+    with pytest.raises(ValueError, match="decode_matmul must be one of"):
+        EngineConfig(decode_matmul="fast")
+    assert _matmul_kernel("mlx", fused=False) is None
+    assert _matmul_kernel("auto", fused=True) is None  # GPU: MLX's matmul
+    with pytest.raises(ValueError, match="CPU backend only"):
+        _matmul_kernel("native", fused=True)
+
+
+# ---- in the model runner ----------------------------------------------------------------------
+
+def runner_for(model, decode_matmul):
+    args = model.args
+    pool = KVPool(len(model.model.layers), 64, 16, args.num_key_value_heads,
+                  args.hidden_size // args.num_attention_heads)
+    return ModelRunner(model, pool, "auto", decode_matmul)
+
+
+def count_native_calls(runner):
+    calls = []
+    real = runner.matmul_kernel
+
+    def counting(x, w):
+        calls.append(x.shape[1])
+        return real(x, w)
+
+    runner.matmul_kernel = counting
+    return calls
+
+
+def decode_groups(lens, first_token=40):
+    groups, prefill, block = [], [], 0
+    for i, n in enumerate(lens):
+        nb = -(-(n + 1) // 16)
+        table = list(range(block, block + nb))
+        block += nb
+        prefill.append(RowGroup(f"s{i}", [(7 * j + i) % 200 + 3 for j in range(n)], 0, table,
+                                False))
+        groups.append(RowGroup(f"s{i}", [first_token + i], n, table, True, SamplingParams()))
+    return prefill, groups
+
+
+def test_few_row_float32_gemm_steps_take_the_kernel_and_others_do_not():
+    native_linear()
+    model = tiny_model(quantize=False).model
+    runner = runner_for(model, "auto")
+    calls = count_native_calls(runner)
+    prefill, decode = decode_groups([30, 12, 25])
+    runner.run(prefill)  # 67 rows: MLX's matmul
+    assert calls == []
+    runner.run(decode)  # 3 decode rows: every linear layer, and the tied lm_head
+    layers = len(model.model.layers)
+    assert calls == [3] * (7 * layers + 1)
+    calls.clear()
+    runner.run(decode, path="gemv")  # the row-wise path stays on MLX's matmul
+    assert calls == []
+
+
+def test_quantized_weights_keep_mlx_matmul():
+    native_linear()
+    runner = runner_for(tiny_model().model, "auto")  # 4-bit
+    calls = count_native_calls(runner)
+    prefill, decode = decode_groups([10, 5])
+    runner.run(prefill)
+    runner.run(decode)
+    assert calls == [] and not runner.native_matmul_applies
+
+
+def test_decode_tokens_and_logprobs_follow_mlx_matmul_closely():
+    """Same greedy tokens as MLX's matmul on the tiny model, logprobs within float32 noise."""
+    native_linear()
+    model = tiny_model(quantize=False).model
+    results = {}
+    for setting in ("native", "mlx"):
+        runner = runner_for(model, setting)
+        prefill, decode = decode_groups([30, 12, 25, 3])
+        runner.run(prefill)
+        out = runner.run(decode).samples
+        results[setting] = {k: (s.token_id, s.logprob) for k, s in out.items()}
+    for seq, (token, logprob) in results["native"].items():
+        mlx_token, mlx_logprob = results["mlx"][seq]
+        assert token == mlx_token
+        assert abs(logprob - mlx_logprob) < 1e-4
+
+
+def test_linear_with_bias_adds_it():
+    op = native_linear()
+    layer = nn.Linear(24, 10, bias=True)
+    mx.eval(layer.parameters())
+    model = tiny_model(quantize=False).model
+    runner = runner_for(model, "native")
+    x = mx.array(random((1, 4, 24), 9))
+    out = runner.linear(layer, x)
+    assert mx.array_equal(out, op(x, layer.weight) + layer.bias).item()
+    assert mx.allclose(out, layer(x), rtol=1e-5, atol=1e-5).item()
