@@ -53,10 +53,12 @@ DEFAULT_FORM = {
     "prompt": "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "max_tokens": "64", "top_k": "5", "chat": "",
     "a_weights": "f32", "a_policy": "auto", "a_threshold": "1", "a_alongside": "",
-    "a_join": "0", "a_others_tokens": "16",
+    "a_join": "0", "a_others_tokens": "16", "a_matmul": "auto",
     "b_weights": "f32", "b_policy": "auto", "b_threshold": "1", "b_alongside": "120,60,30",
-    "b_join": "0", "b_others_tokens": "16",
+    "b_join": "0", "b_others_tokens": "16", "b_matmul": "auto",
 }
+# Decode matmul choices offered on the form: the native kernel where it applies, or MLX's.
+MATMUL_CHOICES = ("auto", "mlx")
 
 
 class LabBusy(RuntimeError):
@@ -238,6 +240,9 @@ def parse_form(form: dict[str, str]) -> tuple[dict | None, dict[str, str]]:
             errors[f"{s}_weights"] = f"weights must be one of {', '.join(WEIGHT_FORMATS)}"
         if policy not in POLICIES:
             errors[f"{s}_policy"] = f"kernel policy must be one of {', '.join(POLICIES)}"
+        matmul = form.get(f"{s}_matmul", "auto")
+        if matmul not in MATMUL_CHOICES:
+            errors[f"{s}_matmul"] = f"decode matmul must be one of {', '.join(MATMUL_CHOICES)}"
         threshold = number(f"{s}_threshold", "threshold", 0, 100_000)
         join = number(f"{s}_join", "join at", 0, MAX_TOKENS_LIMIT)
         others_tokens = number(f"{s}_others_tokens", "tokens of the others", 1, MAX_TOKENS_LIMIT)
@@ -252,7 +257,8 @@ def parse_form(form: dict[str, str]) -> tuple[dict | None, dict[str, str]]:
         try:
             sides[s] = SideConfig(weights=weights, kernel_policy=policy,
                                   kernel_threshold=threshold, alongside=alongside,
-                                  join_at=join, alongside_max_tokens=others_tokens)
+                                  join_at=join, alongside_max_tokens=others_tokens,
+                                  decode_matmul=matmul)
         except ValueError as e:
             errors[f"{s}_alongside"] = str(e)
     if errors:
@@ -272,7 +278,8 @@ def form_values(params: dict) -> dict:
                        f"{s}_threshold": str(c["kernel_threshold"]),
                        f"{s}_alongside": ",".join(str(n) for n in c["alongside"]),
                        f"{s}_join": str(c["join_at"]),
-                       f"{s}_others_tokens": str(c["alongside_max_tokens"])})
+                       f"{s}_others_tokens": str(c["alongside_max_tokens"]),
+                       f"{s}_matmul": c.get("decode_matmul", "auto")})
     return values
 
 
@@ -375,7 +382,8 @@ async def _context(request: Request, form: dict, errors: dict, entry: dict | Non
         experiments.sort(key=lambda e: e["created"], reverse=True)
     context: dict[str, Any] = {
         "form": form, "errors": errors, "weights_choices": list(WEIGHT_FORMATS),
-        "policies": list(POLICIES), "max_tokens_limit": MAX_TOKENS_LIMIT,
+        "policies": list(POLICIES), "matmul_choices": list(MATMUL_CHOICES),
+        "max_tokens_limit": MAX_TOKENS_LIMIT,
         "persisted": lab.database is not None, "saved_total": total_saved,
         "max_keep": MAX_KEEP, "experiments": experiments, "experiment": None, "view": None}
     if entry is not None:

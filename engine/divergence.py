@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import WEIGHT_FORMATS, EngineConfig
+from engine.config import WEIGHT_FORMATS, EngineConfig, check_decode_matmul
 from engine.engine import Engine, EngineError, Submission
 from engine.events import FinishEvent, TokenEvent
 from engine.kernels import KernelPolicy
@@ -94,12 +94,15 @@ class SideConfig:
     max_num_seqs: int = 16
     block_size: int = 16
     batch_invariant: bool = False  # the engine's tiled, batch-invariant path (if it has one)
+    # Few-row float32 gemm steps: the native kernel ("auto"/"native") or MLX's matmul ("mlx").
+    decode_matmul: str = "auto"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
                              f"got {self.weights!r}")
         KernelPolicy(self.kernel_policy, self.kernel_threshold)  # raises on bad values
+        check_decode_matmul(self.decode_matmul)
         alongside = tuple(self.alongside)
         if len(alongside) > MAX_ALONGSIDE:
             raise ValueError(f"at most {MAX_ALONGSIDE} other requests, got {len(alongside)}")
@@ -128,12 +131,13 @@ class SideConfig:
             lengths = ",".join(str(n) for n in self.alongside)
             context = f"alongside {lengths}" + (f" from token {self.join_at}"
                                                  if self.join_at else "")
-        return f"{self.weights} · {path} · {context}"
+        matmul = "" if self.decode_matmul == "auto" else f" · matmul {self.decode_matmul}"
+        return f"{self.weights} · {path}{matmul} · {context}"
 
     def engine_key(self) -> tuple:
         """Sides with equal keys share an engine (the kernel policy is set per run)."""
         return (self.weights, self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
-                self.batch_invariant)
+                self.batch_invariant, self.decode_matmul)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "alongside": list(self.alongside), "label": self.label()}
@@ -168,7 +172,7 @@ class SideConfig:
             if name == "alongside":
                 changes[name] = _lengths(value)
                 list_key = name
-            elif name in ("weights", "kernel_policy"):
+            elif name in ("weights", "kernel_policy", "decode_matmul"):
                 changes[name] = value
             elif name == "batch_invariant":
                 changes[name] = value.lower() in ("1", "true", "yes", "on")
@@ -189,7 +193,8 @@ SPEC_KEYS = {
     "others_tokens": "alongside_max_tokens", "alongside_max_tokens": "alongside_max_tokens",
     "max_batched": "max_num_batched_tokens", "max_num_batched_tokens": "max_num_batched_tokens",
     "max_seqs": "max_num_seqs", "max_num_seqs": "max_num_seqs", "block_size": "block_size",
-    "batch_invariant": "batch_invariant",
+    "batch_invariant": "batch_invariant", "matmul": "decode_matmul",
+    "decode_matmul": "decode_matmul",
 }
 
 
@@ -290,7 +295,7 @@ class DivergenceRunner:
             model=self.model, weights=side.weights, max_num_seqs=side.max_num_seqs,
             max_num_batched_tokens=side.max_num_batched_tokens, block_size=side.block_size,
             num_kv_blocks=max(blocks, 16), enable_prefix_caching=False, step_history=4096,
-            **extra)
+            decode_matmul=side.decode_matmul, **extra)
         loader = None
         if self.loader is not None:
             user_loader, weights = self.loader, side.weights
