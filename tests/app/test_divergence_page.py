@@ -157,12 +157,13 @@ def test_the_form_runs_an_experiment_in_the_worker(client):
 
 def test_form_errors(client):
     bad = {"prompt": " ", "max_tokens": "0", "a_policy": "fast", "b_alongside": "12,x",
-           "a_threshold": "many"}
+           "a_threshold": "many", "b_matmul": "blas"}
     r = client.post("/divergence", data=bad)
     assert r.status_code == 400
     page = BeautifulSoup(r.text, "html.parser")
     fields = {p["data-field"] for p in page.select(".form-errors p")}
     assert {"prompt", "max_tokens", "a_policy", "a_threshold", "b_alongside"} <= fields
+    assert "decode matmul must be one of auto, mlx" in r.text
     r = client.post("/divergence.json", data=bad)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 

@@ -122,8 +122,12 @@ def test_side_spec_parsing():
                                                                kernel_policy="gemv")
     assert SideConfig.parse("alongside=none", base).alongside == ()
     assert "alongside 120,30 from token 2" in SideConfig.parse("alongside=120,30,join=2").label()
+    mlx = SideConfig.parse("weights=f32,matmul=mlx")
+    assert mlx.decode_matmul == "mlx" and "matmul mlx" in mlx.label()
+    assert mlx.engine_key() != SideConfig(weights="f32").engine_key()  # not one shared engine
+    assert SideConfig.from_dict({"weights": "f32"}).decode_matmul == "auto"  # older records
     for bad in ("policy=fast", "weights=f64", "bogus=1", "threshold=x", "7", "alongside=0",
-                "join=-1"):
+                "join=-1", "matmul=blas"):
         with pytest.raises(ValueError):
             SideConfig.parse(bad)
 
