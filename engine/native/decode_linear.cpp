@@ -1,16 +1,11 @@
 #include "decode_linear.h"
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
-#include <functional>
-#include <mutex>
 #include <stdexcept>
-#include <thread>
-#include <unistd.h>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "workers.h"
 
 namespace batchscope {
 
@@ -97,101 +92,16 @@ void linear_range(const float* x, const float* w, float* out, int M, int K, int 
   for (; n < n_end; ++n) column_tile<1>(x, w, out, M, K, N, n);
 }
 
-// Worker threads that take a share of the outputs. They spin briefly after a job (the next
-// linear layer follows within microseconds), then sleep; an idle engine costs nothing.
-class Workers {
- public:
-  explicit Workers(int count) : pid_(getpid()) {
-    for (int i = 0; i < count; ++i) {
-      std::thread([this, i] { loop(i); }).detach();  // never joined: lives as long as the process
-    }
-    count_ = count;
-  }
-
-  int count() const {
-    return count_;
-  }
-  pid_t pid() const {
-    return pid_;
-  }
-
-  // Runs job(part) for part in [0, count] : part 0 on the calling thread. One caller at a time;
-  // returns false (nothing run) when another caller holds the workers.
-  bool run(const std::function<void(int)>& job) {
-    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (!busy.owns_lock()) return false;
-    job_ = &job;
-    remaining_.store(count_, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    wake_.notify_all();
-    job(0);
-    while (remaining_.load(std::memory_order_acquire) != 0) relax();
-    return true;
-  }
-
- private:
-  static void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
-
-  void loop(int index) {
-    unsigned seen = 0;
-    for (;;) {
-      int spins = 0;
-      while (generation_.load(std::memory_order_acquire) == seen) {
-        if (++spins < 4096) {
-          relax();
-          continue;
-        }
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-      }
-      seen = generation_.load(std::memory_order_acquire);
-      (*job_)(index + 1);
-      remaining_.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  }
-
-  pid_t pid_;
-  int count_ = 0;
-  std::mutex busy_, mutex_;
-  std::condition_variable wake_;
-  std::atomic<unsigned> generation_{0};
-  std::atomic<int> remaining_{0};
-  const std::function<void(int)>* job_ = nullptr;
-};
-
-Workers* workers() {
-  static std::mutex guard;
-  static Workers* current = nullptr;
-  std::lock_guard<std::mutex> lock(guard);
-  // A forked child has none of its parent's threads: start its own.
-  if (current == nullptr || current->pid() != getpid()) {
-    int cores = static_cast<int>(std::thread::hardware_concurrency());
-    current = new Workers(std::clamp(cores, 1, 8) - 1);
-  }
-  return current;
-}
-
 void linear(const float* x, const float* w, float* out, int M, int K, int N) {
-  // Below ~64k multiply-adds waking a thread costs more than it saves.
-  Workers* pool = static_cast<int64_t>(M) * K * N < (1 << 16) ? nullptr : workers();
-  const int parts = pool ? pool->count() + 1 : 1;
-  if (parts > 1) {
-    const int tiles = (N + COLS - 1) / COLS;
-    auto job = [&](int part) {
-      const int begin = std::min(N, static_cast<int>(static_cast<int64_t>(tiles) * part / parts) * COLS);
-      const int end = std::min(N, static_cast<int>(static_cast<int64_t>(tiles) * (part + 1) / parts) * COLS);
-      linear_range(x, w, out, M, K, N, begin, end);
+  // Column tiles in chunks, shared by the threads (batchscope::parallel_for): a thread that
+  // starts late or runs slow takes fewer. Below ~64k multiply-adds one thread is faster.
+  const int tiles = (N + COLS - 1) / COLS;
+  if (static_cast<int64_t>(M) * K * N >= (1 << 16)) {
+    const int chunk = std::max(1, tiles / (parallel_threads() * 8));
+    auto columns = [&](int begin, int end) {
+      linear_range(x, w, out, M, K, N, begin * COLS, std::min(N, end * COLS));
     };
-    if (pool->run(job)) return;
+    if (parallel_for(tiles, chunk, columns)) return;
   }
   linear_range(x, w, out, M, K, N, 0, N);
 }

@@ -5,10 +5,12 @@
 #include <limits>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "workers.h"
 
 namespace batchscope {
 
@@ -56,11 +58,11 @@ inline float in(float x) {
 // same bits whatever else shares the step.
 template <typename T>
 void decode_attention(const T* q, const T* k_pool, const T* v_pool, const int32_t* tables,
-                      const int32_t* lens, T* out, Shapes s) {
+                      const int32_t* lens, T* out, Shapes s, int unit_begin, int unit_end) {
   const int rep = s.heads / s.kv_heads;
   const int dim = s.dim;
   std::vector<float> qf(rep * dim), scores, acc(rep * dim), sums(rep);
-  for (int unit = 0; unit < s.rows * s.kv_heads; ++unit) {
+  for (int unit = unit_begin; unit < unit_end; ++unit) {
     const int r = unit / s.kv_heads;
     const int g = unit % s.kv_heads;
     const int len = lens[r];
@@ -188,20 +190,26 @@ void PagedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs,
         }
       }
     }
-    // Single-threaded: a build that split the rows over a second thread per call was slower in
-    // benchmarks/attention.py on 2 cores (0.17 vs 0.09 ms at 4 decode rows, no gain at 16).
+    // The (row, kv head) units are shared by the threads (batchscope::parallel_for); a unit's
+    // arithmetic does not depend on which thread runs it.
+    const int units = shapes.rows * shapes.kv_heads;
+    auto run = [&](auto* type_tag) {
+      using T = std::remove_pointer_t<decltype(type_tag)>;
+      auto part = [&](int begin, int end) {
+        decode_attention(q.data<T>(), k.data<T>(), v.data<T>(), table_ptr, len_ptr,
+                         out.data<T>(), shapes, begin, end);
+      };
+      if (!parallel_for(units, 1, part)) part(0, units);
+    };
     switch (out.dtype()) {
       case mx::float32:
-        decode_attention(q.data<float>(), k.data<float>(), v.data<float>(), table_ptr, len_ptr,
-                  out.data<float>(), shapes);
+        run(static_cast<float*>(nullptr));
         break;
       case mx::float16:
-        decode_attention(q.data<mx::float16_t>(), k.data<mx::float16_t>(), v.data<mx::float16_t>(),
-                  table_ptr, len_ptr, out.data<mx::float16_t>(), shapes);
+        run(static_cast<mx::float16_t*>(nullptr));
         break;
       default:
-        decode_attention(q.data<mx::bfloat16_t>(), k.data<mx::bfloat16_t>(), v.data<mx::bfloat16_t>(),
-                  table_ptr, len_ptr, out.data<mx::bfloat16_t>(), shapes);
+        run(static_cast<mx::bfloat16_t*>(nullptr));
         break;
     }
   });

@@ -207,3 +207,31 @@ def test_linear_with_bias_adds_it():
     out = runner.linear(layer, x)
     assert mx.array_equal(out, op(x, layer.weight) + layer.bias).item()
     assert mx.allclose(out, layer(x), rtol=1e-5, atol=1e-5).item()
+
+
+THREADS_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+import engine
+from engine import native
+rng = np.random.default_rng(0)
+x = mx.array(rng.standard_normal((11, 576)).astype(np.float32))
+w = mx.array(rng.standard_normal((1536, 576)).astype(np.float32))
+np.save(sys.argv[1], np.array(native.decode_linear()(x, w)))
+"""
+
+
+def test_the_thread_count_does_not_change_the_bits(tmp_path):
+    """BATCHSCOPE_NATIVE_THREADS=1 (the calling thread only) against the default pool."""
+    import subprocess
+    import sys
+
+    native_linear()
+    outs = []
+    for threads in ("1", "3"):
+        path = tmp_path / f"out{threads}.npy"
+        env = {**os.environ, "BATCHSCOPE_NATIVE_THREADS": threads}
+        subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(path)], env=env, check=True)
+        outs.append(np.load(path))
+    assert np.array_equal(outs[0], outs[1])

@@ -1,0 +1,121 @@
+#include "workers.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
+
+namespace batchscope {
+
+namespace {
+
+void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Workers spin up to ~1 ms after a job (in a decode step the next op that uses them comes
+// within that), then sleep until woken: an idle engine costs nothing.
+class Workers {
+ public:
+  explicit Workers(int count) : pid_(getpid()), count_(count) {
+    for (int i = 0; i < count; ++i) {
+      std::thread([this] { loop(); }).detach();  // never joined: lives as long as the process
+    }
+  }
+
+  int count() const {
+    return count_;
+  }
+  pid_t pid() const {
+    return pid_;
+  }
+
+  bool run(const std::function<void()>& job) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    job_ = &job;
+    remaining_.store(count_, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    job();
+    while (remaining_.load(std::memory_order_acquire) != 0) relax();
+    return true;
+  }
+
+ private:
+  void loop() {
+    unsigned seen = 0;
+    for (;;) {
+      const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
+      int spins = 0;
+      while (generation_.load(std::memory_order_acquire) == seen) {
+        if (++spins % 256 != 0 || std::chrono::steady_clock::now() < spin_until) {
+          relax();
+          continue;
+        }
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      (*job_)();
+      remaining_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  pid_t pid_;
+  int count_;
+  std::mutex busy_, mutex_;
+  std::condition_variable wake_;
+  std::atomic<unsigned> generation_{0};
+  std::atomic<int> remaining_{0};
+  const std::function<void()>* job_ = nullptr;
+};
+
+Workers& pool() {
+  static std::mutex guard;
+  static Workers* current = nullptr;
+  std::lock_guard<std::mutex> lock(guard);
+  // A forked child has none of its parent's threads: start its own.
+  if (current == nullptr || current->pid() != getpid()) {
+    // BATCHSCOPE_NATIVE_THREADS caps the threads (1: the calling thread only).
+    int threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
+    if (const char* env = std::getenv("BATCHSCOPE_NATIVE_THREADS")) {
+      threads = std::clamp(std::atoi(env), 1, 64);
+    }
+    current = new Workers(threads - 1);
+  }
+  return *current;
+}
+
+}  // namespace
+
+int parallel_threads() {
+  return pool().count() + 1;
+}
+
+bool parallel_for(int count, int chunk, const std::function<void(int, int)>& body) {
+  Workers& workers = pool();
+  if (workers.count() == 0 || count <= chunk) return false;
+  std::atomic<int> next{0};
+  const std::function<void()> job = [&] {
+    for (;;) {
+      const int begin = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (begin >= count) return;
+      body(begin, std::min(count, begin + chunk));
+    }
+  };
+  return workers.run(job);
+}
+
+}  // namespace batchscope
