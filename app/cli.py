@@ -41,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode rows' attention: the native paged kernel (CPU backend, built "
                         "by scripts/setup.sh), MLX ops, or auto (native when available)")
     g.add_argument("--decode-matmul", default="auto", choices=["auto", "native", "mlx"],
-                   help="linear layers of float32 steps of up to 16 rows on the gemm path: the "
+                   help="linear layers of float32 steps of up to 32 rows on the gemm path: the "
                         "native kernel (CPU backend, batch-invariant), MLX's matmul (the "
                         "BLAS), or auto (native when available)")
 
