@@ -22,11 +22,18 @@ inline v16 load(const float* p) {
   return v;
 }
 
-// A fixed tree over the 16 lanes: every output is reduced in the same order.
+// A fixed tree over the 16 lanes, so every output is reduced in the same order: lane i + lane
+// i + 8, then + 4, then the last four as (0 + 2) + (1 + 3).
 inline float lane_sum(v16 a) {
+#if defined(__clang__) || __GNUC__ >= 12
   v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
   v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+#else  // older GCC: the same tree, lane by lane
+  float b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
+#endif
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
@@ -37,7 +44,8 @@ constexpr int ROWS = 8;
 constexpr int COLS = 3;
 // Prefetch the weight rows this far ahead (two tiles): memory, not arithmetic, bounds a
 // few-row step, and the prefetch hides the next rows' latency behind this tile's work
-// (1.2-1.5x at 8-16 rows in benchmarks/decode_linear.py).
+// (1.2-1.5x at 8-16 rows in benchmarks/decode_linear.py). Past the last row it is harmless:
+// a prefetch never faults.
 constexpr int PREFETCH_ROWS = 2 * COLS;
 
 // out[m][n] for m in [m0, m0+MR), n in [n0, n0+NR). Each output sums x[m][k] * w[n][k] in 16
@@ -53,7 +61,9 @@ inline void tile(const float* x, const float* w, float* out, int K, int N, int m
     v16 xv[MR];
     for (int i = 0; i < MR; ++i) {
       xv[i] = load(x + static_cast<size_t>(m0 + i) * K + k);
+#if defined(__x86_64__)
       asm("" : "+v"(xv[i]));  // keep it in a register: loaded once, used NR times
+#endif
     }
     for (int j = 0; j < NR; ++j) {
       const float* wr = w + static_cast<size_t>(n0 + j) * K + k;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <unistd.h>
@@ -38,18 +39,35 @@ class Workers {
     return pid_;
   }
 
+  // Runs job() on the calling thread and on every worker that arrives while it is open; the
+  // job must be safe to run any number of times at once (parallel_for's takes chunks from a
+  // shared counter until none are left). Returns once the calling thread's run has ended and
+  // no worker is inside it: a worker still waking up is not waited for, it finds the job
+  // closed and goes back to waiting.
   bool run(const std::function<void()>& job) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
     job_ = &job;
-    remaining_.store(count_, std::memory_order_relaxed);
+    closed_.store(false);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      generation_.fetch_add(1, std::memory_order_release);
+      generation_.fetch_add(1);
     }
     wake_.notify_all();
-    job();
-    while (remaining_.load(std::memory_order_acquire) != 0) relax();
+    std::exception_ptr error;
+    try {
+      job();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    closed_.store(true);
+    while (active_.load() != 0) relax();  // sequentially consistent with the workers' check
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error) error = worker_error_;
+      worker_error_ = nullptr;
+    }
+    if (error) std::rethrow_exception(error);
     return true;
   }
 
@@ -59,17 +77,25 @@ class Workers {
     for (;;) {
       const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
       int spins = 0;
-      while (generation_.load(std::memory_order_acquire) == seen) {
+      while (generation_.load() == seen) {
         if (++spins % 256 != 0 || std::chrono::steady_clock::now() < spin_until) {
           relax();
           continue;
         }
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
       }
-      seen = generation_.load(std::memory_order_acquire);
-      (*job_)();
-      remaining_.fetch_sub(1, std::memory_order_acq_rel);
+      seen = generation_.load();
+      active_.fetch_add(1);
+      if (!closed_.load()) {  // else the caller is done: do not touch its job
+        try {
+          (*job_)();
+        } catch (...) {  // handed to the caller, which rethrows it
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (!worker_error_) worker_error_ = std::current_exception();
+        }
+      }
+      active_.fetch_sub(1);
     }
   }
 
@@ -78,8 +104,10 @@ class Workers {
   std::mutex busy_, mutex_;
   std::condition_variable wake_;
   std::atomic<unsigned> generation_{0};
-  std::atomic<int> remaining_{0};
+  std::atomic<bool> closed_{true};
+  std::atomic<int> active_{0};  // workers inside run's job (or checking whether it is open)
   const std::function<void()>* job_ = nullptr;
+  std::exception_ptr worker_error_;
 };
 
 Workers& pool() {
