@@ -61,7 +61,16 @@ class Workers {
       error = std::current_exception();
     }
     closed_.store(true);
-    while (active_.load() != 0) relax();  // sequentially consistent with the workers' check
+    // Sequentially consistent with the workers' check. A worker inside the job may have been
+    // preempted (more threads than cores: OpenBLAS's spin after a BLAS call): after a short
+    // spin, yield this core to it.
+    for (int spins = 0; active_.load() != 0; ++spins) {
+      if (spins < 2048) {
+        relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!error) error = worker_error_;
