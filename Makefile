@@ -20,7 +20,7 @@ test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow"
 
 bench: setup
-	.venv/bin/python benchmarks/engine_batching.py
+	.venv/bin/python benchmarks/engine_batching.py --repeats 5
 
 # batchscope vs mlx-lm batch_generate and mlx_lm.server, static vs continuous batching, and the
 # max_num_seqs sweep, in one run (~30 min on 2 cores; QUICK=1 for a smoke test)
