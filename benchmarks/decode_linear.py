@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 # isort: off
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 import mlx.core as mx
 # isort: on
+
+from attention import timed_rounds  # benchmarks/attention.py (this script's folder)
 
 from engine import native
 from engine.model_loader import load_model
@@ -46,15 +47,7 @@ def measure(weights, rows: int, rounds: int, kernel) -> dict[str, list[float]]:
         "MLX matmul": lambda: mx.eval([inputs[w.shape[1]] @ w.T for w in weights]),
         "native kernel": lambda: mx.eval([kernel(inputs[w.shape[1]], w) for w in weights]),
     }
-    for fn in variants.values():  # warm-up
-        fn()
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
+    return timed_rounds(variants, rounds)
 
 
 def main() -> int:

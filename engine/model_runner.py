@@ -244,27 +244,26 @@ class ModelRunner:
 def _decode_kernel(decode_attention: str, fused: bool):
     """The native decode-attention op to use, or None for MLX ops (see engine/attention.py)."""
     check_decode_attention(decode_attention)
-    if decode_attention == "mlx" or (decode_attention == "auto" and fused):
-        return None
-    if fused:
-        raise ValueError("decode_attention 'native' runs on the CPU backend only")
-    kernel = native.paged_decode_attention()
-    if kernel is None and decode_attention == "native":
-        raise ValueError(f"decode_attention 'native': the kernel is {native.why_not()}")
-    return kernel
+    return _native_op("decode_attention", decode_attention, fused, native.paged_decode_attention)
 
 
 def _matmul_kernel(decode_matmul: str, fused: bool):
     """The native decode linear op to use, or None for MLX's matmul."""
     check_decode_matmul(decode_matmul)
-    if decode_matmul == "mlx" or (decode_matmul == "auto" and fused):
+    return _native_op("decode_matmul", decode_matmul, fused, native.decode_linear)
+
+
+def _native_op(setting: str, value: str, fused: bool, get):
+    """"auto": the native op on the CPU backend when it is built; "native": it or an error;
+    "mlx": never. On a GPU backend (fused attention) MLX's own kernels always run."""
+    if value == "mlx" or (value == "auto" and fused):
         return None
     if fused:
-        raise ValueError("decode_matmul 'native' runs on the CPU backend only")
-    kernel = native.decode_linear()
-    if kernel is None and decode_matmul == "native":
-        raise ValueError(f"decode_matmul 'native': the kernel is {native.why_not()}")
-    return kernel
+        raise ValueError(f"{setting} 'native' runs on the CPU backend only")
+    op = get()
+    if op is None and value == "native":
+        raise ValueError(f"{setting} 'native': the kernel is {native.why_not()}")
+    return op
 
 
 def _float32_weight(module, kind=nn.Linear) -> mx.array | None:

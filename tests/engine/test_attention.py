@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
+from native_ops import native_op
 
 from engine.attention import Span, attend, attend_step, plan_step
 from engine.kv_cache import KVPool
@@ -62,15 +61,7 @@ def test_causal_rows_do_not_see_later_positions():
 # ---- the native paged kernel (engine/native/) ----------------------------------------------
 
 def native_kernel():
-    """The kernel, or a skip outside CI (in CI, where setup builds it, its absence fails)."""
-    from engine import native
-
-    kernel = native.paged_decode_attention()
-    if kernel is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"native kernel {native.why_not()}")
-        pytest.skip(f"native kernel {native.why_not()}")
-    return kernel
+    return native_op("paged_decode_attention")
 
 
 def fragmented_pool(lens, dtype, block_size=16, kv_heads=3, dim=64, seed=0):

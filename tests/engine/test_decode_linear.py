@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from native_ops import native_op
 
 from engine.kv_cache import KVPool
 from engine.model_runner import DECODE_MATMUL_MAX_ROWS, ModelRunner, RowGroup
@@ -17,15 +18,7 @@ from engine.testing import tiny_model
 
 
 def native_linear():
-    """The op, or a skip outside CI (in CI, where setup builds it, its absence fails)."""
-    from engine import native
-
-    op = native.decode_linear()
-    if op is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"native kernel {native.why_not()}")
-        pytest.skip(f"native kernel {native.why_not()}")
-    return op
+    return native_op("decode_linear")
 
 
 def random(shape, seed):
