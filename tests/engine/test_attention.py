@@ -203,3 +203,16 @@ def test_decode_attention_setting_is_checked():
     assert _decode_kernel("auto", fused=True) is None  # GPU: MLX's fused attention
     with pytest.raises(ValueError, match="CPU backend only"):
         _decode_kernel("native", fused=True)
+
+
+def test_one_rope_call_over_queries_and_keys_equals_two():
+    """model_runner rotates q and k in one call; RoPE must treat each head alone for that."""
+    from engine.testing import tiny_model
+
+    rope = tiny_model(quantize=False).model.model.layers[0].self_attn.rope
+    mx.random.seed(3)
+    q, k = mx.random.normal((5, 4, 16)), mx.random.normal((5, 2, 16))
+    pos = mx.array([0, 3, 17, 100, 511], dtype=mx.int32)
+    both = rope(mx.concatenate([q, k], axis=1)[:, :, None, :], offset=pos)[:, :, 0, :]
+    assert mx.array_equal(both[:, :4], rope(q[:, :, None, :], offset=pos)[:, :, 0, :]).item()
+    assert mx.array_equal(both[:, 4:], rope(k[:, :, None, :], offset=pos)[:, :, 0, :]).item()
