@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import uuid
@@ -204,10 +203,10 @@ def _where(first: int, last: int, prompt_tokens: int) -> str:
 
 def format_record(r: dict, all_tokens: bool = False) -> str:
     from engine.divergence import timeline
+    from engine.platform import blas_name
 
     a, b = r["sides"]["a"], r["sides"]["b"]
-    blas = r.get("backend", {}).get("blas")
-    blas = os.path.basename(blas) if blas else "bundled"  # the library, not where it lives
+    blas = blas_name(r.get("backend", {}).get("blas")) or "bundled"
     out = [f"model {r['model']} · prompt {r['prompt_tokens']} tokens · "
            f"{r.get('max_tokens', '?')} new tokens · greedy · BLAS {blas}",
            f"A: {a['label']}", f"B: {b['label']}", "", f"Verdict: {r['verdict']}", "",

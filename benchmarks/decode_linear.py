@@ -25,7 +25,7 @@ from attention import timed_rounds  # benchmarks/attention.py (this script's fol
 from engine import native
 from engine.model_loader import load_model
 from engine.model_runner import DECODE_MATMUL_MAX_ROWS
-from engine.platform import backend_info
+from engine.platform import backend_info, blas_name
 
 PROJECTIONS = [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
@@ -68,7 +68,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     info = backend_info()
-    blas = Path(info["blas"]).name if info.get("blas") else "bundled"
+    blas = blas_name(info.get("blas")) or "bundled"
     lines = [f"All {len(weights)} linear layers of {loaded.name} ({args.weights}) once per round, "
              f"backend {info['backend']}, BLAS {blas}; {args.rounds} interleaved rounds. "
              f"The engine uses the kernel up to {DECODE_MATMUL_MAX_ROWS} rows.", "",

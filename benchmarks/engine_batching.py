@@ -43,7 +43,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from engine.config import EngineConfig
 from engine.engine import Engine, Submission
 from engine.model_loader import load_model
-from engine.platform import backend_info
+from engine.platform import backend_info, blas_name
 from engine.sampling import SamplingParams
 
 TEXT = ("Continuous batching lets an inference server add and remove requests at every step, "
@@ -237,8 +237,7 @@ def main() -> int:
     print("\n" + table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # The BLAS library by name: where it lives on this machine is no result.
-    backend = info | {"blas": Path(info["blas"]).name if info.get("blas") else None}
+    backend = info | {"blas": blas_name(info.get("blas"))}
     out.write_text(json.dumps({"weights": loaded.weights, "backend": backend, "rows": rows},
                               indent=2))
     out.with_suffix(".md").write_text(table + "\n")

@@ -7,27 +7,16 @@ from dataclasses import dataclass
 from engine.kernels import KernelPolicy
 
 WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
-# Decode attention (engine/attention.py): "auto" is the native kernel on the CPU backend when
-# it is built, else MLX ops; "native" requires the kernel; "mlx" never uses it.
-DECODE_ATTENTION = ("auto", "native", "mlx")
+# The native-kernel settings, decode_attention (engine/attention.py) and decode_matmul
+# (engine/model_runner.py, float32 steps of up to DECODE_MATMUL_MAX_ROWS rows on the "gemm"
+# path): "auto" is the native op on the CPU backend when it is built, else MLX's own;
+# "native" requires the native op; "mlx" never uses it.
+NATIVE_SETTING = ("auto", "native", "mlx")
 
 
-# Decode matmuls (engine/model_runner.py): "auto" is the native float32 kernel for steps of at
-# most DECODE_MATMUL_MAX_ROWS rows on the "gemm" path, on the CPU backend when it is built;
-# "native" requires the kernel; "mlx" always takes MLX's matmul (the BLAS on the CPU).
-DECODE_MATMUL = DECODE_ATTENTION
-
-
-def check_decode_attention(value: str) -> None:
-    if value not in DECODE_ATTENTION:
-        raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
-                         f"got {value!r}")
-
-
-def check_decode_matmul(value: str) -> None:
-    if value not in DECODE_MATMUL:
-        raise ValueError(f"decode_matmul must be one of {', '.join(DECODE_MATMUL)}, "
-                         f"got {value!r}")
+def check_native_setting(name: str, value: str) -> None:
+    if value not in NATIVE_SETTING:
+        raise ValueError(f"{name} must be one of {', '.join(NATIVE_SETTING)}, got {value!r}")
 
 
 @dataclass
@@ -61,8 +50,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        check_decode_attention(self.decode_attention)
-        check_decode_matmul(self.decode_matmul)
+        check_native_setting("decode_attention", self.decode_attention)
+        check_native_setting("decode_matmul", self.decode_matmul)
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
         if self.max_model_len is not None and self.max_model_len < 2:

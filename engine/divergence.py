@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import WEIGHT_FORMATS, EngineConfig, check_decode_matmul
+from engine.config import WEIGHT_FORMATS, EngineConfig, check_native_setting
 from engine.engine import Engine, EngineError, Submission
 from engine.events import FinishEvent, TokenEvent
 from engine.kernels import KernelPolicy
@@ -102,7 +102,7 @@ class SideConfig:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
                              f"got {self.weights!r}")
         KernelPolicy(self.kernel_policy, self.kernel_threshold)  # raises on bad values
-        check_decode_matmul(self.decode_matmul)
+        check_native_setting("decode_matmul", self.decode_matmul)
         alongside = tuple(self.alongside)
         if len(alongside) > MAX_ALONGSIDE:
             raise ValueError(f"at most {MAX_ALONGSIDE} other requests, got {len(alongside)}")

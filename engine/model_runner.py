@@ -19,7 +19,7 @@ import numpy as np
 
 from engine import native
 from engine.attention import attend_step, plan_step, use_fused_attention
-from engine.config import check_decode_attention, check_decode_matmul
+from engine.config import check_native_setting
 from engine.kernels import apply_linear
 from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
@@ -190,8 +190,8 @@ class ModelRunner:
         if hasattr(attn, "q_norm"):  # qwen3-style per-head norms
             q, k = attn.q_norm(q), attn.k_norm(k)
         # Each row is its own "batch" entry so RoPE takes a per-row position. Queries and keys
-        # go through one call: RoPE rotates each head alone (the same bits as two calls), and
-        # a call costs ~70 us on the CPU whatever its size.
+        # go through one call, half the calls: RoPE rotates each head alone, so the bits are
+        # those of two calls (tests/engine/test_attention.py).
         qk = attn.rope(mx.concatenate([q, k], axis=1)[:, :, None, :], offset=pos)[:, :, 0, :]
         q, k = qk[:, :n_heads], qk[:, n_heads:]
         self.pool.write(layer_index, write, k, v)
@@ -245,19 +245,18 @@ class ModelRunner:
 
 def _decode_kernel(decode_attention: str, fused: bool):
     """The native decode-attention op to use, or None for MLX ops (see engine/attention.py)."""
-    check_decode_attention(decode_attention)
     return _native_op("decode_attention", decode_attention, fused, native.paged_decode_attention)
 
 
 def _matmul_kernel(decode_matmul: str, fused: bool):
     """The native decode linear op to use, or None for MLX's matmul."""
-    check_decode_matmul(decode_matmul)
     return _native_op("decode_matmul", decode_matmul, fused, native.decode_linear)
 
 
 def _native_op(setting: str, value: str, fused: bool, get):
-    """"auto": the native op on the CPU backend when it is built; "native": it or an error;
-    "mlx": never. On a GPU backend (fused attention) MLX's own kernels always run."""
+    """engine.config.NATIVE_SETTING: on a GPU backend (fused attention) "auto" is MLX's own
+    kernels and "native" an error; on the CPU, "native" is an error when the op is not built."""
+    check_native_setting(setting, value)
     if value == "mlx" or (value == "auto" and fused):
         return None
     if fused:

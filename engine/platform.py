@@ -107,6 +107,12 @@ def blas_loaded() -> str | None:
     return _loaded
 
 
+def blas_name(path: str | None) -> str | None:
+    """The BLAS library's file name from backend_info()["blas"]: results and reports name the
+    library, not where it lives on one machine."""
+    return Path(path).name if path else None
+
+
 def backend_info() -> dict:
     """Describe where MLX runs: backend ("metal", "cuda" or "cpu"), versions and BLAS."""
     import mlx.core as mx

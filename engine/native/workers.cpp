@@ -127,7 +127,8 @@ Workers& pool() {
   if (current == nullptr || current->pid() != getpid()) {
     // BATCHSCOPE_NATIVE_THREADS caps the threads (1: the calling thread only).
     int threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
-    if (const char* env = std::getenv("BATCHSCOPE_NATIVE_THREADS")) {
+    const char* env = std::getenv("BATCHSCOPE_NATIVE_THREADS");
+    if (env != nullptr && *env != 0) {  // set and not empty
       threads = std::clamp(std::atoi(env), 1, 64);
     }
     current = new Workers(threads - 1);
