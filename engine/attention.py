@@ -15,6 +15,11 @@ request's output depend on what shares its batch):
   layer, each with a fixed dispatch cost. On Metal and CUDA the fused kernel is used per
   sequence.
 
+A sliding-window layer (window W) attends only to each row's last W positions: its spans
+gather only the blocks that hold them, a mask hides the rest of the first block, and the native
+kernel starts W positions back. This is mlx-lm's own rule (create_causal_mask's window_size):
+a row at position p sees keys (p - W, p].
+
 The native kernel rounds where MLX's ops round for float16/bfloat16 but sums in its own order,
 so in float32 it differs from the MLX-ops path by ~1e-7 (tests/engine/test_attention.py).
 """
@@ -44,20 +49,35 @@ class Span:
     ctx_len: int
 
 
+def _mask(s: Span, window: int | None) -> mx.array | None:
+    """Which context positions each of the span's rows sees (None: all of them)."""
+    if s.rows == 1 and not (window and s.ctx_len > window):
+        return None
+    query_pos = mx.arange(s.ctx_len - s.rows, s.ctx_len)[:, None]
+    key_pos = mx.arange(s.ctx_len)[None]
+    mask = query_pos >= key_pos
+    if window:
+        mask = mask & (query_pos - key_pos < window)
+    return mask
+
+
 def attend(q: mx.array, keys: mx.array, values: mx.array, spans: list[Span], scale: float,
-           fused: bool) -> mx.array:
+           fused: bool, window: int | None = None) -> mx.array:
     """q: (rows, heads, dim); keys, values: (kv_heads, total_ctx, dim), the contexts of all
     spans one after another. Each span's rows are its last positions: row i of a span sees
-    context positions up to ctx_len - rows + i (causal). Returns (rows, heads * dim)."""
+    context positions up to ctx_len - rows + i (causal), and with a window only the last
+    `window` of those. Returns (rows, heads * dim)."""
     rows, heads, dim = q.shape
     kv_heads = keys.shape[0]
     if fused:
         outs = []
         for s, qs, ks, vs in zip(spans, _cut(q, spans, 0, "row"), _cut(keys, spans, 1, "ctx"),
                                  _cut(values, spans, 1, "ctx"), strict=True):
+            mask = _mask(s, window)
+            if mask is not None and not window:
+                mask = "causal"
             o = mx.fast.scaled_dot_product_attention(
-                qs.transpose(1, 0, 2)[None], ks[None], vs[None], scale=scale,
-                mask="causal" if s.rows > 1 else None)
+                qs.transpose(1, 0, 2)[None], ks[None], vs[None], scale=scale, mask=mask)
             outs.append(o[0].transpose(1, 0, 2).reshape(s.rows, heads * dim))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
@@ -70,10 +90,9 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, spans: list[Span], sca
     for s, qs, ks, vs in zip(spans, _cut(qg, spans, 2, "row"), _cut(keys_t, spans, 3, "ctx"),
                              _cut(values, spans, 2, "ctx"), strict=True):
         scores = qs @ ks
-        if s.rows > 1:
-            causal = (mx.arange(s.ctx_len - s.rows, s.ctx_len)[:, None]
-                      >= mx.arange(s.ctx_len)[None])
-            scores = mx.where(causal, scores, mx.finfo(scores.dtype).min)
+        mask = _mask(s, window)
+        if mask is not None:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         probs = mx.softmax(scores, axis=-1, precise=True)
         outs.append(probs @ vs)  # (kv, rep, rows, dim)
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
@@ -116,12 +135,14 @@ class StepAttention:
     lens: mx.array | None  # (native_rows,) int32
     order: mx.array | None
     inverse: mx.array | None
+    window: int | None = None  # a sliding-window layer's W: rows see their last W positions
 
 
 def plan_step(contexts: list[tuple[int, int, list[int]]], block_size: int,
-              native: bool) -> StepAttention:
+              native: bool, window: int | None = None) -> StepAttention:
     """contexts: per sequence, in row order, (rows, context length, block table). With
-    `native`, single-row (decode) sequences go to the native kernel."""
+    `native`, single-row (decode) sequences go to the native kernel. With a window, each span
+    gathers only the blocks that hold its rows' last `window` positions."""
     to_native = [native and rows == 1 for rows, _, _ in contexts]
     starts = np.cumsum([0] + [rows for rows, _, _ in contexts])
     order = ([int(starts[i]) for i, n in enumerate(to_native) if n]
@@ -144,16 +165,19 @@ def plan_step(contexts: list[tuple[int, int, list[int]]], block_size: int,
         # Contexts are gathered by whole blocks (cheaper than slot by slot); each starts at a
         # block boundary of the gathered array and its span ignores the tail padding.
         n_blocks = -(-ctx // block_size)
-        read.extend(blocks[:n_blocks])
-        spans.append(Span(row, rows, ctx_at, ctx))
+        first = 0
+        if window:  # the first position the span's first row sees
+            first = max(0, ctx - rows - window + 1) // block_size
+        read.extend(blocks[first:n_blocks])
+        spans.append(Span(row, rows, ctx_at, ctx - first * block_size))
         row += rows
-        ctx_at += n_blocks * block_size
+        ctx_at += (n_blocks - first) * block_size
     identity = order == list(range(len(order)))
     return StepAttention(
         spans=spans, read=mx.array(np.asarray(read, dtype=np.int64)) if read else None,
         native_rows=len(natives), tables=tables, lens=lens,
         order=None if identity else mx.array(order),
-        inverse=None if identity else mx.array(np.argsort(order)))
+        inverse=None if identity else mx.array(np.argsort(order)), window=window)
 
 
 def attend_step(q: mx.array, plan: StepAttention, pool: KVPool, layer: int, scale: float,
@@ -165,11 +189,11 @@ def attend_step(q: mx.array, plan: StepAttention, pool: KVPool, layer: int, scal
     outs = []
     if plan.native_rows:
         outs.append(kernel(q[:plan.native_rows], *pool.layer(layer), plan.tables, plan.lens,
-                           scale, pool.block_size))
+                           scale, pool.block_size, plan.window or 0))
     if plan.spans:
         keys, values = pool.read_blocks(layer, plan.read)
         rest = q[plan.native_rows:] if plan.native_rows else q
         spans = [Span(s.row - plan.native_rows, s.rows, s.ctx, s.ctx_len) for s in plan.spans]
-        outs.append(attend(rest, keys, values, spans, scale, fused))
+        outs.append(attend(rest, keys, values, spans, scale, fused, plan.window))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out if plan.inverse is None else out[plan.inverse]

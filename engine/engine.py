@@ -282,8 +282,8 @@ class Engine:
 
     def _setup(self) -> None:
         from engine.calibration import resolve_threshold
-        from engine.kv_cache import KVPool
-        from engine.model_runner import ModelRunner, RowGroup
+        from engine.model_runner import ModelRunner, RowGroup, pool_for
+        from engine.models import family_for
 
         self.loaded = self._loader()
         self.tokenizer = self.loaded.tokenizer
@@ -293,10 +293,10 @@ class Engine:
         self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size,
                                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.pool = KVPool(self.loaded.num_layers, cfg.num_kv_blocks, cfg.block_size,
-                           self.loaded.num_kv_heads, self.loaded.head_dim)
+        family = family_for(self.loaded.model, self.loaded.config)
+        self.pool = pool_for(family, cfg.num_kv_blocks, cfg.block_size)
         self.runner = ModelRunner(self.loaded.model, self.pool, cfg.decode_attention,
-                                  cfg.decode_matmul)
+                                  cfg.decode_matmul, family)
         self.runner.tile = cfg.invariant_tile
         threshold, self.kernel_threshold_source = resolve_threshold(cfg, self.loaded,
                                                                     backend_info())
@@ -309,11 +309,13 @@ class Engine:
         log.info("KV pool allocated: %.0f MiB (%s) in %.1f s", self.pool.nbytes() / 2**20,
                  self.pool.dtype, time.perf_counter() - t0)
         info = backend_info()
-        log.info("model %s (%s weights) on %s, BLAS %s; KV pool %d blocks x %d tokens; "
-                 "context %d; decode attention: %s; decode matmul: %s", self.loaded.name,
-                 self.loaded.weights, info["backend"], info.get("blas") or "bundled",
-                 cfg.num_kv_blocks, cfg.block_size, self.max_model_len, self.decode_attention,
-                 self.decode_matmul)
+        log.info("model %s (%s family, %s weights) on %s, BLAS %s; KV pool %d blocks x %d "
+                 "tokens; context %d; decode attention: %s; decode matmul: %s",
+                 self.loaded.name, family.name, self.loaded.weights, info["backend"],
+                 info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
+                 self.max_model_len, self.decode_attention, self.decode_matmul)
+        for line in family.describe_layers():
+            log.info("layers: %s", line)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -379,6 +381,7 @@ class Engine:
         error = None
         samples: dict = {}
         traces: dict = {}
+        expert_rows: dict = {}
         model_time = 0.0
         if groups:
             try:
@@ -386,6 +389,7 @@ class Engine:
                     self.before_forward(plan)
                 result = self.runner.run(groups, path)
                 samples, model_time, traces = result.samples, result.model_time, result.traces
+                expert_rows = {str(i): rows for i, rows in result.expert_rows.items()}
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 log.error("step %d failed: %s\n%s", step, error, traceback.format_exc())
@@ -432,11 +436,25 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             preempted=[s.seq_id for s in plan.preempted], kernel_path=path,
             linear_calls_per_layer=self._calls_per_layer(path, plan.num_rows),
+            expert_rows=expert_rows, **self._window_savings(plan),
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
         t3 = time.perf_counter()
         record.wall_time = t3 - t0
         record.scheduler_time = (t1 - t0) + (t3 - t2)
         self.steps.append(record)
+
+    def _window_savings(self, plan: SchedulerOutput) -> dict[str, int]:
+        """What the sliding layers no longer read in this step's sequences: whole blocks
+        before every sliding layer's window, which the pool keeps for the global layers."""
+        windows = self.runner.windows
+        if not windows:
+            return {}
+        window = max(windows)  # behind the widest window, no sliding layer reads a block
+        bs = self.config.block_size
+        # After this step a sequence's rows see positions > context - window.
+        behind = sum(max(0, g.start + g.num_rows - window + 1) // bs for g in plan.groups)
+        return {"window_blocks_behind": behind,
+                "window_bytes_reclaimable": behind * self.runner.window_block_bytes}
 
     def _calls_per_layer(self, path: str, rows: int) -> int:
         if path == TILED:

@@ -54,6 +54,25 @@ def apply_linear(fn, x: mx.array, path: str, tile: int = 16) -> mx.array:
     return mx.concatenate([fn(x[:, i:i + 1]) for i in range(rows)], axis=1)
 
 
+def apply_experts(fn, x: mx.array, indices: mx.array, path: str, tile: int = 16) -> mx.array:
+    """Run `fn` (mlx-lm's SwitchGLU-style expert block: fn(x, indices)) on x (1, rows, hidden)
+    with the router's choice indices (1, rows, k) along `path`: "gemm" one gathered call for
+    all rows, "gemv" one call per row, "tiled" calls of exactly `tile` rows (padding rows
+    routed to expert 0 and dropped)."""
+    rows = x.shape[1]
+    if path == "gemm" or rows == 1:
+        return fn(x, indices)
+    if path == TILED:
+        padded = -(-rows // tile) * tile
+        if padded != rows:
+            x = mx.pad(x, [(0, 0), (0, padded - rows), (0, 0)])
+            indices = mx.pad(indices, [(0, 0), (0, padded - rows), (0, 0)])
+        outs = [fn(x[:, i:i + tile], indices[:, i:i + tile]) for i in range(0, padded, tile)]
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        return out[:, :rows] if padded != rows else out
+    return mx.concatenate([fn(x[:, i:i + 1], indices[:, i:i + 1]) for i in range(rows)], axis=1)
+
+
 def _tiled(fn, x: mx.array, tile: int) -> mx.array:
     """Batch-invariant: the rows go through calls of exactly `tile` rows (the last one padded
     with zeros). The same shape means the same kernel, blocking and thread split, and a row's

@@ -1,11 +1,13 @@
 """The paged KV pool: real storage for keys and values, addressed by block tables.
 
-Per layer, keys and values live in one array of shape (kv_heads, num_blocks * block_size,
-head_dim): slot = block_id * block_size + offset. Head-major, so that a gathered context is
-already in the (kv_heads, ctx, head_dim) layout attention multiplies with. A step writes its
-new rows with one scatter and reads all its sequences' contexts with one gather per layer. The
-list holds the only reference to each array, so MLX can update it in place instead of copying
-the pool.
+Per pool layer, keys and values live in one array of shape (kv_heads, num_blocks * block_size,
+head_dim): slot = block_id * block_size + offset. Layers may differ in kv_heads and head_dim
+(Gemma 4's sliding and global layers do), and a model whose layers share keys and values has
+fewer pool layers than decoder layers (engine/models/ maps one to the other). Head-major, so
+that a gathered context is already in the (kv_heads, ctx, head_dim) layout attention
+multiplies with. A step writes its new rows with one scatter and reads all its sequences'
+contexts with one gather per layer. The list holds the only reference to each array, so MLX
+can update it in place instead of copying the pool.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import mlx.core as mx
 
 
 class KVPool:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int,
+                 num_kv_heads: int | list[int], head_dim: int | list[int]):
+        """num_kv_heads and head_dim: one number for every layer, or a list with one per layer."""
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.kv_heads = _per_layer(num_kv_heads, num_layers, "num_kv_heads")
+        self.head_dims = _per_layer(head_dim, num_layers, "head_dim")
         # Allocated at the first write, in the dtype the model produces (matches mlx-lm's cache).
         self._keys: list[mx.array] | None = None
         self._values: list[mx.array] | None = None
@@ -44,9 +47,10 @@ class KVPool:
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values, strict=True))
 
     def _allocate(self, dtype: mx.Dtype) -> None:
-        shape = (self.num_kv_heads, self.num_slots, self.head_dim)
-        self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
-        self._values = [mx.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+        shapes = [(kv, self.num_slots, dim) for kv, dim in zip(self.kv_heads, self.head_dims,
+                                                              strict=True)]
+        self._keys = [mx.zeros(shape, dtype=dtype) for shape in shapes]
+        self._values = [mx.zeros(shape, dtype=dtype) for shape in shapes]
         mx.eval(self._keys, self._values)
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
@@ -69,7 +73,7 @@ class KVPool:
 
         Indexing blocks of block_size * head_dim contiguous values is faster than indexing the
         same slots one by one: 1.1-1.4x at 4-16 sequences in benchmarks/attention.py."""
-        kv, dim, bs = self.num_kv_heads, self.head_dim, self.block_size
+        kv, dim, bs = self.kv_heads[layer], self.head_dims[layer], self.block_size
         blocks = (kv, self.num_blocks, bs * dim)
         return (self._keys[layer].reshape(blocks)[:, block_ids].reshape(kv, -1, dim),
                 self._values[layer].reshape(blocks)[:, block_ids].reshape(kv, -1, dim))
@@ -79,3 +83,10 @@ class KVPool:
         return (self._keys or []) + (self._values or [])
 
 
+
+
+def _per_layer(value: int | list[int], num_layers: int, name: str) -> list[int]:
+    values = [value] * num_layers if isinstance(value, int) else list(value)
+    if len(values) != num_layers or any(not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"{name} must be a positive integer or one per layer ({num_layers})")
+    return values

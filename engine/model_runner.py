@@ -4,8 +4,9 @@ All of a step's token positions (prefill chunks and decode rows) are packed into
 (1, rows, hidden) input, so each linear layer sees exactly the step's rows. Attention is done
 per sequence, reading its keys and values from the paged pool through its block table with its
 own causal offset (engine/attention.py: the native kernel for decode rows on the CPU, MLX ops
-otherwise). mlx-lm's modules provide the weights, norms, RoPE and activation; this file
-only routes the data. Logits are computed only for the rows that are sampled.
+otherwise). What the layers compute is the model family's (engine/models/, which reuse
+mlx-lm's modules and weights); this file only routes rows. Logits are computed only for the
+rows that are sampled.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import mlx.nn as nn
 import numpy as np
 
 from engine import native
-from engine.attention import attend_step, plan_step, use_fused_attention
+from engine.attention import StepAttention, attend_step, plan_step, use_fused_attention
 from engine.config import check_native_setting
-from engine.kernels import apply_linear
+from engine.kernels import apply_experts, apply_linear
 from engine.kv_cache import KVPool
+from engine.models import Family, family_for
 from engine.sampling import SamplingParams
 
 NEG_INF = float("-inf")
@@ -61,6 +63,8 @@ class StepOutput:
     samples: dict[str, Sample]  # seq_id -> sampled token, for groups with sample=True
     model_time: float  # seconds: forward + sampling, evaluated
     traces: dict[str, StepTrace] = field(default_factory=dict)  # seq_id -> what it wrote
+    # Mixture-of-experts layers: layer index -> rows each expert received (the router's choice)
+    expert_rows: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,30 +75,96 @@ class StepTrace:
     logits: np.ndarray | None  # (vocab,) float32 at the sampled row, or None (no sample)
 
 
-class UnsupportedModelError(ValueError):
-    pass
+def pool_for(family: Family, num_blocks: int, block_size: int) -> KVPool:
+    """The paged pool a family's layers need: one pool layer per layer that writes keys and
+    values, each with that layer's kv_heads and head_dim."""
+    writers = sorted({kv.pool_layer: kv for kv in family.layer_kv() if kv.writes}.items())
+    return KVPool(len(writers), num_blocks, block_size, [kv.kv_heads for _, kv in writers],
+                  [kv.head_dim for _, kv in writers])
+
+
+class Step:
+    """One forward as a model family sees it (engine/models/): the step's rows, their
+    positions, and the operations that depend on the engine rather than the family (linear
+    layers along the step's kernel path, RoPE at each row's position, paged attention)."""
+
+    def __init__(self, runner: ModelRunner, groups: list[RowGroup]):
+        self.runner = runner
+        bs = runner.pool.block_size
+        tokens, positions, write_slots, self.contexts = [], [], [], []
+        for g in groups:
+            tokens.extend(g.token_ids)
+            positions.extend(range(g.start, g.start + g.num_rows))
+            ctx_len = g.start + g.num_rows
+            write_slots.append(_slots(g.block_table, ctx_len, bs)[g.start:])
+            self.contexts.append((g.num_rows, ctx_len, g.block_table))
+        self.tokens = mx.array(tokens)
+        self.rows = len(tokens)
+        self.pos = mx.array(positions, dtype=mx.int32)
+        self.write = mx.array(np.concatenate(write_slots))
+        self._plans: dict[int | None, StepAttention] = {}
+        self.expert_choices: list[tuple[int, int, mx.array]] = []  # (layer, experts, indices)
+
+    def linear(self, module, x: mx.array, tied: bool = False) -> mx.array:
+        """A linear layer (tied=True: an embedding used as the output head)."""
+        return self.runner.linear(module, x, tied)
+
+    def rope(self, rope, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
+        """q: (rows, heads, dim), k: (rows, kv_heads, dim), rotated at each row's position.
+
+        Each row is its own "batch" entry so RoPE takes a per-row position. Queries and keys
+        go through one call, half the calls: RoPE rotates each head alone, so the bits are
+        those of two calls (tests/engine/test_attention.py)."""
+        n = q.shape[1]
+        qk = rope(mx.concatenate([q, k], axis=1)[:, :, None, :], offset=self.pos)[:, :, 0, :]
+        return qk[:, :n], qk[:, n:]
+
+    def attend(self, i: int, q: mx.array, k: mx.array | None, v: mx.array | None,
+               scale: float) -> mx.array:
+        """Layer i's attention: store the rows' keys and values (unless the layer reads
+        another layer's), then each row attends over its own context. Returns (rows, heads *
+        dim)."""
+        runner = self.runner
+        kv = runner.layer_kv[i]
+        if kv.writes:
+            runner.pool.write(kv.pool_layer, self.write, k, v)
+        plan = self._plans.get(kv.window)
+        if plan is None:
+            plan = self._plans[kv.window] = plan_step(
+                self.contexts, runner.pool.block_size, runner.attention_kernel is not None,
+                kv.window)
+        return attend_step(q, plan, runner.pool, kv.pool_layer, scale, runner.fused_attention,
+                           runner.attention_kernel)
+
+
+    def experts(self, i: int, switch, x: mx.array, indices: mx.array,
+                num_experts: int) -> mx.array:
+        """Layer i's routed experts: `switch` is mlx-lm's expert block (SwitchGLU:
+        switch(x, indices) with gather matmuls), x (1, rows, hidden), indices (1, rows, k) the
+        router's choice. The step's kernel path decides the calls (engine/kernels.py); the
+        choice is recorded (StepOutput.expert_rows)."""
+        self.expert_choices.append((i, num_experts, indices))
+        runner = self.runner
+        return apply_experts(switch, x, indices, runner.path, runner.tile)
+
+    def expert_rows(self) -> dict[int, list[int]]:
+        """Rows per expert in each MoE layer, from the evaluated router choices."""
+        return {i: np.bincount(np.array(indices).reshape(-1), minlength=n).tolist()
+                for i, n, indices in self.expert_choices}
 
 
 class ModelRunner:
     def __init__(self, model, pool: KVPool, decode_attention: str = "auto",
-                 decode_matmul: str = "auto"):
+                 decode_matmul: str = "auto", family: Family | None = None):
+        """model: a loaded mlx-lm model; its family adapter is looked up by model_type
+        (engine/models/) unless given. Raises UnsupportedModelError for one it cannot run."""
+        self.family = family or family_for(model)
         self.model = model
         self.pool = pool
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if inner is None or not layers:
-            raise UnsupportedModelError(
-                "model has no .model.layers: not a decoder-only mlx-lm model")
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "rope"):
-            if not hasattr(layers[0].self_attn, name):
-                raise UnsupportedModelError(
-                    f"attention layer lacks {name!r}: only llama-style architectures "
-                    "(llama, mistral, qwen2, qwen3, ...) are supported")
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            if not hasattr(layers[0].mlp, name):
-                raise UnsupportedModelError(f"MLP lacks {name!r}: not a llama-style SwiGLU MLP")
-        self.inner = inner
-        self.layers = layers
+        self.layer_kv = self.family.layer_kv()
+        pool_layers = 1 + max(kv.pool_layer for kv in self.layer_kv)
+        if pool.num_layers != pool_layers:
+            raise ValueError(f"the pool has {pool.num_layers} layers, the model {pool_layers}")
         self.fused_attention = use_fused_attention()
         self.attention_kernel = _decode_kernel(decode_attention, self.fused_attention)
         self.matmul_kernel = _matmul_kernel(decode_matmul, self.fused_attention)
@@ -102,31 +172,47 @@ class ModelRunner:
         self.tile = 16  # rows per call on the batch-invariant ("tiled") path
 
     @property
+    def windows(self) -> list[int]:
+        """The sliding windows of the layers that write keys and values (empty: none)."""
+        return [kv.window for kv in self.layer_kv if kv.window and kv.writes]
+
+    @property
+    def window_block_bytes(self) -> int:
+        """Bytes one block holds across the sliding layers' pool layers."""
+        pool = self.pool
+        itemsize = pool.dtype.size if pool.dtype is not None else 4
+        return sum(2 * pool.kv_heads[kv.pool_layer] * pool.head_dims[kv.pool_layer]
+                   * pool.block_size * itemsize
+                   for kv in self.layer_kv if kv.window and kv.writes)
+
+    @property
     def native_matmul_applies(self) -> bool:
         """Whether few-row gemm steps reach the native kernel (float32 linear layers)."""
-        return (self.matmul_kernel is not None
-                and _float32_weight(self.layers[0].self_attn.q_proj) is not None)
+        return self.matmul_kernel is not None and any(
+            _float32_weight(m) is not None for m in self.model.modules())
 
     # The one place a linear layer runs: the step's kernel path decides how. A "gemm" step of
     # few rows takes the native kernel for float32 weights (one call, each row on its own).
-    def linear(self, module, x: mx.array, weight: mx.array | None = None) -> mx.array:
+    def linear(self, module, x: mx.array, tied: bool = False) -> mx.array:
         if (self.matmul_kernel is not None and self.path == "gemm"
                 and x.shape[1] <= DECODE_MATMUL_MAX_ROWS):
-            weight = _float32_weight(module) if weight is None else weight
+            weight = _float32_weight(module, nn.Embedding if tied else nn.Linear)
             if weight is not None:
                 out = self.matmul_kernel(x, weight)
                 bias = getattr(module, "bias", None)
                 return out if bias is None else out + bias
-        return apply_linear(module, x, self.path, self.tile)
+        return apply_linear(module.as_linear if tied else module, x, self.path, self.tile)
 
     def run(self, groups: list[RowGroup], path: str = "gemm") -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path`."""
         t0 = time.perf_counter()
         self.path = path
-        logits_rows, sampled = self._forward(groups)
+        step = Step(self, groups)
+        logits_rows, sampled = self._forward(step, groups)
         samples = self._sample(logits_rows, sampled) if sampled else {}
         traces = self._traces(groups, logits_rows, sampled) if any(g.trace for g in groups) else {}
-        return StepOutput(samples=samples, model_time=time.perf_counter() - t0, traces=traces)
+        return StepOutput(samples=samples, model_time=time.perf_counter() - t0, traces=traces,
+                          expert_rows=step.expert_rows())
 
     def _traces(self, groups, logits_rows, sampled) -> dict[str, StepTrace]:
         """Copy the keys and values each traced group just wrote, and its logits."""
@@ -137,7 +223,7 @@ class ModelRunner:
                 continue
             slots = mx.array(_slots(g.block_table, g.start + g.num_rows, bs)[g.start:])
             kv = mx.stack([mx.stack(self.pool.read(layer, slots))
-                           for layer in range(len(self.layers))])
+                           for layer in range(self.pool.num_layers)])
             logits = None
             if g.sample:
                 logits = np.array(logits_rows[sampled.index(g)].astype(mx.float32))
@@ -145,24 +231,12 @@ class ModelRunner:
         return out
 
     # ---- forward ---------------------------------------------------------------------------
-    def _forward(self, groups: list[RowGroup]) -> tuple[mx.array | None, list[RowGroup]]:
-        bs = self.pool.block_size
-        tokens, positions, write_slots, contexts = [], [], [], []
-        for g in groups:
-            tokens.extend(g.token_ids)
-            positions.extend(range(g.start, g.start + g.num_rows))
-            ctx_len = g.start + g.num_rows
-            write_slots.append(_slots(g.block_table, ctx_len, bs)[g.start:])
-            contexts.append((g.num_rows, ctx_len, g.block_table))
-        write = mx.array(np.concatenate(write_slots))
-        plan = plan_step(contexts, bs, native=self.attention_kernel is not None)
-        pos = mx.array(positions, dtype=mx.int32)
-        rows = len(tokens)
-
-        x = self.inner.embed_tokens(mx.array(tokens)[None])  # (1, rows, hidden)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), pos, write, plan, rows)
-            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+    def _forward(self, step: Step,
+                 groups: list[RowGroup]) -> tuple[mx.array | None, list[RowGroup]]:
+        family = self.family
+        x = family.embed(step, step.tokens)  # (1, rows, hidden)
+        for i in range(len(self.layer_kv)):
+            x = family.layer(step, i, x)
 
         sampled = [g for g in groups if g.sample]
         if not sampled:
@@ -173,38 +247,8 @@ class ModelRunner:
             r += g.num_rows
             if g.sample:
                 last_rows.append(r - 1)
-        h = self.inner.norm(x[:, mx.array(last_rows)])  # (1, sampled, hidden)
-        if hasattr(self.model, "lm_head"):
-            logits = self.linear(self.model.lm_head, h)
-        else:  # tied embeddings
-            embed = self.inner.embed_tokens
-            logits = self.linear(embed.as_linear, h, _float32_weight(embed, nn.Embedding))
+        logits = family.head(step, x[:, mx.array(last_rows)])  # (1, sampled, vocab)
         return logits[0], sampled
-
-    def _attention(self, layer_index, layer, h, pos, write, plan, rows):
-        attn = layer.self_attn
-        n_heads, n_kv = attn.n_heads, attn.n_kv_heads
-        q = self.linear(attn.q_proj, h).reshape(rows, n_heads, -1)
-        k = self.linear(attn.k_proj, h).reshape(rows, n_kv, -1)
-        v = self.linear(attn.v_proj, h).reshape(rows, n_kv, -1)
-        if hasattr(attn, "q_norm"):  # qwen3-style per-head norms
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        # Each row is its own "batch" entry so RoPE takes a per-row position. Queries and keys
-        # go through one call, half the calls: RoPE rotates each head alone, so the bits are
-        # those of two calls (tests/engine/test_attention.py).
-        qk = attn.rope(mx.concatenate([q, k], axis=1)[:, :, None, :], offset=pos)[:, :, 0, :]
-        q, k = qk[:, :n_heads], qk[:, n_heads:]
-        self.pool.write(layer_index, write, k, v)
-
-        o = attend_step(q, plan, self.pool, layer_index, attn.scale, self.fused_attention,
-                        self.attention_kernel)
-        return self.linear(attn.o_proj, o[None])
-
-    def _mlp(self, mlp, h):
-        # Not mlx-lm's compiled `swiglu`: a function compiled on a non-main thread makes the
-        # process abort at exit (MLX 0.32). The uncompiled form gives bit-identical results.
-        gate = self.linear(mlp.gate_proj, h)
-        return self.linear(mlp.down_proj, nn.silu(gate) * self.linear(mlp.up_proj, h))
 
     # ---- sampling ----------------------------------------------------------------------------
     def _sample(self, logits: mx.array, groups: list[RowGroup]) -> dict[str, Sample]:

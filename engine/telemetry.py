@@ -40,6 +40,14 @@ class StepRecord:
     # fixed number of rows (batch-invariant mode)
     kernel_path: str = "gemm"
     linear_calls_per_layer: int = 1
+    # Mixture-of-experts models: per MoE layer (index as a string, JSON's key type), how many
+    # of the step's rows the router sent to each expert; the expert calls follow kernel_path.
+    expert_rows: dict[str, list[int]] = field(default_factory=dict)
+    # Sliding-window models: KV blocks that every sliding layer has left behind but the pool
+    # keeps (the global layers still read them), summed over the step's sequences, and the
+    # bytes a per-layer-group allocation (vLLM's hybrid allocator) would free from them.
+    window_blocks_behind: int = 0
+    window_bytes_reclaimable: int = 0
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0  # cumulative, tokens
     error: str | None = None

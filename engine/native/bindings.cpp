@@ -11,7 +11,7 @@ NB_MODULE(_kernels, m) {
   m.doc() = "batchscope's decode kernels for MLX's CPU backend";
   m.def("paged_decode_attention", &batchscope::paged_decode_attention, "q"_a, "k_pool"_a,
         "v_pool"_a, "block_tables"_a, "context_lens"_a, "scale"_a, "block_size"_a,
-        nb::kw_only(), "stream"_a = nb::none(),
+        "window"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
         "Decode attention for rows of q over their blocks of the paged pool.");
   m.def("decode_linear", &batchscope::decode_linear, "x"_a, "weight"_a, nb::kw_only(),
         "stream"_a = nb::none(),

@@ -41,7 +41,7 @@ inline float dot(const float* q, const T* k, int dim) {
 }
 
 struct Shapes {
-  int rows, heads, kv_heads, dim, slots, max_blocks, block_size;
+  int rows, heads, kv_heads, dim, slots, max_blocks, block_size, window;
   float scale;
 };
 
@@ -65,7 +65,9 @@ void decode_attention(const T* q, const T* k_pool, const T* v_pool, const int32_
   for (int unit = unit_begin; unit < unit_end; ++unit) {
     const int r = unit / s.kv_heads;
     const int g = unit % s.kv_heads;
-    const int len = lens[r];
+    // A sliding-window layer reads positions [first, context) only.
+    const int first = s.window > 0 ? std::max(0, lens[r] - s.window) : 0;
+    const int len = lens[r] - first;
     const int32_t* table = tables + static_cast<size_t>(r) * s.max_blocks;
     scores.resize(static_cast<size_t>(rep) * len);
     {
@@ -76,8 +78,9 @@ void decode_attention(const T* q, const T* k_pool, const T* v_pool, const int32_
       const T* kg = k_pool + static_cast<size_t>(g) * s.slots * dim;
       const T* vg = v_pool + static_cast<size_t>(g) * s.slots * dim;
       for (int t = 0; t < len; ++t) {
-        size_t slot = static_cast<size_t>(table[t / s.block_size]) * s.block_size +
-                      t % s.block_size;
+        const int p = first + t;
+        size_t slot = static_cast<size_t>(table[p / s.block_size]) * s.block_size +
+                      p % s.block_size;
         const T* key = kg + slot * dim;
         for (int h = 0; h < rep; ++h) {
           scores[static_cast<size_t>(h) * len + t] = in<T>(dot(qf.data() + h * dim, key, dim));
@@ -99,8 +102,9 @@ void decode_attention(const T* q, const T* k_pool, const T* v_pool, const int32_
         for (int t = 0; t < len; ++t) sc[t] = in<T>(sc[t] * inv);
       }
       for (int t = 0; t < len; ++t) {
-        size_t slot = static_cast<size_t>(table[t / s.block_size]) * s.block_size +
-                      t % s.block_size;
+        const int p = first + t;
+        size_t slot = static_cast<size_t>(table[p / s.block_size]) * s.block_size +
+                      p % s.block_size;
         const T* value = vg + slot * dim;
         for (int h = 0; h < rep; ++h) {
           const float p = scores[static_cast<size_t>(h) * len + t];
@@ -121,7 +125,7 @@ void decode_attention(const T* q, const T* k_pool, const T* v_pool, const int32_
 mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool,
                                  const mx::array& v_pool, const mx::array& block_tables,
                                  const mx::array& context_lens, float scale, int block_size,
-                                 mx::StreamOrDevice s) {
+                                 int window, mx::StreamOrDevice s) {
   check(q.ndim() == 3, "q must be (rows, heads, dim)");
   check(k_pool.ndim() == 3 && v_pool.shape() == k_pool.shape(),
         "k_pool and v_pool must both be (kv_heads, slots, dim)");
@@ -133,6 +137,7 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool,
         "block_tables must be (rows, max_blocks)");
   check(context_lens.ndim() == 1 && context_lens.shape(0) == q.shape(0),
         "context_lens must be (rows,)");
+  check(window >= 0, "window must be >= 0 (0: the whole context)");
   check(q.dtype() == k_pool.dtype() && q.dtype() == v_pool.dtype(),
         "q and the pool must have one dtype");
   check(q.dtype() == mx::float32 || q.dtype() == mx::float16 || q.dtype() == mx::bfloat16,
@@ -144,7 +149,7 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool,
       mx::contiguous(mx::astype(block_tables, mx::int32, stream), false, stream),
       mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream)};
   return mx::array({q.shape(0), q.shape(1) * q.shape(2)}, q.dtype(),
-                   std::make_shared<PagedDecodeAttention>(stream, scale, block_size),
+                   std::make_shared<PagedDecodeAttention>(stream, scale, block_size, window),
                    std::move(inputs));
 }
 
@@ -161,7 +166,7 @@ void PagedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs,
   Shapes shapes{static_cast<int>(q.shape(0)), static_cast<int>(q.shape(1)),
                 static_cast<int>(k.shape(0)), static_cast<int>(q.shape(2)),
                 static_cast<int>(k.shape(1)), static_cast<int>(tables.shape(1)), block_size_,
-                scale_};
+                window_, scale_};
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(q);
   encoder.set_input_array(k);
@@ -223,7 +228,7 @@ void PagedDecodeAttention::eval_gpu(const std::vector<mx::array>&, std::vector<m
 
 bool PagedDecodeAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedDecodeAttention&>(other);
-  return scale_ == o.scale_ && block_size_ == o.block_size_;
+  return scale_ == o.scale_ && block_size_ == o.block_size_ && window_ == o.window_;
 }
 
 }  // namespace batchscope

@@ -1,0 +1,120 @@
+"""What every model family states, and the llama-style pieces most of them share.
+
+A family adapter says how one decoder computes around the engine's packed rows: it takes the
+step's hidden states (1, rows, hidden) through embedding, layers and head, using mlx-lm's own
+modules and weights for everything but attention. Attention, RoPE positions, the kernel path
+of every linear layer and the expert calls go through the step (`engine.model_runner.Step`),
+so an adapter never sees block tables, the pool or a kernel policy.
+
+The seam for families whose layers keep a recurrent state instead of keys and values
+(qwen3_next / qwen3_5's GatedDeltaNet layers): `layer_kv` would give such a layer no pool
+layer, and the step would hand it a per-sequence state slot from a state pool kept beside the
+paged KV (allocated and freed with the request, as blocks are). No family uses it yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+
+if TYPE_CHECKING:
+    from engine.model_runner import Step
+
+
+class UnsupportedModelError(ValueError):
+    """A model the engine cannot compute exactly: refused at load, never run."""
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What one decoder layer keeps in the paged pool, and how it reads it."""
+
+    pool_layer: int  # the pool layer holding its keys and values
+    writes: bool  # False: it reads keys and values another layer wrote (KV sharing)
+    kv_heads: int
+    head_dim: int
+    window: int | None = None  # sliding window: each row sees its last `window` positions
+
+
+class Family:
+    """One model family. Subclasses state their maths in `layer` (and `embed` / `head` where
+    they differ from llama) and name the mlx-lm class they were written for."""
+
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]  # config.json model_type values it serves
+    model_class: ClassVar[type]  # the mlx-lm Model class its maths was written against
+    differs: ClassVar[str]  # how it differs from llama, for `batchscope models`
+
+    def __init__(self, model: nn.Module, config: dict):
+        self.model = model
+        self.config = config
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+
+    # ---- what the engine asks of every family -------------------------------------------
+    def layer_kv(self) -> list[LayerKV]:
+        """One entry per decoder layer. Default: each layer has its own pool layer."""
+        return [LayerKV(i, True, layer.self_attn.n_kv_heads, _head_dim(layer.self_attn),
+                        self.window(i))
+                for i, layer in enumerate(self.layers)]
+
+    def window(self, i: int) -> int | None:
+        """Layer i's sliding window, or None for full attention."""
+        return None
+
+    def embed(self, step: Step, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens[None])  # (1, rows, hidden)
+
+    def layer(self, step: Step, i: int, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def head(self, step: Step, h: mx.array) -> mx.array:
+        """Logits (1, n, vocab) for the last hidden states h (1, n, hidden) of sampled rows."""
+        h = self.inner.norm(h)
+        if getattr(self.model, "lm_head", None) is not None:
+            return step.linear(self.model.lm_head, h)
+        return step.linear(self.inner.embed_tokens, h, tied=True)
+
+    def describe_layers(self) -> list[str]:
+        """Per layer kind, one line for the start-up log (only where layers differ)."""
+        windows = [w for w in (self.window(i) for i in range(len(self.layers))) if w]
+        if not windows:
+            return []
+        return [f"{len(windows)} of {len(self.layers)} layers attend over a sliding window "
+                f"of {windows[0]} tokens"]
+
+
+def _head_dim(attn: nn.Module) -> int:
+    dim = getattr(attn, "head_dim", None)
+    if dim is None:
+        dim = attn.q_proj.weight.shape[0] // attn.n_heads  # llama's Attention keeps no head_dim
+    return int(dim)
+
+
+# ---- llama-style pieces ----------------------------------------------------------------
+
+
+def llama_attention(step: Step, i: int, attn: nn.Module, h: mx.array, *,
+                    qk_norm: bool = False, rope: bool = True) -> mx.array:
+    """Separate q/k/v projections (biases live in the modules), optional per-head q/k
+    RMSNorm before RoPE, paged attention, the output projection."""
+    rows = step.rows
+    q = step.linear(attn.q_proj, h).reshape(rows, attn.n_heads, -1)
+    k = step.linear(attn.k_proj, h).reshape(rows, attn.n_kv_heads, -1)
+    v = step.linear(attn.v_proj, h).reshape(rows, attn.n_kv_heads, -1)
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if rope:
+        q, k = step.rope(attn.rope, q, k)
+    o = step.attend(i, q, k, v, attn.scale)
+    return step.linear(attn.o_proj, o[None])
+
+
+def swiglu_mlp(step: Step, mlp: nn.Module, h: mx.array) -> mx.array:
+    # Not mlx-lm's compiled `swiglu`: a function compiled on a non-main thread makes the
+    # process abort at exit (MLX 0.32). The uncompiled form gives bit-identical results.
+    gate = step.linear(mlp.gate_proj, h)
+    return step.linear(mlp.down_proj, nn.silu(gate) * step.linear(mlp.up_proj, h))

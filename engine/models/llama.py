@@ -1,0 +1,27 @@
+"""Llama (and Mistral, which mlx-lm serves with the same class): the reference decoder.
+
+Pre-norm blocks: x + attn(rmsnorm(x)), then x + swiglu_mlp(rmsnorm(x)). Optional biases on
+the projections, any RoPE variant mlx-lm's initialize_rope builds (llama3, yarn, linear), and
+`layer_types` sliding-window layers.
+"""
+
+from __future__ import annotations
+
+from mlx_lm.models import llama
+
+from engine.models.base import Family, llama_attention, swiglu_mlp
+
+
+class Llama(Family):
+    name = "llama"
+    model_types = ("llama", "mistral")
+    model_class = llama.Model
+    differs = "the reference: RMSNorm, SwiGLU MLP, RoPE; optional sliding-window layer_types"
+
+    def window(self, i):
+        return self.inner.sliding_window if self.layers[i].use_sliding else None
+
+    def layer(self, step, i, x):
+        layer = self.layers[i]
+        x = x + llama_attention(step, i, layer.self_attn, layer.input_layernorm(x))
+        return x + swiglu_mlp(step, layer.mlp, layer.post_attention_layernorm(x))
