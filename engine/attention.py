@@ -22,6 +22,12 @@ a row at position p sees keys (p - W, p].
 
 The native kernel rounds where MLX's ops round for float16/bfloat16 but sums in its own order,
 so in float32 it differs from the MLX-ops path by ~1e-7 (tests/engine/test_attention.py).
+
+Attention sinks (gpt_oss): a learned logit per query head that joins each row's softmax as an
+extra column and takes its share of the probability mass, with no value. The MLX-ops path puts
+it first, as MLX's own fallback does (bit-identical to it, tests/engine/test_attention_sinks.py);
+the fused path passes it to MLX. The native kernel has none, so such layers plan their decode
+rows on MLX ops.
 """
 
 from __future__ import annotations
@@ -62,11 +68,12 @@ def _mask(s: Span, window: int | None) -> mx.array | None:
 
 
 def attend(q: mx.array, keys: mx.array, values: mx.array, spans: list[Span], scale: float,
-           fused: bool, window: int | None = None) -> mx.array:
+           fused: bool, window: int | None = None, sinks: mx.array | None = None) -> mx.array:
     """q: (rows, heads, dim); keys, values: (kv_heads, total_ctx, dim), the contexts of all
     spans one after another. Each span's rows are its last positions: row i of a span sees
     context positions up to ctx_len - rows + i (causal), and with a window only the last
-    `window` of those. Returns (rows, heads * dim)."""
+    `window` of those. sinks: (heads,) logits added to each row's softmax. Returns (rows,
+    heads * dim)."""
     rows, heads, dim = q.shape
     kv_heads = keys.shape[0]
     if fused:
@@ -77,7 +84,8 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, spans: list[Span], sca
             if mask is not None and not window:
                 mask = "causal"
             o = mx.fast.scaled_dot_product_attention(
-                qs.transpose(1, 0, 2)[None], ks[None], vs[None], scale=scale, mask=mask)
+                qs.transpose(1, 0, 2)[None], ks[None], vs[None], scale=scale, mask=mask,
+                sinks=sinks)
             outs.append(o[0].transpose(1, 0, 2).reshape(s.rows, heads * dim))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
@@ -86,6 +94,8 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, spans: list[Span], sca
     qg = (q * scale).reshape(rows, kv_heads, rep, dim).transpose(1, 2, 0, 3)
     keys_t = keys.swapaxes(-1, -2)[:, None]  # (kv, 1, dim, total_ctx)
     values = values[:, None]  # (kv, 1, total_ctx, dim)
+    if sinks is not None:  # cast as MLX's fallback does, to the type of q, k and v
+        sinks = sinks.astype(mx.result_type(q, keys, values)).reshape(kv_heads, rep, 1, 1)
     outs = []
     for s, qs, ks, vs in zip(spans, _cut(qg, spans, 2, "row"), _cut(keys_t, spans, 3, "ctx"),
                              _cut(values, spans, 2, "ctx"), strict=True):
@@ -93,7 +103,14 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, spans: list[Span], sca
         mask = _mask(s, window)
         if mask is not None:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        if sinks is not None:
+            # The sink is the softmax's first column (its place in MLX's fallback, which
+            # fixes the order of the sum), then dropped: it has no value.
+            column = mx.broadcast_to(sinks, (*scores.shape[:-1], 1))
+            scores = mx.concatenate([column, scores], axis=-1)
         probs = mx.softmax(scores, axis=-1, precise=True)
+        if sinks is not None:
+            probs = probs[..., 1:]
         outs.append(probs @ vs)  # (kv, rep, rows, dim)
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     return o.transpose(2, 0, 1, 3).reshape(rows, heads * dim)
@@ -181,9 +198,14 @@ def plan_step(contexts: list[tuple[int, int, list[int]]], block_size: int,
 
 
 def attend_step(q: mx.array, plan: StepAttention, pool: KVPool, layer: int, scale: float,
-                fused: bool, kernel: Callable | None) -> mx.array:
+                fused: bool, kernel: Callable | None,
+                sinks: mx.array | None = None) -> mx.array:
     """One layer's attention for a planned step. q: (rows, heads, dim); the pool already holds
-    the step's writes for this layer. Returns (rows, heads * dim) in the step's row order."""
+    the step's writes for this layer; sinks: (heads,) or None. Returns (rows, heads * dim) in
+    the step's row order."""
+    if sinks is not None and plan.native_rows:
+        raise ValueError("the native decode kernel has no attention sinks: plan with "
+                         "native=False")
     if plan.order is not None:
         q = q[plan.order]
     outs = []
@@ -194,6 +216,6 @@ def attend_step(q: mx.array, plan: StepAttention, pool: KVPool, layer: int, scal
         keys, values = pool.read_blocks(layer, plan.read)
         rest = q[plan.native_rows:] if plan.native_rows else q
         spans = [Span(s.row - plan.native_rows, s.rows, s.ctx, s.ctx_len) for s in plan.spans]
-        outs.append(attend(rest, keys, values, spans, scale, fused, plan.window))
+        outs.append(attend(rest, keys, values, spans, scale, fused, plan.window, sinks))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out if plan.inverse is None else out[plan.inverse]

@@ -54,15 +54,31 @@ def apply_linear(fn, x: mx.array, path: str, tile: int = 16) -> mx.array:
     return mx.concatenate([fn(x[:, i:i + 1]) for i in range(rows)], axis=1)
 
 
+# mlx-lm's SwitchGLU sorts a call's (row, choice) pairs by expert from this many on.
+EXPERT_SORT_AT = 64
+
+
+# Measured on the CPU backend (MLX 0.32, tests/engine/test_experts.py), a row's expert output
+# in calls of different sizes:
+# - 4-bit (gather_qmm): the same bits in every call, sorted or not.
+# - float32 (gather_mm), with OpenBLAS: the same bits in every call on the same side of
+#   EXPERT_SORT_AT, different bits across it: the sorted call multiplies the gathered copies
+#   of the rows, the unsorted one the rows broadcast over their k choices, and OpenBLAS gives
+#   the two layouts different bits. (MLX's bundled BLAS gives the same bits.)
+# So "gemm" is not batch-invariant for float32 experts (a decode row alone vs in a step of
+# 64 / k rows or more), and "tiled" keeps every call under EXPERT_SORT_AT choices: calls of
+# min(tile, 63 // k) rows. Dense bf16/f16 experts do not run on the CPU at all: its gather_mm
+# computes float32 only.
 def apply_experts(fn, x: mx.array, indices: mx.array, path: str, tile: int = 16) -> mx.array:
     """Run `fn` (mlx-lm's SwitchGLU-style expert block: fn(x, indices)) on x (1, rows, hidden)
     with the router's choice indices (1, rows, k) along `path`: "gemm" one gathered call for
-    all rows, "gemv" one call per row, "tiled" calls of exactly `tile` rows (padding rows
-    routed to expert 0 and dropped)."""
+    all rows, "gemv" one call per row, "tiled" calls of exactly `expert_tile(tile, k)` rows
+    (padding rows routed to expert 0 and dropped)."""
     rows = x.shape[1]
     if path == "gemm" or rows == 1:
         return fn(x, indices)
     if path == TILED:
+        tile = expert_tile(tile, indices.shape[-1])
         padded = -(-rows // tile) * tile
         if padded != rows:
             x = mx.pad(x, [(0, 0), (0, padded - rows), (0, 0)])
@@ -71,6 +87,12 @@ def apply_experts(fn, x: mx.array, indices: mx.array, path: str, tile: int = 16)
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
         return out[:, :rows] if padded != rows else out
     return mx.concatenate([fn(x[:, i:i + 1], indices[:, i:i + 1]) for i in range(rows)], axis=1)
+
+
+def expert_tile(tile: int, k: int) -> int:
+    """Rows per expert call on the tiled path: at most `tile`, and fewer than EXPERT_SORT_AT
+    choices (k per row) so that the call is never sorted."""
+    return max(1, min(tile, (EXPERT_SORT_AT - 1) // k))
 
 
 def _tiled(fn, x: mx.array, tile: int) -> mx.array:

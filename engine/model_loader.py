@@ -354,28 +354,28 @@ def _embedded_name(path: Path) -> str:
 def _dequantize_to(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     """Replace quantized layers by dense ones of `dtype`; cast the other float params too.
 
-    Dequantize with float32 scales, whatever the shipped scale dtype, so f32 gets the exact
-    values q*scale+bias instead of float16-rounded ones.
+    Linear layers, embeddings and mlx-lm's QuantizedSwitchLinear (a mixture of experts'
+    stacked expert weights) become nn.Linear, nn.Embedding and SwitchLinear, biases kept.
     """
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
     dense: list[tuple[str, nn.Module]] = []
     for path, module in model.named_modules():
-        if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding
+                          | QuantizedSwitchLinear):
             continue
-        weight = mx.dequantize(
-            module.weight,
-            module.scales.astype(mx.float32),
-            module.biases.astype(mx.float32) if module.biases is not None else None,
-            group_size=module.group_size,
-            bits=module.bits,
-            mode=module.mode,
-        ).astype(dtype)
-        if isinstance(module, nn.QuantizedLinear):
+        weight = _dense_weight(module).astype(dtype)
+        if isinstance(module, nn.QuantizedEmbedding):
+            layer = nn.Embedding(weight.shape[0], weight.shape[1])
+        else:
             has_bias = "bias" in module
-            layer = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
+            if isinstance(module, QuantizedSwitchLinear):
+                layer = SwitchLinear(weight.shape[2], weight.shape[1], weight.shape[0],
+                                     bias=has_bias)
+            else:
+                layer = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
             if has_bias:
                 layer.bias = module.bias.astype(dtype)
-        else:
-            layer = nn.Embedding(weight.shape[0], weight.shape[1])
         layer.weight = weight
         dense.append((path, layer))
     if dense:
@@ -385,12 +385,46 @@ def _dequantize_to(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     return model
 
 
+def _dense_weight(module: nn.Module) -> mx.array:
+    """A quantized layer's weight as float32 (stacked experts: (experts, out, in)).
+
+    Affine scales and biases are cast to float32 first, whatever the shipped scale dtype, so
+    f32 gets the exact values q*scale+bias instead of float16-rounded ones; the microscaled
+    modes (mxfp4, nvfp4, ...) keep their uint8 scales, which dequantize requires.
+    """
+    affine = module.mode == "affine"
+    scales = module.scales.astype(mx.float32) if affine else module.scales
+    biases = module.get("biases")
+    if biases is not None and affine:
+        biases = biases.astype(mx.float32)
+    global_scale = module.get("global_scale")
+    if global_scale is not None and global_scale.ndim == 1 and module.weight.ndim == 3:
+        # Stacked experts each with their own tensor scale (nvfp4): one call per expert.
+        return mx.stack([
+            mx.dequantize(module.weight[e], scales[e], None, group_size=module.group_size,
+                          bits=module.bits, mode=module.mode, global_scale=global_scale[e],
+                          dtype=mx.float32)
+            for e in range(module.weight.shape[0])])
+    kwargs = {"global_scale": global_scale} if global_scale is not None else {}
+    return mx.dequantize(module.weight, scales, biases, group_size=module.group_size,
+                         bits=module.bits, mode=module.mode, dtype=mx.float32, **kwargs)
+
+
+def _has_experts(model: nn.Module) -> bool:
+    """Whether the model has mixture-of-experts layers (mlx-lm's stacked expert weights)."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    return any(isinstance(m, SwitchLinear | QuantizedSwitchLinear) for m in model.modules())
+
+
 def _describe_weights(model: nn.Module) -> str:
     """Short name of the format a model's weights are in: "q4", "q8", "f32", "bf16"..."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
     bits = Counter(
         m.bits
         for _, m in model.named_modules()
-        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear)
     )
     if bits:
         return f"q{bits.most_common(1)[0][0]}"
@@ -453,7 +487,8 @@ def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
     weights: "q4" means *as shipped* (whatever quantization or dtype the folder holds; the
     LoadedModel's `weights` says which, e.g. "q4", "q8", "bf16"); "f32"/"bf16" dequantize
     or convert at load; "auto" follows resolve_weights (on Metal/CUDA: as shipped; on CPU:
-    f32 or bf16). Never downloads: a missing folder is a ModelNotFoundError.
+    f32 or bf16; f32 for a mixture of experts on the CPU, where MLX's gather_mm takes
+    float32 only). Never downloads: a missing folder is a ModelNotFoundError.
     """
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -464,9 +499,20 @@ def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(f"{str(folder)!r} is not an mlx-lm model folder (no config.json)")
 
-    weights = resolve_weights(weights)
+    # Refuse a family the engine cannot compute before reading any weights.
+    from engine.models import check_model_type
+
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8"))["model_type"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelNotFoundError(f"{str(folder)!r}: config.json names no model_type ({e})") from e
+    check_model_type(str(model_type))
+    requested, weights = weights, resolve_weights(weights)
     model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
     config = dict(config)
+    if requested == "auto" and weights == "bf16" and _has_experts(model) \
+            and mx.default_device() == mx.cpu:
+        weights = "f32"  # MLX's CPU gather_mm (dense experts) computes float32 only
     if config.get("head_dim") is None and "hidden_size" in config:
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     if weights in _DTYPES:

@@ -102,7 +102,7 @@ class Step:
         self.rows = len(tokens)
         self.pos = mx.array(positions, dtype=mx.int32)
         self.write = mx.array(np.concatenate(write_slots))
-        self._plans: dict[int | None, StepAttention] = {}
+        self._plans: dict[tuple[int | None, bool], StepAttention] = {}  # (window, sinks)
         self.expert_choices: list[tuple[int, int, mx.array]] = []  # (layer, experts, indices)
 
     def linear(self, module, x: mx.array, tied: bool = False) -> mx.array:
@@ -120,22 +120,23 @@ class Step:
         return qk[:, :n], qk[:, n:]
 
     def attend(self, i: int, q: mx.array, k: mx.array | None, v: mx.array | None,
-               scale: float) -> mx.array:
+               scale: float, sinks: mx.array | None = None) -> mx.array:
         """Layer i's attention: store the rows' keys and values (unless the layer reads
-        another layer's), then each row attends over its own context. Returns (rows, heads *
-        dim)."""
+        another layer's), then each row attends over its own context. sinks: (heads,) logits
+        that join each row's softmax (gpt_oss). Returns (rows, heads * dim)."""
         runner = self.runner
         kv = runner.layer_kv[i]
         if kv.writes:
             runner.pool.write(kv.pool_layer, self.write, k, v)
-        plan = self._plans.get(kv.window)
+        key = (kv.window, sinks is not None)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[kv.window] = plan_step(
-                self.contexts, runner.pool.block_size, runner.attention_kernel is not None,
-                kv.window)
+            # The native kernel has no sinks: such a layer's decode rows take MLX ops.
+            native = runner.attention_kernel is not None and sinks is None
+            plan = self._plans[key] = plan_step(self.contexts, runner.pool.block_size, native,
+                                                kv.window)
         return attend_step(q, plan, runner.pool, kv.pool_layer, scale, runner.fused_attention,
-                           runner.attention_kernel)
-
+                           runner.attention_kernel, sinks)
 
     def experts(self, i: int, switch, x: mx.array, indices: mx.array,
                 num_experts: int) -> mx.array:
@@ -215,15 +216,24 @@ class ModelRunner:
                           expert_rows=step.expert_rows())
 
     def _traces(self, groups, logits_rows, sampled) -> dict[str, StepTrace]:
-        """Copy the keys and values each traced group just wrote, and its logits."""
+        """Copy the keys and values each traced group just wrote, and its logits. Pool layers
+        of other shapes (gemma4's sliding and full layers) are zero-padded to the widest
+        kv_heads and head_dim, so StepTrace.kv stays one array: the padding is equal on both
+        sides of a comparison and adds no difference."""
         bs = self.pool.block_size
+        heads, dim = max(self.pool.kv_heads), max(self.pool.head_dims)
         out = {}
         for g in groups:
             if not g.trace:
                 continue
             slots = mx.array(_slots(g.block_table, g.start + g.num_rows, bs)[g.start:])
-            kv = mx.stack([mx.stack(self.pool.read(layer, slots))
-                           for layer in range(self.pool.num_layers)])
+            layers = []
+            for layer in range(self.pool.num_layers):
+                kv = mx.stack(self.pool.read(layer, slots))  # (2, kv_heads, rows, head_dim)
+                pad = [(0, 0), (0, heads - kv.shape[1]), (0, 0), (0, dim - kv.shape[3])]
+                layers.append(mx.pad(kv, pad) if kv.shape[1] != heads or kv.shape[3] != dim
+                              else kv)
+            kv = mx.stack(layers)
             logits = None
             if g.sample:
                 logits = np.array(logits_rows[sampled.index(g)].astype(mx.float32))

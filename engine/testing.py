@@ -1,4 +1,5 @@
-"""A tiny random-weight llama and a byte tokenizer: fast tests of the engine's real code paths.
+"""Tiny random-weight models for tests and benchmarks: a llama with a byte tokenizer (fast tests
+of the engine's real code paths), and mlx-lm folders of any family (make_family_folder).
 
 4-bit quantized by default because MLX's CPU quantized matmul computes each row on its own,
 so batched and row-wise execution are bit-identical there (FACTS.md): any difference between a
@@ -6,6 +7,9 @@ request run alone and in a batch then points at a real bug (block tables, positi
 """
 
 from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -84,3 +88,141 @@ def tiny_model_saying(text: str):
         return loaded
 
     return load
+
+
+FAMILY_VOCAB = 49152
+
+
+@cache
+def embedded_tokenizer():
+    from engine.model_loader import load_embedded_tokenizer
+
+    return load_embedded_tokenizer()
+
+
+def make_family_folder(path: Path, module, config: dict, *, quantize: bool = False,
+                       seed: int = 0, scale: float = 3.0, bias_scale: float = 0.5) -> Path:
+    """Write a tiny folder of the mlx-lm model `module` (e.g. mlx_lm.models.llama).
+
+    Made the way a user's folder is: mlx-lm's own ModelArgs and Model, its save_model and
+    save_config, and with quantize=True its quantize_model at 4 bits, group size 64, as
+    mlx-community ships. The tokenizer is the embedded model's (a real 49152-token vocabulary,
+    so prompts are real text). Weights are scaled up so logits are spread out and greedy
+    choices are not near-ties."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from engine.model_loader import _portable_tokenizer_config
+
+    config = {"vocab_size": FAMILY_VOCAB, "max_position_embeddings": 2048, **config}
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # Matrices scaled up (spread logits); 1-d parameters (norms, biases) get random values so
+    # a family's use of them (1 + w norms, biases) is exercised, not left at 0 or 1.
+    params = []
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim >= 2:
+            p = p * scale
+        elif p.dtype in (mx.float32, mx.float16, mx.bfloat16):
+            p = p + bias_scale * mx.random.normal(p.shape, dtype=p.dtype)
+        params.append((name, p))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    if quantize:
+        model, config = quantize_model(model, config, group_size=64, bits=4)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    tokenizer = embedded_tokenizer()
+    tokenizer.save_pretrained(str(path))
+    _portable_tokenizer_config(path / "tokenizer_config.json", tokenizer.chat_template)
+    return path
+
+
+# Tiny configurations of every supported family, by name: (mlx_lm.models module, config). Tests
+# build folders from them (tests/engine/test_family_*.py), and so does benchmarks/families.py
+# at BENCH_FAMILY_SIZE.
+_DENSE = {"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+          "rope_theta": 10000.0, "tie_word_embeddings": True}
+_S, _F = "sliding_attention", "full_attention"
+_GEMMA4 = {"model_type": "gemma4_text", "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "head_dim": 16, "global_head_dim": 32,
+           "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "sliding_window": 16,
+           "final_logit_softcapping": 30.0,
+           "rope_parameters": {
+               _F: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                    "rope_type": "proportional"},
+               _S: {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                    "rope_type": "default"}}}
+_MOE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+_PHI3 = {"model_type": "phi3", "hidden_size": 128, "num_hidden_layers": 3,
+         "intermediate_size": 256, "num_attention_heads": 4, "rms_norm_eps": 1e-5,
+         "rope_theta": 10000.0}
+FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {**_DENSE, "model_type": "llama", "head_dim": 16}),
+    "llama-sliding": ("llama", {**_DENSE, "model_type": "llama", "head_dim": 16,
+                                "layer_types": [_S, _S, _F], "sliding_window": 24}),
+    "mistral": ("llama", {**_DENSE, "model_type": "mistral", "tie_word_embeddings": False}),
+    "qwen2": ("qwen2", {**_DENSE, "model_type": "qwen2"}),
+    "qwen3": ("qwen3", {**_DENSE, "model_type": "qwen3", "head_dim": 16}),
+    "smollm3": ("smollm3", {**_DENSE, "model_type": "smollm3", "no_rope_layer_interval": 2}),
+    # 4 layers, every 3rd global: layers 0, 1 and 3 slide over 20 tokens (not a multiple of
+    # the 16-token block), layer 2 sees everything. hidden 128: sqrt(128) is not a bfloat16, so
+    # the embedding scale's rounding shows; query_pre_attn_scalar != head_dim, so its scale too.
+    "gemma3_text": ("gemma3_text", {
+        "model_type": "gemma3_text", "hidden_size": 128, "num_hidden_layers": 4,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "query_pre_attn_scalar": 24, "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window": 20, "sliding_window_pattern": 3}),
+    # Untied heads: with a tied one these random models repeat their input token. Layers 4
+    # and 5 share the keys and values of layers 3 (the last sliding one before them) and 2;
+    # per-layer inputs; their MLPs are double-wide.
+    "gemma4_text": ("gemma4_text", {
+        **_GEMMA4, "num_hidden_layers": 6, "layer_types": [_S, _S, _F, _S, _S, _F],
+        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": FAMILY_VOCAB, "use_double_wide_mlp": True,
+        "tie_word_embeddings": False}),
+    # Experts beside the MLP; full layers with one kv head whose values are their keys.
+    "gemma4_text-moe": ("gemma4_text", {
+        **_GEMMA4, "num_hidden_layers": 5, "layer_types": [_S, _F, _S, _S, _F],
+        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 0,
+        "use_double_wide_mlp": False, "attention_k_eq_v": True,
+        "num_global_key_value_heads": 1, "enable_moe_block": True, "num_experts": 4,
+        "top_k_experts": 2, "moe_intermediate_size": 64, "tie_word_embeddings": False}),
+    "gpt_oss": ("gpt_oss", {
+        "model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 4,
+        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 16, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+        "layer_types": [_S, _F] * 2,
+        # gpt-oss's own RoPE scaling (its config.json)
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                         "truncate": False}}),
+    # Layer 1 is dense (mlp_only_layers): layers 0 and 2 route, each token to 2 of 8 experts.
+    "qwen3_moe": ("qwen3_moe", {
+        **_MOE, "model_type": "qwen3_moe", "num_hidden_layers": 3, "head_dim": 16,
+        "intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [1], "moe_intermediate_size": 64,
+        "norm_topk_prob": True, "rope_theta": 10000.0}),
+    # Every layer routes; the experts are intermediate_size wide.
+    "mixtral": ("mixtral", {
+        **_MOE, "model_type": "mixtral", "num_hidden_layers": 2, "intermediate_size": 64,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6}),
+    # Phi-3-mini's shape: full rotary, one kv head per head, its own lm_head.
+    "phi3": ("phi3", {**_PHI3, "tie_word_embeddings": False}),
+    # Phi-4-mini's shape: 3/4 of each head rotated, grouped kv heads, tied embeddings; factor
+    # 2048 / 512 > 1, so SuScaledRoPE scales the rotated part by sqrt(1 + ln 4 / ln 512).
+    "phi3-longrope": ("phi3", {
+        **_PHI3, "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "partial_rotary_factor": 0.75, "max_position_embeddings": 2048,
+        "original_max_position_embeddings": 512,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 12,
+                         "long_factor": [1.0 + 0.25 * i for i in range(12)]}}),
+}
+# Overrides for benchmarks/families.py: big enough that a step is more than dispatch overhead.
+BENCH_FAMILY_SIZE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4}

@@ -1,10 +1,8 @@
-"""Tiny random-weight mlx-lm folders of any family, and greedy generation from both sides.
+"""Greedy generation from both sides on tiny random-weight folders of any family.
 
-A folder is made the way a user's is: mlx-lm's own ModelArgs and Model, its save_model and
-save_config, and (for "q4") its quantize_model at 4 bits with group size 64, as mlx-community
-ships. The tokenizer is the embedded model's (a real 49152-token vocabulary, so prompts are
-real text). Weights are scaled up so logits are spread out and greedy choices are not
-near-ties: a difference in the maths then shows as different tokens within a few steps.
+The folders come from engine.testing.make_family_folder (mlx-lm's own classes, save_model and
+quantize_model; the embedded tokenizer): a difference in the maths shows as different tokens
+within a few steps.
 """
 
 from __future__ import annotations
@@ -12,62 +10,33 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
+
+from engine.testing import embedded_tokenizer
+from engine.testing import make_family_folder as make_folder
+
+__all__ = ["LOGPROB_TOL", "PROMPTS", "check_batch_equals_alone", "check_cli_equals_mlx_lm",
+           "cli_generate", "embedded_tokenizer", "make_folder", "mlx_lm_greedy"]
 
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
 ]
-VOCAB = 49152
 
 
-@cache
-def embedded_tokenizer():
-    from engine.model_loader import load_embedded_tokenizer
-
-    return load_embedded_tokenizer()
-
-
-def make_folder(path: Path, module, config: dict, *, quantize: bool = False, seed: int = 0,
-                scale: float = 3.0, bias_scale: float = 0.5) -> Path:
-    """Write a tiny folder of the mlx-lm model `module` (e.g. mlx_lm.models.llama)."""
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    from engine.model_loader import _portable_tokenizer_config
-
-    config = {"vocab_size": VOCAB, "max_position_embeddings": 2048, **config}
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    # Matrices scaled up (spread logits); 1-d parameters (norms, biases) get random values so
-    # a family's use of them (1 + w norms, biases) is exercised, not left at 0 or 1.
-    params = []
-    for name, p in tree_flatten(model.parameters()):
-        if p.ndim >= 2:
-            p = p * scale
-        elif p.dtype in (mx.float32, mx.float16, mx.bfloat16):
-            p = p + bias_scale * mx.random.normal(p.shape, dtype=p.dtype)
-        params.append((name, p))
-    model.update(tree_unflatten(params))
-    mx.eval(model.parameters())
-    if quantize:
-        model, config = quantize_model(model, config, group_size=64, bits=4)
-    path.mkdir(parents=True, exist_ok=True)
-    save_model(path, model)
-    save_config(config, path / "config.json")
-    tokenizer = embedded_tokenizer()
-    tokenizer.save_pretrained(str(path))
-    _portable_tokenizer_config(path / "tokenizer_config.json", tokenizer.chat_template)
-    return path
+# The engine's float32 kernels agree with mlx-lm to ~1e-5 in the logprobs; a wrong detail that
+# rarely flips a greedy token on a tiny random folder (a bfloat16-rounded scale, GELU's tanh
+# form, a logit soft-cap, which keeps the order) moves them by ~1e-3. 2e-4 separates the two.
+LOGPROB_TOL = 2e-4
 
 
-def mlx_lm_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """mlx-lm's own greedy generation (generate_step), one prompt at a time."""
+def mlx_lm_greedy(folder: Path, prompts: list[list[int]],
+                  max_tokens: int) -> list[list[tuple[int, float]]]:
+    """mlx-lm's own greedy generation (generate_step), one prompt at a time: each token with
+    its logprob."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
@@ -76,16 +45,8 @@ def mlx_lm_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> li
     for ids in prompts:
         steps = generate_step(mx.array(ids), model, max_tokens=max_tokens,
                               sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
-        out.append([int(token) for token, _ in steps])
+        out.append([(int(t), float(lp[int(t)].astype(mx.float32))) for t, lp in steps])
     return out
-
-
-def mlx_lm_logits(folder: Path, ids: list[int]) -> np.ndarray:
-    """mlx-lm's logits over a whole sequence, one forward without a cache."""
-    from mlx_lm import load
-
-    model, _ = load(str(folder))
-    return np.array(model(mx.array(ids)[None])[0].astype(mx.float32))
 
 
 def cli_generate(folder: Path, prompt: str, max_tokens: int, *extra: str) -> dict:
@@ -99,16 +60,20 @@ def cli_generate(folder: Path, prompt: str, max_tokens: int, *extra: str) -> dic
     return json.loads(out.getvalue())
 
 
-def check_cli_equals_mlx_lm(folder: Path, weights: str, max_tokens: int = 32,
-                            prompts: list[str] = PROMPTS) -> None:
-    """Greedy ids of `batchscope generate` equal mlx-lm's on the same folder, per prompt."""
-    ours = [cli_generate(folder, p, max_tokens, "--weights", weights) for p in prompts]
+def check_cli_equals_mlx_lm(folder: Path, weights: str, max_tokens: int = 32, *extra: str,
+                            tol: float = LOGPROB_TOL, prompts: list[str] = PROMPTS) -> None:
+    """`batchscope generate`'s greedy ids equal mlx-lm's on the same folder, and each token's
+    logprob is within `tol` of mlx-lm's, per prompt."""
+    ours = [cli_generate(folder, p, max_tokens, "--weights", weights, *extra) for p in prompts]
     expected = mlx_lm_greedy(folder, [o["prompt_token_ids"] for o in ours], max_tokens)
     for prompt, o, e in zip(prompts, ours, expected, strict=True):
+        ids = [t for t, _ in e]
         assert len(o["token_ids"]) == max_tokens
-        first = next((i for i, (a, b) in enumerate(zip(o["token_ids"], e, strict=True))
+        first = next((i for i, (a, b) in enumerate(zip(o["token_ids"], ids, strict=True))
                       if a != b), None)
-        assert o["token_ids"] == e, f"{folder.name} {weights} {prompt!r}: differs at {first}"
+        assert o["token_ids"] == ids, f"{folder.name} {weights} {prompt!r}: differs at {first}"
+        worst = max(abs(t["logprob"] - lp) for t, (_, lp) in zip(o["tokens"], e, strict=True))
+        assert worst <= tol, f"{folder.name} {weights} {prompt!r}: logprobs off by {worst:.2g}"
 
 
 def check_batch_equals_alone(folder: Path, weights: str, long_prompt_tokens: int,

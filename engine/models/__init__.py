@@ -3,18 +3,25 @@
 Each adapter states how its decoder computes around the engine's packed rows and paged
 attention (engine/models/base.py). The registry is explicit: a model_type that is not listed
 is refused by name, and so is a model whose mlx-lm class is not the one its adapter was
-written for. Adding a family is one module here, one line in FAMILIES, and one test in
-tests/engine/test_families.py.
+written for. Adding a family is one module here, one line in FAMILIES, one configuration in
+engine.testing.FAMILY_CONFIGS and one test file, tests/engine/test_family_<name>.py
+(docs/models.md).
 """
 
 from __future__ import annotations
 
 from engine.models.base import Family, LayerKV, UnsupportedModelError
+from engine.models.gemma3 import Gemma3
+from engine.models.gemma4 import Gemma4
+from engine.models.gpt_oss import GptOss
 from engine.models.llama import Llama
+from engine.models.moe import Mixtral, Qwen3Moe
+from engine.models.phi3 import Phi3
 from engine.models.qwen import Qwen2, Qwen3
 from engine.models.smollm3 import SmolLM3
 
-FAMILIES: tuple[type[Family], ...] = (Llama, Qwen2, Qwen3, SmolLM3)
+FAMILIES: tuple[type[Family], ...] = (Llama, Qwen2, Qwen3, SmolLM3, Gemma3, Phi3, GptOss,
+                                      Qwen3Moe, Mixtral, Gemma4)
 
 _BY_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
@@ -31,14 +38,20 @@ def model_type_of(model, config: dict | None = None) -> str:
     return str(model_type)
 
 
-def family_for(model, config: dict | None = None) -> Family:
-    """The adapter for a loaded mlx-lm model, or UnsupportedModelError naming why not."""
-    model_type = model_type_of(model, config)
+def check_model_type(model_type: str) -> type[Family]:
+    """The family serving model_type, or UnsupportedModelError listing the supported ones."""
     family = _BY_TYPE.get(model_type)
     if family is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: "
             f"{', '.join(supported_model_types())}")
+    return family
+
+
+def family_for(model, config: dict | None = None) -> Family:
+    """The adapter for a loaded mlx-lm model, or UnsupportedModelError naming why not."""
+    model_type = model_type_of(model, config)
+    family = check_model_type(model_type)
     if type(model) is not family.model_class:
         cls = type(model)
         expected = family.model_class
@@ -49,5 +62,6 @@ def family_for(model, config: dict | None = None) -> Family:
     return family(model, dict(config or {}))
 
 
-__all__ = ["FAMILIES", "Family", "LayerKV", "UnsupportedModelError", "family_for",
+__all__ = ["FAMILIES", "Family", "LayerKV", "UnsupportedModelError", "check_model_type",
+           "family_for",
            "model_type_of", "supported_model_types"]

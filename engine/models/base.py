@@ -14,11 +14,13 @@ paged KV (allocated and freed with the request, as blocks are). No family uses i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE, YarnRoPE
 
 if TYPE_CHECKING:
     from engine.model_runner import Step
@@ -53,6 +55,8 @@ class Family:
         self.config = config
         self.inner = model.model
         self.layers = list(self.inner.layers)
+        for i, layer in enumerate(self.layers):
+            check_rope(getattr(layer.self_attn, "rope", None), self.name, i)
 
     # ---- what the engine asks of every family -------------------------------------------
     def layer_kv(self) -> list[LayerKV]:
@@ -78,6 +82,11 @@ class Family:
             return step.linear(self.model.lm_head, h)
         return step.linear(self.inner.embed_tokens, h, tied=True)
 
+    def expert_layers(self) -> dict[int, int]:
+        """Mixture-of-experts layers: layer index -> number of experts (empty: a dense model).
+        The dashboard shows expert load only for a model that has some."""
+        return {}
+
     def describe_layers(self) -> list[str]:
         """Per layer kind, one line for the start-up log (only where layers differ)."""
         windows = [w for w in (self.window(i) for i in range(len(self.layers))) if w]
@@ -85,6 +94,27 @@ class Family:
             return []
         return [f"{len(windows)} of {len(self.layers)} layers attend over a sliding window "
                 f"of {windows[0]} tokens"]
+
+
+# RoPE modules whose rotation depends on the position alone, so they rotate each row at its own
+# (array) offset exactly as mlx-lm rotates a whole sequence. DynamicNTKScalingRoPE is not one:
+# its base depends on the call's length and an int offset.
+PER_ROW_ROPES = (nn.RoPE, ProportionalRoPE, Llama3RoPE, YarnRoPE, SuScaledRoPE)
+
+
+def check_rope(rope: nn.Module | None, family: str, i: int) -> None:
+    """Refuse at load a RoPE the step cannot apply at each row's own position (None: a layer
+    without RoPE)."""
+    if rope is not None and type(rope) not in PER_ROW_ROPES and type(rope).__name__ != "NoPE":
+        raise UnsupportedModelError(
+            f"{family} layer {i}: RoPE {type(rope).__name__} cannot rotate each row at its own "
+            "position")
+
+
+def gelu_approx(x: mx.array) -> mx.array:
+    """mlx.nn.gelu_approx's formula, uncompiled: mlx-lm's is mx.compile'd, and a function
+    compiled on the engine thread makes the process abort at exit (MLX 0.32). The same bits."""
+    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def _head_dim(attn: nn.Module) -> int:

@@ -1,0 +1,50 @@
+"""What the engine does beyond plain generation works on every family: a divergence experiment
+(traces of every layer's keys and values, kernel paths, batch-mates), --batch-invariant and
+calibration. In batch-invariant mode a request's numbers must not depend on what shares its
+batch, so the target alone and alongside two other requests come out bit-identical."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+
+import pytest
+
+from engine.testing import FAMILY_CONFIGS, make_family_folder
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_CONFIGS))
+def q4_folder(request, tmp_path_factory):
+    module_name, config = FAMILY_CONFIGS[request.param]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    return make_family_folder(tmp_path_factory.mktemp(request.param) / "q4", module, config,
+                              quantize=True)
+
+
+def run_cli(*args: str) -> str:
+    from app.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(args)) == 0
+    return out.getvalue()
+
+
+def test_batch_invariant_divergence_alone_vs_alongside(q4_folder):
+    record = json.loads(run_cli(
+        "diverge", "Once upon a time, in a small village by the sea,", "--model",
+        str(q4_folder), "--weights", "q4", "--max-tokens", "12", "--json",
+        "--a", "batch_invariant=1", "--b", "batch_invariant=1", "--b-alongside", "40,20"))
+    assert record["kv"]["compared_positions"] > 12
+    assert record["bit_identical"], record["verdict"]
+
+
+def test_calibrate_runs_on_a_family_folder(q4_folder, tmp_path):
+    out = run_cli("calibrate", "--model", str(q4_folder), "--weights", "q4", "--concurrency",
+                  "1", "2", "--max-tokens", "4", "--out", str(tmp_path))
+    assert "chosen threshold T" in out
+    assert list(tmp_path.glob("calibration-*.json"))
