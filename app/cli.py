@@ -220,9 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     from app.calibrate_cli import add_calibrate_command
     from app.db.cli import add_db_commands
     from app.diverge_cli import add_diverge_command
+    from app.models_cli import add_models_command
 
     add_calibrate_command(sub)
     add_diverge_command(sub)
+    add_models_command(sub)
     add_db_commands(sub)
     add_bench_command(sub)
     return parser

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
@@ -27,6 +28,7 @@ from app.api import error_body
 from app.steps_feed import FeedClient, compact_steps, feed_for
 
 CHART_STEPS = 300  # steps the charts and the kernel-path strip show
+EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
 FRAMES_PER_S = 10  # the most updates a client gets; steps in between ride in the next frame
 PING_S = 15  # SSE keep-alive comment while the engine is idle
 MAX_STEPS_PAGE = 2048  # most records one /steps.json answer holds
@@ -95,8 +97,39 @@ def kv_map(engine: Any) -> dict[str, Any]:
             "cells": cells, "shared": shared}
 
 
+def _expert_layers(engine: Any, records: list) -> dict[int, int]:
+    """MoE layer index -> experts, from the model's family (or, failing that, the steps)."""
+    family = getattr(getattr(engine, "runner", None), "family", None)
+    layers = family.expert_layers() if hasattr(family, "expert_layers") else {}
+    if not layers:
+        for record in reversed(records):
+            if record.expert_rows:
+                return {int(i): len(rows) for i, rows in record.expert_rows.items()}
+    return dict(layers)
+
+
+def expert_load(engine: Any) -> dict[str, Any] | None:
+    """Rows each expert received in each MoE layer, summed over the steps among the last
+    EXPERT_STEPS that ran the model (a row counts once per expert it chose), or None for a
+    dense model."""
+    records = [r for r in engine.steps.recent(EXPERT_STEPS) if r.expert_rows]
+    layers = _expert_layers(engine, records)
+    if not layers:
+        return None
+    out = []
+    for i, n in sorted(layers.items()):
+        counts = [r.expert_rows[str(i)] for r in records
+                  if len(r.expert_rows.get(str(i), ())) == n]
+        rows = np.sum(counts, axis=0).tolist() if counts else [0] * n
+        out.append({"layer": i, "rows": rows, "max": max(rows), "total": sum(rows)})
+    return {"steps": len(records), "first_step": records[0].step if records else None,
+            "last_step": records[-1].step if records else None,
+            "num_experts": max(layers.values()), "layers": out}
+
+
 def dashboard_state(engine: Any) -> dict[str, Any]:
-    """What the engine is doing now: live queue lengths, the latest step's batch, the KV map."""
+    """What the engine is doing now: live queue lengths, the latest step's batch, the KV map,
+    the expert load (None for a dense model)."""
     latest = engine.steps.recent(1)
     batch = None
     if latest:
@@ -112,7 +145,7 @@ def dashboard_state(engine: Any) -> dict[str, Any]:
     running, waiting = len(scheduler.running), len(scheduler.waiting)
     return {"time": time.time(), "step": engine.step_count, "running": running,
             "waiting": waiting, "idle": running == 0 and waiting == 0, "batch": batch,
-            "kv": kv_map(engine)}
+            "kv": kv_map(engine), "experts": expert_load(engine)}
 
 
 def dashboard_context(engine: Any) -> dict[str, Any]:
@@ -124,6 +157,7 @@ def dashboard_context(engine: Any) -> dict[str, Any]:
                    "block_size": config.block_size, "num_kv_blocks": config.num_kv_blocks},
         "frames_per_s": FRAMES_PER_S,
         "chart_steps": CHART_STEPS,
+        "expert_steps": EXPERT_STEPS,
         "state": dashboard_state(engine),
         "steps": compact_steps(engine.steps.recent(CHART_STEPS)),
     }

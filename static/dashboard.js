@@ -107,6 +107,40 @@
       `title="step ${s.step}: ${esc(s.kernel_path)}, ${s.total_rows} rows"></i>`).join("");
   }
 
+  // ---- expert load (mixture-of-experts models): cells are kept, only shade and title change ---
+  function spread(l) {
+    return l.total ? (l.max * l.rows.length / l.total).toFixed(1) + "×" : "–";
+  }
+
+  function renderExperts() {
+    const map = $("expert-map");
+    const ex = state.experts;
+    if (!map || !ex) return; // a dense model: the page has no expert section
+    $("experts-caption").replaceChildren(
+      ex.steps ? `rows each expert received in the last ${ex.steps} steps ` +
+        `(${ex.first_step}–${ex.last_step}), a row once per expert it chose` : "no step yet",
+      " · darker: more rows, relative to the layer's busiest expert · right: busiest / mean");
+    const shape = ex.layers.map((l) => `${l.layer}:${l.rows.length}`).join(",");
+    if (map.dataset.shape !== shape) {
+      map.style.setProperty("--n", String(ex.num_experts));
+      map.replaceChildren(...ex.layers.map((l) => el("div",
+        {class: "expert-layer", "data-layer": l.layer},
+        el("span", {class: "expert-label"}, `L${l.layer}`),
+        el("span", {class: "expert-cells"}, ...l.rows.map(() => el("i", {class: "xc"}))),
+        el("span", {class: "expert-spread num"}))));
+      map.dataset.shape = shape;
+    }
+    ex.layers.forEach((l, row) => {
+      const line = map.children[row];
+      const cells = line.children[1].children;
+      l.rows.forEach((n, e) => {
+        cells[e].style.setProperty("--f", (l.max ? n / l.max : 0).toFixed(3));
+        cells[e].title = `layer ${l.layer}, expert ${e}: ${n} rows`;
+      });
+      line.children[2].textContent = spread(l);
+    });
+  }
+
   // ---- charts -----------------------------------------------------------------------------
   function niceMax(v) {
     if (!(v > 0)) return 1;
@@ -195,6 +229,7 @@
     renderBatch();
     renderKV();
     renderStrip();
+    renderExperts();
     renderCharts();
   }
   const schedule = () => { if (!queued) { queued = true; requestAnimationFrame(render); } };

@@ -139,6 +139,9 @@ class Step(Base):
     prefix_cache_hits: Mapped[int] = mapped_column(Integer, default=0)  # cumulative, tokens
     preempted_json: Mapped[list] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)
+    # Mixture-of-experts models: {"layer index": [rows per expert]} (StepRecord.expert_rows);
+    # NULL for a dense model.
+    expert_rows_json: Mapped[dict | None] = mapped_column(NullableJSON)
 
     __table_args__ = (Index("ix_steps_started_at", "started_at"),)
 

@@ -136,13 +136,14 @@ _FIELD_NAMES = {
     "messages_json": "messages", "prompt_token_ids_json": "prompt_token_ids",
     "params_json": "params", "output_token_ids_json": "output_token_ids",
     "preempted_json": "preempted", "top_logprobs_json": "top_logprobs",
+    "expert_rows_json": "expert_rows",
 }
 
 _STEP_FIELDS = [
     "step", "started_at", "wall_time", "model_time", "scheduler_time", "total_rows",
     "prefill_rows", "decode_rows", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
     "kv_blocks_cached", "num_running", "num_waiting", "kernel_path", "linear_calls_per_layer",
-    "preempted_json", "error",
+    "preempted_json", "error", "expert_rows_json",
 ]
 _ENTRY_FIELDS = ["run_id", "phase", "rows", "context_len", "blocks_held", "sampled"]
 

@@ -360,6 +360,7 @@ def write_steps(conn: Connection, payloads: list[tuple[int, Any]]) -> None:
             "prefix_cache_queries": r.get("prefix_cache_queries", 0),
             "prefix_cache_hits": r.get("prefix_cache_hits", 0),
             "preempted_json": list(r.get("preempted") or []), "error": r.get("error"),
+            "expert_rows_json": r.get("expert_rows") or None,  # None: a dense model
         })
         for entry in r["entries"]:
             entries.append({

@@ -121,6 +121,7 @@ def test_page_shows_batch_block_map_strip_and_charts(live, ran):
 
     for chart in ("requests", "rows", "kv", "tokens"):
         assert soup.select_one(f"#chart-{chart} svg") is not None, chart
+    assert soup.select_one("#experts") is None  # a dense model: no expert load to show
     data = json.loads(soup.select_one("script#dashboard-data").string)
     assert [s["step"] for s in data["steps"]] == [r.step for r in steps]
     assert soup.select_one('script[src="/static/dashboard.js"]')["data-stream"] \
@@ -190,6 +191,7 @@ def test_dashboard_json_reflects_the_steps_that_ran(live, ran):
     assert sorted(i for i, c in enumerate(kv["cells"]) if c < 0) \
         == sorted(engine.block_manager.cached_block_ids())
     assert data["config"]["num_kv_blocks"] == NUM_BLOCKS
+    assert state["experts"] is None and all(not r.expert_rows for r in records)
 
 
 def test_steps_json_since(live, ran):
