@@ -10,8 +10,10 @@ batch_generate, the median of the rounds' ratios.
     .venv/bin/python benchmarks/families.py [--families llama qwen3 ...] [--weights f32]
         [--concurrency 1 8] [--repeats 3]
 
-These models are tiny (hidden 256, 4 layers), so the numbers say more about per-step
-overhead than about memory bandwidth; the real model's numbers are engine_batching.py's.
+These are the test suite's tiny models (engine.testing.FAMILY_CONFIGS: hidden 64-128, 2-6
+layers, the embedded tokenizer's 49152-token vocabulary), so the numbers say more about
+per-step overhead and the lm_head than about a real model's weights; the embedded model's
+numbers are engine_batching.py's.
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import load_folder
 from engine.platform import backend_info, blas_name
-from engine.testing import BENCH_FAMILY_SIZE, FAMILY_CONFIGS, make_family_folder
+from engine.testing import FAMILY_CONFIGS, make_family_folder
 
 
 def bench_family(name: str, root: Path, weights: str, concurrency: list[int], max_tokens: int,
                  repeats: int) -> dict:
     module_name, config = FAMILY_CONFIGS[name]
     module = importlib.import_module(f"mlx_lm.models.{module_name}")
-    folder = make_family_folder(root / name, module, {**config, **BENCH_FAMILY_SIZE},
+    folder = make_family_folder(root / name, module, config,
                                 quantize=weights == "q4")
     engine_weights = "q4" if weights == "q4" else weights
     eng = Engine(EngineConfig(model=str(folder), weights=engine_weights,
@@ -79,10 +81,11 @@ def render_table(results: list[dict], concurrency: list[int], info: dict, max_to
                  repeats: int) -> str:
     head = " | ".join(f"{c} req: engine | batch_generate | ratio" for c in concurrency)
     lines = [
-        f"Decode tok/s on tiny random-weight folders ({BENCH_FAMILY_SIZE['hidden_size']} "
-        f"hidden, {BENCH_FAMILY_SIZE['num_hidden_layers']} layers), {max_tokens} new tokens "
-        f"per request, median of {repeats} interleaved rounds; backend {info['backend']}, "
-        f"BLAS {blas_name(info.get('blas')) or 'bundled'}.",
+        f"Decode tok/s on the tiny random-weight folders of engine.testing.FAMILY_CONFIGS, "
+        f"{max_tokens} new tokens per request, median of {repeats} interleaved rounds; "
+        f"backend {info['backend']}, "
+        f"BLAS {blas_name(info.get('blas')) or 'bundled'}. Command: "
+        f"`.venv/bin/python benchmarks/families.py --repeats {repeats}`.",
         "", f"| family | weights | {head} |",
         "|---|---|" + "---|---|---|" * len(concurrency)]
     for r in results:

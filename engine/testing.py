@@ -140,8 +140,7 @@ def make_family_folder(path: Path, module, config: dict, *, quantize: bool = Fal
 
 
 # Tiny configurations of every supported family, by name: (mlx_lm.models module, config). Tests
-# build folders from them (tests/engine/test_family_*.py), and so does benchmarks/families.py
-# at BENCH_FAMILY_SIZE.
+# build folders from them (tests/engine/test_family_*.py), and so does benchmarks/families.py.
 _DENSE = {"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
           "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
           "rope_theta": 10000.0, "tie_word_embeddings": True}
@@ -224,5 +223,3 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
         "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 12,
                          "long_factor": [1.0 + 0.25 * i for i in range(12)]}}),
 }
-# Overrides for benchmarks/families.py: big enough that a step is more than dispatch overhead.
-BENCH_FAMILY_SIZE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4}
