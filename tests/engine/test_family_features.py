@@ -48,3 +48,14 @@ def test_calibrate_runs_on_a_family_folder(q4_folder, tmp_path):
                   "1", "2", "--max-tokens", "4", "--out", str(tmp_path))
     assert "chosen threshold T" in out
     assert list(tmp_path.glob("calibration-*.json"))
+
+
+def test_row_wise_kernel_path_gives_the_same_tokens(q4_folder):
+    """--kernel-policy gemv (one call per row for every linear layer and expert call) against
+    the default batched path."""
+    def tokens(*extra: str) -> list[int]:
+        return json.loads(run_cli("generate", "The capital of France is", "--model",
+                                  str(q4_folder), "--weights", "q4", "--max-tokens", "12",
+                                  "--json", "--ignore-eos", *extra))["token_ids"]
+
+    assert tokens("--kernel-policy", "gemv") == tokens()
