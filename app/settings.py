@@ -27,9 +27,9 @@ class Settings:
     max_waiting_requests: int = 256
     max_tokens_limit: int | None = None  # most new tokens per request (None: the context window)
     log_level: str = "info"
-    # When set, the API and the pages need it (app/security.py). Kept out of repr and logs.
+    # When set, the API and the pages need it (app/web/security.py). Kept out of repr and logs.
     api_key: str | None = field(default=None, repr=False)
-    # Host-header check against DNS rebinding (app/security.py): None, no check; a tuple,
+    # Host-header check against DNS rebinding (app/web/security.py): None, no check; a tuple,
     # loopback names plus these. `from_args` turns it on for a keyless loopback server.
     allowed_hosts: tuple[str, ...] | None = None
 
@@ -105,6 +105,6 @@ def host_check(host: str, api_key: str | None, extra: list[str]) -> tuple[str, .
 
 
 def is_loopback_host(host: str) -> bool:
-    from app.security import is_loopback
+    from app.web.security import is_loopback
 
     return is_loopback(host)

@@ -52,12 +52,12 @@ from app.bench import dataset as datasets
 from app.bench.client import choose_model, probe, run_load
 from app.bench.metrics import summarize
 from app.bench.plots import BOTTOM, COLORS, LEFT, RIGHT, TOP, _frame, _legend
+from app.charts import nice_ticks
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import load_model, resolve_weights
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
-from engine.svg_axes import nice_ticks
 
 CONTEXT = 2048  # the mixed dataset is fitted into this many tokens (both servers' context is 8k)
 GOAL_HTTP_RATIO = 1.5  # batchscope serve / mlx_lm.server output throughput at GOAL_STREAMS

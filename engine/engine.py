@@ -281,7 +281,7 @@ class Engine:
             mx.clear_streams()
 
     def _setup(self) -> None:
-        from engine.calibration import resolve_threshold
+        from app.lab.calibration import resolve_threshold
         from engine.model_runner import ModelRunner, RowGroup, pool_for
         from engine.models import family_for
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from html import escape
 
-from engine.svg_axes import nice_ticks, tick_label
+from app.charts import nice_ticks, tick_label
 
 COLORS = ("#2357c6", "#c2410c", "#1f7a3f", "#7c3aed", "#b3261e", "#0e7490", "#a16207",
           "#be185d")

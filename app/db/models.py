@@ -203,7 +203,7 @@ class BenchmarkRun(Base):
 
 
 class DivergenceExperiment(Base):
-    """One finished (or failed) divergence experiment (engine/divergence.py): its parameters,
+    """One finished (or failed) divergence experiment (app/lab/divergence.py): its parameters,
     the verdict, and the whole record the /divergence page renders. Its two sides are runs
     (source "divergence"); a failed experiment has no runs, only its error."""
 

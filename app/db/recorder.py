@@ -340,7 +340,7 @@ def _write_finish(conn: Connection, e) -> None:
 
 def write_steps(conn: Connection, payloads: list[tuple[int, Any]]) -> None:
     """Insert (session id, StepRecord or its to_dict()) pairs into steps and step_entries:
-    the writer thread's steps, and app/divergence_store.py's for an experiment's sides."""
+    the writer thread's steps, and app/db/experiments.py's for an experiment's sides."""
     if not payloads:
         return
     steps: list[dict] = []

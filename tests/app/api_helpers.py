@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from app.main import create_app
 from app.settings import Settings
+from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent, TokenEvent

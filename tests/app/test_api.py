@@ -12,9 +12,9 @@ import pytest
 from api_helpers import CHAT, MAX_BODY, MODEL, FakeRecorder, assert_error, make_app
 from starlette.testclient import TestClient
 
-from app.main import create_app
 from app.runs import RunRequest, RunService
 from app.settings import Settings
+from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent, TokenEvent

@@ -10,8 +10,8 @@ import pytest
 from api_helpers import CHAT, MAX_BODY, assert_error, make_app
 from starlette.testclient import TestClient
 
-from app.api import INLINE_TOKENIZE_CHARS
 from app.runs import RunRequest
+from app.web.api.routes import INLINE_TOKENIZE_CHARS
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 

@@ -15,12 +15,12 @@ from bs4 import BeautifulSoup
 from live_server import serving
 from sqlalchemy import select
 
-from app.bench import store
 from app.cli import main
 from app.db import Database, Recorder, open_database
+from app.db import benchmarks as store
 from app.db.models import Run
-from app.main import create_app
 from app.settings import Settings
+from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model

@@ -8,8 +8,8 @@ from starlette.testclient import TestClient
 
 from app.bench.progress import Progress
 from app.db import Recorder, open_database
-from app.main import create_app
 from app.settings import Settings
+from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model

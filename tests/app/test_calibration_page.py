@@ -8,16 +8,16 @@ import pytest
 from bs4 import BeautifulSoup
 from starlette.testclient import TestClient
 
-from app import calibrate_cli
-from app.main import create_app
-from app.settings import Settings
-from engine.calibration import (
+from app.cli import calibrate as calibrate_cli
+from app.lab.calibration import (
     ENV_DIR,
     backend_key,
     calibration_path,
     choose_threshold,
     save_calibration,
 )
+from app.settings import Settings
+from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.platform import backend_info
@@ -124,7 +124,7 @@ def test_calibrate_command(monkeypatch, capsys, calibration_dir):
         progress("[gemm]   2 requests: ...")
         return {**save_synthetic({1: 1.0, 2: 1.2, 4: 0.7}), "elapsed_s": 3.0}
 
-    monkeypatch.setattr("engine.calibration.calibrate", fake)
+    monkeypatch.setattr("app.lab.calibration.calibrate", fake)
     assert args.func(args) == 0
     assert calls == [("embedded", "q4", [1, 2, 4], 16,
                       {"repeats": 1, "out_dir": str(calibration_dir)})]

@@ -19,10 +19,10 @@ import pytest
 from bs4 import BeautifulSoup
 from live_server import serving
 
-from app.dashboard import CHART_STEPS, hue
-from app.main import create_app
 from app.settings import Settings
-from app.steps_feed import FeedClient, RollingRate, StepFeed, compact_steps
+from app.web.app import create_app
+from app.web.feeds import FeedClient, RollingRate, StepFeed, compact_steps
+from app.web.pages.dashboard import CHART_STEPS, hue
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.telemetry import StepRecord

@@ -21,11 +21,11 @@ from bs4 import BeautifulSoup
 from live_server import serving, sqlite_recorder
 from mlx_lm.models import qwen3_moe
 
-from app.dashboard import EXPERT_STEPS, expert_load
 from app.db import open_database
-from app.db.queries import get_run
-from app.main import create_app
+from app.db.runs import get_run
 from app.settings import Settings
+from app.web.app import create_app
+from app.web.pages.dashboard import EXPERT_STEPS, expert_load
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import LoadedModel

@@ -16,11 +16,11 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 from sqlalchemy.orm import Session
 
+from app.cli.db import add_db_commands
 from app.db import Database, DatabaseError, Recorder, open_database
-from app.db.cli import add_db_commands
 from app.db.database import alembic_config, create_sqlite_engine, run_migrations
 from app.db.models import Base
-from app.db.queries import distinct_values, get_run, list_runs, run_metrics
+from app.db.runs import distinct_values, get_run, list_runs, run_metrics
 from engine.events import FinishEvent, TokenEvent
 from engine.telemetry import StepEntry, StepRecord
 

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import event, text
 
 from app.db import Recorder
-from app.db.queries import get_run, list_runs
+from app.db.runs import get_run, list_runs
 from engine.events import FinishEvent, TokenEvent
 from engine.telemetry import StepEntry, StepRecord
 

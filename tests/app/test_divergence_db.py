@@ -14,13 +14,13 @@ import pytest
 from bs4 import BeautifulSoup
 from starlette.testclient import TestClient
 
-import engine.divergence
-from app import divergence_store
+import app.lab.divergence
 from app.cli import build_parser
+from app.db import experiments as divergence_store
 from app.db.database import DatabaseError
-from app.divergence_page import lab_for
-from app.main import create_app
 from app.settings import Settings
+from app.web.app import create_app
+from app.web.pages.divergence import lab_for
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model
@@ -59,7 +59,7 @@ def open_client(db_path, loader=two_models) -> TestClient:
                      engine_factory=lambda config: Engine(config, loader=tiny_model),
                      recorder_factory=factory)
     app.state.divergence_loader = loader  # read when the lab is first made
-    # Form posts come from the page itself (app/security.py's CSRF rule).
+    # Form posts come from the page itself (app/web/security.py's CSRF rule).
     return TestClient(app, headers={"origin": "http://testserver"})
 
 
@@ -164,13 +164,13 @@ def test_the_sides_steps_are_recorded_like_a_served_runs(db_path, monkeypatch):
     """Each side's engine steps go to steps/step_entries under an engine session of its own:
     /runs/{id} shows the target's steps with the companions as (unlinked) batch-mates."""
     ran = {}  # weights -> steps that side's engine ran (f32 on A, bf16 on B: one engine each)
-    close = engine.divergence.DivergenceRunner.close
+    close = app.lab.divergence.DivergenceRunner.close
 
     def count_then_close(runner):
         ran.update({key[0]: e.step_count for key, e in runner._engines.items()})
         close(runner)
 
-    monkeypatch.setattr(engine.divergence.DivergenceRunner, "close", count_then_close)
+    monkeypatch.setattr(app.lab.divergence.DivergenceRunner, "close", count_then_close)
     form = {**FORM, "a_alongside": "20,12", "a_others_tokens": "9"}  # they outlive the target
     with open_client(db_path) as client:
         entry = run_and_wait(client, form)
@@ -300,8 +300,8 @@ def test_without_a_database_finished_experiments_stay_in_memory():
 
 def test_cli_db_writes_an_experiment_the_page_reads(db_path, monkeypatch, capsys):
     # The tiny model instead of the embedded one; the rest of the command runs as it is.
-    monkeypatch.setattr(engine.divergence, "run_experiment",
-                        functools.partial(engine.divergence.run_experiment, loader=q4_loader))
+    monkeypatch.setattr(app.lab.divergence, "run_experiment",
+                        functools.partial(app.lab.divergence.run_experiment, loader=q4_loader))
     parser = build_parser()
     args = parser.parse_args(["diverge", "Hello there", "--a", "weights=q4,policy=gemm",
                               "--b", "weights=q4,policy=gemv", "--max-tokens", "5",

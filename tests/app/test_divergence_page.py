@@ -10,12 +10,12 @@ import pytest
 from bs4 import BeautifulSoup
 from starlette.testclient import TestClient
 
-from app.diverge_cli import clean, format_record, format_search
-from app.divergence_page import lab_for
-from app.main import create_app
+from app.cli.diverge import clean, format_record, format_search
+from app.lab.divergence import SideConfig, run_experiment, search
 from app.settings import Settings
+from app.web.app import create_app
+from app.web.pages.divergence import lab_for
 from engine.config import EngineConfig
-from engine.divergence import SideConfig, run_experiment, search
 from engine.engine import Engine
 from engine.testing import tiny_model
 
@@ -48,7 +48,7 @@ def forked():
 def client():
     app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128)),
                      engine_factory=lambda config: Engine(config, loader=tiny_model))
-    # Form posts come from the page itself (app/security.py's CSRF rule).
+    # Form posts come from the page itself (app/web/security.py's CSRF rule).
     with TestClient(app, headers={"origin": "http://testserver"}) as c:
         c.app.state.divergence_loader = q4_loader  # read when the lab is first made
         yield c

@@ -10,10 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from app.main import create_app
-from app.metrics import EngineMetrics
 from app.runs import RunRequest, RunResult
 from app.settings import Settings
+from app.web.app import create_app
+from app.web.metrics import EngineMetrics
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent

@@ -12,8 +12,8 @@ import openai
 import pytest
 from live_server import serving
 
-from app.main import create_app
 from app.settings import Settings
+from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent

@@ -20,8 +20,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from app.cli import sqlite_recorder
-from app.main import create_app
 from app.settings import Settings
+from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model

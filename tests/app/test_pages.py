@@ -13,9 +13,9 @@ from bs4 import BeautifulSoup
 from starlette.testclient import TestClient
 
 from app.db import Recorder, open_database
-from app.main import create_app
-from app.pages import fmt_lp, fmt_ms, fmt_rate, parse_playground, visible
 from app.settings import Settings
+from app.web.app import create_app
+from app.web.render import fmt_lp, fmt_ms, fmt_rate, parse_playground, visible
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
@@ -23,7 +23,7 @@ from engine.testing import tiny_model
 
 SCRIPT = "<script>alert(1)</script>"
 JSON = {"accept": "application/json"}
-# Form posts come from the page itself, as a browser's would (app/security.py's CSRF rule).
+# Form posts come from the page itself, as a browser's would (app/web/security.py's CSRF rule).
 SAME_ORIGIN = {"origin": "http://testserver"}
 
 

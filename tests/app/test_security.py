@@ -16,10 +16,10 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from app.db import Recorder
-from app.divergence_page import lab_for
-from app.main import create_app
-from app.security import COOKIE, csrf_problem, exposure_warning, safe_next
 from app.settings import Settings
+from app.web.app import create_app
+from app.web.pages.divergence import lab_for
+from app.web.security import COOKIE, csrf_problem, exposure_warning, safe_next
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model, tiny_model_saying

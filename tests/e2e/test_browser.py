@@ -18,8 +18,8 @@ import pytest
 from headless_chromium import chromium, require_chromium
 from live_server import serving, sqlite_recorder
 
-from app.main import create_app
 from app.settings import Settings
+from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model

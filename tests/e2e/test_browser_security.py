@@ -20,9 +20,9 @@ from starlette.applications import Starlette
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
-from app.main import create_app
-from app.security import COOKIE
 from app.settings import Settings
+from app.web.app import create_app
+from app.web.security import COOKIE
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model_saying

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.calibration import (
+from app.lab.calibration import (
     DEFAULT_THRESHOLD,
     ENV_DIR,
     MODES,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.divergence import (
+from app.lab.divergence import (
     BUILTIN_PROMPTS,
     DivergenceRunner,
     SideConfig,
@@ -47,7 +47,7 @@ def test_four_bit_gemm_and_gemv_are_bit_identical_alone_and_alongside():
     first_a, first_b = r["sides"]["a"]["steps"][0], r["sides"]["b"]["steps"][0]
     assert (first_a["rows"], first_a["requests"], first_a["path"]) == (85, 3, "gemm")
     assert (first_b["rows"], first_b["requests"], first_b["path"]) == (20, 1, "gemv")
-    # Each side keeps its target's token events (recorded as a run by app/divergence_store.py).
+    # Each side keeps its target's token events (recorded as a run by app/db/experiments.py).
     for side in r["sides"].values():
         assert [t["token_id"] for t in side["tokens"]] == side["token_ids"]
         assert side["text"].startswith("".join(t["text"] for t in side["tokens"]))

@@ -79,8 +79,8 @@ def test_batched_equals_alone_q4(gemma4):
 
 
 def test_traces_pad_pool_layers_of_other_shapes(gemma4):
+    from app.lab.divergence import SideConfig, run_experiment
     from engine.config import EngineConfig
-    from engine.divergence import SideConfig, run_experiment
     from engine.engine import Engine
     from engine.sampling import SamplingParams
 

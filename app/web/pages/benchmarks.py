@@ -16,10 +16,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from app.bench import plots, store
+from app.bench import plots
 from app.bench.metrics import METRIC_TITLES, METRICS
+from app.db import benchmarks as store
 from app.json_safe import json_safe
-from app.pages import NO_DATABASE, _database, _error, _read, _render, _wants_json
+from app.web.render import NO_DATABASE, _database, _error, _read, _render, _wants_json
 
 LIST_LIMIT = 200
 DEFAULT_PLOTTED = 6

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.calibration import DEFAULT_CONCURRENCY, ENV_DIR
+from app.lab.calibration import DEFAULT_CONCURRENCY, ENV_DIR
 
 
 def add_calibrate_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def add_calibrate_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from engine.calibration import calibrate, describe, render_table
+    from app.lab.calibration import calibrate, describe, render_table
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

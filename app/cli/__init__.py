@@ -132,9 +132,9 @@ def check_database(path: str) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.main import create_app
-    from app.security import exposure_warning
     from app.settings import Settings
+    from app.web.app import create_app
+    from app.web.security import exposure_warning
 
     settings = Settings.from_args(args)
     # Before loading the model: a database that cannot be used is one clear line, not a
@@ -216,11 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--weights", default="q4", choices=["q4", "f32", "bf16"])
     exp.set_defaults(func=cmd_export_model)
 
-    from app.bench_cli import add_bench_command
-    from app.calibrate_cli import add_calibrate_command
-    from app.db.cli import add_db_commands
-    from app.diverge_cli import add_diverge_command
-    from app.models_cli import add_models_command
+    from app.cli.bench import add_bench_command
+    from app.cli.calibrate import add_calibrate_command
+    from app.cli.db import add_db_commands
+    from app.cli.diverge import add_diverge_command
+    from app.cli.models import add_models_command
 
     add_calibrate_command(sub)
     add_diverge_command(sub)
@@ -244,5 +244,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())

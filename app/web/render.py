@@ -4,7 +4,7 @@ Each view builds one context dict and renders it as HTML (templates/) or as JSON
 twin, or `Accept: application/json`), so scripts and tests read the numbers people see.
 
 Starting, streaming and stopping playground runs (the live result panels over SSE) is in
-app/streams.py; the form it reads and the rendering helpers it uses are here.
+app/web/pages/playground.py; the form it reads and the rendering helpers it uses are here.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from app.api import MAX_STOP, error_body
-from app.db import queries
+from app.db import runs as queries
 from app.json_safe import json_safe
 from app.runs import RunService
+from app.web.api.routes import MAX_STOP, error_body
 from engine.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES_DIR = ROOT / "templates"
 STATIC_DIR = ROOT / "static"
 
@@ -361,7 +361,7 @@ async def run_detail(request: Request) -> Response:
         return _error(request, 503, NO_DATABASE, None, "no_database")
     record = await _read(request, queries.get_run, run_id)
     if record is None:
-        # The playground's live runs (app/streams.py keeps them on app.state).
+        # The playground's live runs (app/web/pages/playground.py keeps them on app.state).
         registry = getattr(request.app.state, "live_runs", None)
         live = registry.get(run_id) if registry is not None else None
         if live is not None:  # the recorder has not written its row yet

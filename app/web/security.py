@@ -43,8 +43,8 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api import error_body
-from app.pages import _read_form
+from app.web.api.routes import error_body
+from app.web.render import _read_form
 
 COOKIE = "batchscope_session"
 SESSION_TTL_S = 12 * 3600

@@ -1,4 +1,4 @@
-"""The divergence page: run a divergence experiment (engine/divergence.py) from the browser and
+"""The divergence page: run a divergence experiment (app/lab/divergence.py) from the browser and
 read its record: both texts with the fork marked, the logits at the fork, a chart of max
 |Δlogit| and each side's top-2 margin token by token, and the contamination timeline (which
 step wrote each cached position on each side, and where the keys/values first differ).
@@ -10,7 +10,7 @@ step wrote each cached position on each side, and where the keys/values first di
 The server's own engine is busy serving, so experiments run in one worker thread with engines
 of their own (they load the same model: fine on this machine), one experiment at a time.
 Queued and running experiments live in memory on app.state (the Lab). A finished or failed one
-is written to the runs database by the worker thread (app/divergence_store.py: the record, and
+is written to the runs database by the worker thread (app/db/experiments.py: the record, and
 its two sides as runs with their tokens, shown on /runs and /compare), then dropped from memory:
 the page lists and loads it from the database, so it survives a restart. Without a database
 (or when writing fails) finished experiments stay in memory, the latest MAX_KEEP, and the page
@@ -34,11 +34,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from app import divergence_store as store
-from app.api import error_body
-from app.pages import _error, _html, _page, _read_form, _wants_json
+from app.db import experiments as store
+from app.lab.divergence import DivergenceRunner, SideConfig, timeline
+from app.web.api.routes import error_body
+from app.web.render import _error, _html, _page, _read_form, _wants_json
 from engine.config import WEIGHT_FORMATS
-from engine.divergence import DivergenceRunner, SideConfig, timeline
 from engine.kernels import POLICIES
 
 log = logging.getLogger("batchscope.divergence")

@@ -100,7 +100,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from app.bench.client import BenchError, choose_model, probe, run_load
     from app.bench.metrics import format_report, parse_goodput, summarize
     from app.bench.progress import Progress
-    from app.bench.store import save_run
+    from app.db.benchmarks import save_run
     from app.db.database import DatabaseError, open_database
 
     # One line per request from httpx would drown the progress counter and the report.

@@ -1,6 +1,6 @@
 """The OpenAI-compatible JSON API: /v1/completions, /v1/chat/completions, /v1/models.
 
-Each route reads the body and checks it into a typed request (app/api_params.py), encodes the
+Each route reads the body and checks it into a typed request (app/web/api/params.py), encodes the
 prompt, hands it to RunService, and shapes the engine's events like OpenAI's responses: one
 JSON object, or SSE `data: {chunk}` lines ending with `data: [DONE]`. Bad input is always a 4xx
 JSON error in OpenAI's shape naming the parameter; a full queue is a 429 with Retry-After.
@@ -23,7 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from app.api_params import (
+from app.runs import QueueFullError, Run, RunRequest, RunResult, RunService
+from app.web.api.params import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP,
     APIError,
@@ -36,7 +37,6 @@ from app.api_params import (
     parse_completion,
     read_json,
 )
-from app.runs import QueueFullError, Run, RunRequest, RunResult, RunService
 from engine.engine import EngineError
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, TokenEvent

@@ -24,8 +24,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.db import queries
-from app.pages import (
+from app.db import runs as queries
+from app.runs import QueueFullError, Run, RunRequest
+from app.web.render import (
     MAX_COPIES,
     _database,
     _decoder,
@@ -41,7 +42,6 @@ from app.pages import (
     token_view,
     tokens_per_s,
 )
-from app.runs import QueueFullError, Run, RunRequest
 from engine.engine import EngineError
 from engine.errors import RequestError
 from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
@@ -181,7 +181,7 @@ class PanelStats:
 
 
 class _Meter:
-    """Panel stats of a live run, computed as the saved run's metrics are (app.db.queries)."""
+    """Panel stats of a live run, computed as the saved run's metrics are (app.db.runs)."""
 
     def __init__(self, queued_at: float):
         self.queued_at = queued_at

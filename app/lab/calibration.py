@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from engine.svg_axes import nice_ticks, tick_label
+from app.charts import nice_ticks, tick_label
 
 log = logging.getLogger("batchscope.calibration")
 

@@ -22,20 +22,17 @@ from typing import Any
 import anyio.to_thread
 from starlette.applications import Starlette
 
-from app import (
-    api,
-    benchmarks_page,
-    calibration_page,
-    dashboard,
-    divergence_page,
-    metrics,
-    openapi,
-    pages,
-    security,
-    streams,
-)
 from app.runs import Recorder, RunService, kernel_policy, session_config
 from app.settings import Settings
+from app.web import metrics, security
+from app.web import render as pages
+from app.web.api import openapi
+from app.web.api import routes as api
+from app.web.pages import benchmarks as benchmarks_page
+from app.web.pages import calibration as calibration_page
+from app.web.pages import dashboard
+from app.web.pages import divergence as divergence_page
+from app.web.pages import playground as streams
 from engine.config import EngineConfig
 
 log = logging.getLogger("batchscope.app")

@@ -1,5 +1,5 @@
 """`batchscope diverge`: one prompt, greedily, on two set-ups (sides A and B); where the outputs
-part, the logits at the fork, and which cache write started it (engine/divergence.py).
+part, the logits at the fork, and which cache write started it (app/lab/divergence.py).
 
 A side is a comma-separated list of key=value settings:
 
@@ -77,7 +77,7 @@ def add_diverge_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def sides(args: argparse.Namespace) -> tuple[Any, Any]:
-    from engine.divergence import SideConfig
+    from app.lab.divergence import SideConfig
 
     base = SideConfig(weights=args.weights)
     out = []
@@ -89,7 +89,7 @@ def sides(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def cmd_diverge(args: argparse.Namespace) -> int:
-    from engine.divergence import BUILTIN_PROMPTS, load_prompts, run_experiment, search
+    from app.lab.divergence import BUILTIN_PROMPTS, load_prompts, run_experiment, search
 
     a, b = sides(args)
 
@@ -121,10 +121,10 @@ def cmd_diverge(args: argparse.Namespace) -> int:
 
 
 def _run_and_save(args: argparse.Namespace, a: Any, b: Any, common: dict) -> int:
-    """One experiment, saved as the web page saves one (app/divergence_store.py), failed or
+    """One experiment, saved as the web page saves one (app/db/experiments.py), failed or
     not. The database is opened first, so a bad path fails before the model loads."""
     from app.db.database import DatabaseError, open_database
-    from engine.divergence import run_experiment
+    from app.lab.divergence import run_experiment
 
     try:
         db = open_database(args.db)
@@ -153,7 +153,7 @@ def _run_and_save(args: argparse.Namespace, a: Any, b: Any, common: dict) -> int
 
 def _save(db: Any, entry: dict) -> bool:
     from app.db.database import DatabaseError
-    from app.divergence_store import save_experiment
+    from app.db.experiments import save_experiment
 
     try:
         save_experiment(db, entry, origin="cli")
@@ -202,7 +202,7 @@ def _where(first: int, last: int, prompt_tokens: int) -> str:
 
 
 def format_record(r: dict, all_tokens: bool = False) -> str:
-    from engine.divergence import timeline
+    from app.lab.divergence import timeline
     from engine.platform import blas_name
 
     a, b = r["sides"]["a"], r["sides"]["b"]

@@ -16,14 +16,14 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from app.json_safe import json_safe
-from app.pages import _render, _wants_json
-from engine.calibration import (
+from app.lab.calibration import (
     backend_key,
     calibration_path,
     choose_threshold,
     load_calibration,
     render_svg,
 )
+from app.web.render import _render, _wants_json
 from engine.platform import backend_info
 
 

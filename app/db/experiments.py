@@ -1,6 +1,6 @@
 """Divergence experiments in the runs database.
 
-A finished experiment becomes three things, written in one transaction (as app/bench/store.py
+A finished experiment becomes three things, written in one transaction (as app/db/benchmarks.py
 writes a benchmark run): a row in divergence_experiments with its parameters, verdict and the
 whole record the /divergence page renders, and its two sides as rows of `runs` (source
 "divergence", ids EXPERIMENT-a and EXPERIMENT-b) with their output tokens in run_tokens and
@@ -12,7 +12,7 @@ has no foreign key to runs, and /runs stays a list of what was asked). A failed 
 row with its error and no runs.
 
 An entry is the dict the page shows: id, status, created, started, finished, params, record,
-error (app/divergence_page.py's Lab keeps the same shape in memory).
+error (app/web/pages/divergence.py's Lab keeps the same shape in memory).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from app.db.database import Database, DatabaseError
 from app.db.models import DivergenceExperiment, EngineSession, Run, RunToken
 from app.db.recorder import write_steps
 from app.json_safe import json_safe
-from engine.divergence import SideConfig
+from app.lab.divergence import SideConfig
 
 SOURCE = "divergence"  # runs.source of an experiment's sides
 ENDPOINTS = {"web": "/divergence", "cli": "batchscope diverge"}  # runs.endpoint, by origin

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,8 +23,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from app.api import error_body
-from app.steps_feed import FeedClient, compact_steps, feed_for
+from app.web.api.routes import error_body
+from app.web.feeds import FeedClient, compact_steps, feed_for
+from app.web.render import TEMPLATES_DIR
 
 CHART_STEPS = 300  # steps the charts and the kernel-path strip show
 EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
@@ -34,7 +34,7 @@ PING_S = 15  # SSE keep-alive comment while the engine is idle
 MAX_STEPS_PAGE = 2048  # most records one /steps.json answer holds
 
 # Configuration only (no per-app state): autoescaped, and a missing variable is an error.
-templates = Environment(loader=FileSystemLoader(Path(__file__).resolve().parents[1] / "templates"),
+templates = Environment(loader=FileSystemLoader(TEMPLATES_DIR),
                         autoescape=True, undefined=StrictUndefined, trim_blocks=True,
                         lstrip_blocks=True)
 
