@@ -1,10 +1,35 @@
-"""Engine configuration: one dataclass, checked at construction."""
+"""Engine configuration: one dataclass, checked at construction, and the kernel-path policy
+(engine/kernels.py runs the paths). Imports no MLX, so the command line can read it cheaply."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kernels import KernelPolicy
+POLICIES = ("gemm", "gemv", "auto")
+TILED = "tiled"  # the batch-invariant path: every call has exactly `tile` rows
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    mode: str = "gemm"
+    threshold: int = 1  # for "auto": row-wise at or below this many rows
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise ValueError(f"kernel policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.mode!r}")
+        if not isinstance(self.threshold, int) or self.threshold < 0:
+            raise ValueError(f"kernel threshold must be a non-negative integer, "
+                             f"got {self.threshold!r}")
+
+    def path_for(self, rows: int) -> str:
+        if self.mode == "auto":
+            return "gemv" if rows <= self.threshold else "gemm"
+        return self.mode
+
+    def describe(self) -> str:
+        return f"auto(T={self.threshold})" if self.mode == "auto" else self.mode
+
 
 WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
 # The native-kernel settings, decode_attention (engine/attention.py) and decode_matmul

@@ -20,16 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import TILED, EngineConfig, KernelPolicy
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
-from engine.kernels import TILED, KernelPolicy
 from engine.output import OutputText
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.telemetry import StepEntry, StepLog, StepRecord
+from engine.thresholds import ThresholdTable, resolve_threshold
 
 log = logging.getLogger("batchscope.engine")
 
@@ -63,8 +63,12 @@ class Submission:
 class Engine:
     """Continuous-batching engine. `loader` runs on the engine thread and returns a LoadedModel."""
 
-    def __init__(self, config: EngineConfig, loader: Callable[[], object] | None = None):
+    def __init__(self, config: EngineConfig, loader: Callable[[], object] | None = None,
+                 thresholds: ThresholdTable | None = None):
+        """thresholds: the calibrated kernel thresholds (engine/thresholds.py); none given,
+        --kernel-policy auto uses --kernel-threshold or the default."""
         self.config = config
+        self._thresholds = thresholds
         self._loader = loader or self._default_loader
         self.loaded = None  # LoadedModel, set on the engine thread
         self.tokenizer = None
@@ -281,7 +285,6 @@ class Engine:
             mx.clear_streams()
 
     def _setup(self) -> None:
-        from app.lab.calibration import resolve_threshold
         from engine.model_runner import ModelRunner, RowGroup, pool_for
         from engine.models import family_for
 
@@ -298,8 +301,8 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.pool, cfg.decode_attention,
                                   cfg.decode_matmul, family)
         self.runner.tile = cfg.invariant_tile
-        threshold, self.kernel_threshold_source = resolve_threshold(cfg, self.loaded,
-                                                                    backend_info())
+        threshold, self.kernel_threshold_source = resolve_threshold(
+            cfg, self.loaded.name, self.loaded.weights, backend_info(), self._thresholds)
         self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)
         # One throwaway row allocates the KV pool (in the dtype the model produces) and warms
         # the kernels now, not inside the first request's time to first token. It writes slot 0

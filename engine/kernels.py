@@ -14,34 +14,9 @@ above); forcing "gemv" there means one single-row call per row, which always tak
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 
-POLICIES = ("gemm", "gemv", "auto")
-TILED = "tiled"  # the batch-invariant path: every call has exactly `tile` rows
-
-
-@dataclass(frozen=True)
-class KernelPolicy:
-    mode: str = "gemm"
-    threshold: int = 1  # for "auto": row-wise at or below this many rows
-
-    def __post_init__(self) -> None:
-        if self.mode not in POLICIES:
-            raise ValueError(f"kernel policy must be one of {', '.join(POLICIES)}, "
-                             f"got {self.mode!r}")
-        if not isinstance(self.threshold, int) or self.threshold < 0:
-            raise ValueError(f"kernel threshold must be a non-negative integer, "
-                             f"got {self.threshold!r}")
-
-    def path_for(self, rows: int) -> str:
-        if self.mode == "auto":
-            return "gemv" if rows <= self.threshold else "gemm"
-        return self.mode
-
-    def describe(self) -> str:
-        return f"auto(T={self.threshold})" if self.mode == "auto" else self.mode
+from engine.config import TILED
 
 
 def apply_linear(fn, x: mx.array, path: str, tile: int = 16) -> mx.array:

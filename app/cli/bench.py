@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.settings import ENV_API_KEY, ENV_DB, Settings
+from app.settings import DEFAULT_DB, ENV_API_KEY, ENV_DB, resolve_db_path
 
 DEFAULT_CONTEXT = 2048  # when the server does not say (batchscope's /v1/models does)
 
@@ -86,7 +86,7 @@ def add_bench_command(subparsers) -> None:
     rec.add_argument("--no-record", action="store_true", help="do not record in the database")
     rec.add_argument("--db", default=None,
                      help="SQLite file to record into (default: the server's default, "
-                          f"./batchscope.db or ${ENV_DB})")
+                          f"{DEFAULT_DB} or ${ENV_DB})")
     p.set_defaults(func=cmd_bench_serve)
 
 
@@ -113,7 +113,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     db = None
     if not args.no_record:
-        db_path = args.db or os.environ.get(ENV_DB) or Settings.db_path
+        db_path = resolve_db_path(args.db)
         try:
             db = open_database(db_path)  # fails before the run, not after it
         except DatabaseError as e:

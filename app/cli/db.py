@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_DB = "./batchscope.db"
+from app.settings import DEFAULT_DB, ENV_DB, resolve_db_path
 
 
 def add_db_commands(subparsers) -> None:
@@ -14,20 +14,22 @@ def add_db_commands(subparsers) -> None:
     db_sub = db.add_subparsers(dest="db_command", required=True)
     up = db_sub.add_parser("upgrade", help="create the database or migrate it to the latest "
                                            "schema (the server also does this when it starts)")
-    up.add_argument("--db", default=DEFAULT_DB, help=f"SQLite file (default: {DEFAULT_DB})")
+    up.add_argument("--db", default=None,
+                    help=f"SQLite file (default: ${ENV_DB}, else {DEFAULT_DB})")
     up.set_defaults(func=cmd_db_upgrade)
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from app.db.database import DatabaseError, open_database
 
+    path = resolve_db_path(args.db)
     try:
-        with open_database(args.db) as db:
+        with open_database(path) as db:
             revision = current_revision(db)
     except DatabaseError as e:
         print(f"batchscope: error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.db}: at schema revision {revision}")
+    print(f"{path}: at schema revision {revision}")
     return 0
 
 

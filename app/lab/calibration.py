@@ -14,7 +14,8 @@ decode-only ratio because the policy switches on a step's rows and in decode ste
 the aggregate of the gemv mode also pays for row-wise prefill, which "auto" never does.
 
 Results go to `calibration-<model>-<weights>-<backend>.json` (plus an .svg plot) under
-$BATCHSCOPE_CALIBRATION_DIR or ~/.cache/batchscope; `resolve_threshold` reads them back.
+$BATCHSCOPE_CALIBRATION_DIR or ~/.cache/batchscope; `saved_thresholds` reads them back into
+the table the engine is given (engine/thresholds.py).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 from app.charts import nice_ticks, tick_label
+from engine.thresholds import ThresholdTable, backend_key
 
 log = logging.getLogger("batchscope.calibration")
 
 ENV_DIR = "BATCHSCOPE_CALIBRATION_DIR"
 DEFAULT_CONCURRENCY = (1, 2, 3, 4, 5, 6, 7, 8, 16)
-DEFAULT_THRESHOLD = 1  # without a calibration: row-wise only where it changes nothing (1 row)
 MODES = ("unbatched", "gemm", "gemv")
 FORMAT_VERSION = 1
 THRESHOLD_BASIS = "decode-only tokens/s (decode steps holding exactly N rows)"
@@ -73,22 +74,6 @@ class CalibrationError(RuntimeError):
 
 
 # ---- where calibrations live ----------------------------------------------------------------
-def backend_key(info: Mapping[str, Any] | str) -> str:
-    """Short backend name for file names: "metal", "cuda", "cpu-openblas", "cpu"...
-
-    The CPU BLAS is part of the key: OpenBLAS makes f32 GEMM ~20x faster than the bundled
-    reference BLAS, which moves the crossing entirely.
-    """
-    if isinstance(info, str):
-        return info
-    backend = str(info.get("backend") or "cpu")
-    if backend != "cpu":
-        return backend
-    if info.get("blas"):
-        return "cpu-openblas"
-    return "cpu-accelerate" if info.get("platform") == "darwin" else "cpu"
-
-
 def calibration_dir(directory: str | Path | None = None) -> Path:
     if directory is not None:
         return Path(directory).expanduser()
@@ -110,8 +95,11 @@ def load_calibration(model_name: str, weights: str, backend: Mapping[str, Any] |
                      directory: str | Path | None = None) -> dict | None:
     """The saved calibration for this model/weights/backend, or None (missing or unreadable)."""
     path = calibration_path(model_name, weights, backend, directory)
-    if not path.is_file():
-        return None
+    return _read(path) if path.is_file() else None
+
+
+def _read(path: Path) -> dict | None:
+    """A calibration file's contents, or None (logged) when it is unreadable or invalid."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -127,29 +115,18 @@ def load_calibration(model_name: str, weights: str, backend: Mapping[str, Any] |
     return data
 
 
-def resolve_threshold(config: Any, loaded: Any,
-                      backend: Mapping[str, Any] | str) -> tuple[int, str]:
-    """The "auto" threshold to run with, and where it came from.
-
-    Precedence: --kernel-threshold (config.kernel_threshold not None) > the calibration for the
-    loaded model/weights/backend (only read for kernel_policy "auto") > DEFAULT_THRESHOLD.
-    Returns (threshold, "flag" | "calibration <path>" | "default").
-    """
-    if config.kernel_threshold is not None:
-        return int(config.kernel_threshold), "flag"
-    if config.kernel_policy != "auto":
-        return DEFAULT_THRESHOLD, "default"  # the threshold is unused outside "auto"
-    found = load_calibration(loaded.name, loaded.weights, backend)
-    if found is not None:
-        log.info("kernel policy auto: threshold %d rows from calibration %s (measured %s)",
-                 found["threshold"], found["path"], found.get("date", "?"))
-        return found["threshold"], f"calibration {found['path']}"
-    weights = loaded.weights if loaded.weights in ("f32", "bf16") else "q4"
-    log.info("kernel policy auto is uncalibrated for %s (%s weights) on %s: threshold %d row(s). "
-             "Measure it with: batchscope calibrate --model %s --weights %s (or pass "
-             "--kernel-threshold)", loaded.name, loaded.weights, backend_key(backend),
-             DEFAULT_THRESHOLD, getattr(config, "model", "embedded"), weights)
-    return DEFAULT_THRESHOLD, "default"
+def saved_thresholds(directory: str | Path | None = None) -> ThresholdTable:
+    """Every valid calibration in the directory, as the table an Engine is given:
+    (model, weights, backend) -> (threshold, "calibration <path>")."""
+    table = {}
+    folder = calibration_dir(directory)
+    for path in sorted(folder.glob("calibration-*.json")) if folder.is_dir() else []:
+        data = _read(path)
+        if data is not None and all(isinstance(data.get(k), str)
+                                    for k in ("model", "weights", "backend")):
+            table[(data["model"], data["weights"], data["backend"])] = (
+                data["threshold"], f"calibration {path} (measured {data.get('date', '?')})")
+    return table
 
 
 # ---- the threshold ------------------------------------------------------------------------

@@ -31,10 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import WEIGHT_FORMATS, EngineConfig, check_native_setting
+from engine.config import WEIGHT_FORMATS, EngineConfig, KernelPolicy, check_native_setting
 from engine.engine import Engine, EngineError, Submission
 from engine.events import FinishEvent, TokenEvent
-from engine.kernels import KernelPolicy
 from engine.sampling import SamplingParams
 from engine.telemetry import StepRecord
 

@@ -44,9 +44,11 @@ RecorderFactory = Callable[[Settings], "Recorder | AbstractContextManager[Record
 
 
 def _default_engine(config: EngineConfig) -> Any:
+    from app.lab.calibration import saved_thresholds
     from engine.engine import Engine
 
-    return Engine(config)
+    # The thresholds `batchscope calibrate` saved: --kernel-policy auto runs with them.
+    return Engine(config, thresholds=saved_thresholds())
 
 
 def _open_recorder(factory: RecorderFactory, settings: Settings, stack: ExitStack) -> Recorder:

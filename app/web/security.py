@@ -64,6 +64,20 @@ HEADERS = [(b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY"
            (b"referrer-policy", b"same-origin"), (b"content-security-policy", CSP.encode())]
 
 
+def host_check(host: str, api_key: str | None, extra: list[str]) -> tuple[str, ...] | None:
+    """The Host names a server accepts besides loopback ones, or None for no check.
+
+    A keyless server on loopback checks (a page on a domain that resolves to 127.0.0.1 could
+    otherwise read it: DNS rebinding); with a key, the key protects it; a keyless server bound
+    elsewhere was warned about and serves whatever names reach it, unless --allowed-host."""
+    names = tuple(name.strip().lower() for name in extra if name.strip())
+    if names:
+        return names
+    if api_key is None and is_loopback(host):
+        return ()
+    return None
+
+
 def is_loopback(host: str) -> bool:
     if host.strip("[]").lower() == "localhost":
         return True

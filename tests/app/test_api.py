@@ -12,6 +12,7 @@ import pytest
 from api_helpers import CHAT, MAX_BODY, MODEL, FakeRecorder, assert_error, make_app
 from starlette.testclient import TestClient
 
+from app.cli.serve import settings_from_args
 from app.runs import RunRequest, RunService
 from app.settings import Settings
 from app.web.app import create_app
@@ -420,14 +421,14 @@ def test_settings_from_args_and_environment():
     from app.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--port", "9001", "--num-kv-blocks", "64"])
-    s = Settings.from_args(args, environ={"BATCHSCOPE_DB": "/tmp/x.db",
+    s = settings_from_args(args, environ={"BATCHSCOPE_DB": "/tmp/x.db",
                                           "BATCHSCOPE_PORT": "1234"})
     assert (s.host, s.port, s.db_path) == ("127.0.0.1", 9001, "/tmp/x.db")
     assert s.engine.num_kv_blocks == 64 and s.url == "http://127.0.0.1:9001"
     with pytest.raises(ValueError, match="port"):
         Settings(port=70000)
     args = build_parser().parse_args(["serve"])
-    assert Settings.from_args(args, environ={}).port == 8000
+    assert settings_from_args(args, environ={}).port == 8000
 
 
 def test_a_thread_can_use_the_api_while_requests_run(client):
@@ -470,7 +471,7 @@ def test_serve_records_into_sqlite(tmp_path):
     """`batchscope serve`'s recorder: runs land in the database by the time the app stops."""
     from sqlalchemy import create_engine, select
 
-    from app.cli import sqlite_recorder
+    from app.cli.serve import sqlite_recorder
     from app.db.models import Run
 
     settings = Settings(db_path=str(tmp_path / "runs.db"), engine=EngineConfig(num_kv_blocks=128))

@@ -10,6 +10,7 @@ import pytest
 from api_helpers import CHAT, MAX_BODY, assert_error, make_app
 from starlette.testclient import TestClient
 
+from app.cli.serve import settings_from_args
 from app.runs import RunRequest
 from app.web.api.routes import INLINE_TOKENIZE_CHARS
 from engine.engine import Engine
@@ -449,9 +450,9 @@ def test_limit_flags():
 
     args = build_parser().parse_args(["serve", "--max-waiting-requests", "3",
                                       "--max-tokens-limit", "50"])
-    s = Settings.from_args(args, environ={})
+    s = settings_from_args(args, environ={})
     assert (s.max_waiting_requests, s.max_tokens_limit) == (3, 50)
-    s = Settings.from_args(build_parser().parse_args(["serve"]), environ={})
+    s = settings_from_args(build_parser().parse_args(["serve"]), environ={})
     assert (s.max_waiting_requests, s.max_tokens_limit) == (256, None)
     for bad in ({"max_waiting_requests": -1}, {"max_waiting_requests": None},
                 {"max_tokens_limit": 0}, {"max_tokens_limit": True}):

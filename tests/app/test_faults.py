@@ -19,7 +19,7 @@ import httpx
 import pytest
 from live_server import serving
 
-from app.cli import sqlite_recorder
+from app.cli.serve import sqlite_recorder
 from app.settings import Settings
 from app.web.app import create_app
 from engine.config import EngineConfig

@@ -19,7 +19,7 @@ from live_server import serving
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from app.cli import sqlite_recorder
+from app.cli.serve import sqlite_recorder
 from app.settings import Settings
 from app.web.app import create_app
 from engine.config import EngineConfig

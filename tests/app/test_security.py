@@ -15,6 +15,7 @@ from bs4 import BeautifulSoup
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from app.cli.serve import settings_from_args
 from app.db import Recorder
 from app.settings import Settings
 from app.web.app import create_app
@@ -77,7 +78,7 @@ def test_serve_binds_loopback_and_has_no_key_by_default():
     from app.cli import build_parser
 
     args = build_parser().parse_args(["serve"])
-    settings = Settings.from_args(args, environ={})
+    settings = settings_from_args(args, environ={})
     assert settings.host == "127.0.0.1" and settings.api_key is None
 
 
@@ -86,8 +87,8 @@ def test_api_key_from_flag_or_environment_and_never_in_repr():
 
     parse = build_parser().parse_args
     env = {"BATCHSCOPE_API_KEY": "from-env"}
-    assert Settings.from_args(parse(["serve"]), environ=env).api_key == "from-env"
-    flagged = Settings.from_args(parse(["serve", "--api-key", "from-flag"]), environ=env)
+    assert settings_from_args(parse(["serve"]), environ=env).api_key == "from-env"
+    flagged = settings_from_args(parse(["serve", "--api-key", "from-flag"]), environ=env)
     assert flagged.api_key == "from-flag"
     assert "from-flag" not in repr(flagged)
     with pytest.raises(ValueError):
@@ -454,7 +455,7 @@ def test_hostile_divergence_experiment_is_escaped(hostile):
 def test_serve_turns_the_host_check_on_for_a_keyless_loopback_server(argv, expected):
     from app.cli import build_parser
 
-    settings = Settings.from_args(build_parser().parse_args(argv), environ={})
+    settings = settings_from_args(build_parser().parse_args(argv), environ={})
     assert settings.allowed_hosts == expected
 
 

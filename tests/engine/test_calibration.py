@@ -10,20 +10,19 @@ from types import SimpleNamespace
 import pytest
 
 from app.lab.calibration import (
-    DEFAULT_THRESHOLD,
     ENV_DIR,
     MODES,
-    backend_key,
     calibrate,
     calibration_path,
     choose_threshold,
     load_calibration,
     render_svg,
     render_table,
-    resolve_threshold,
     save_calibration,
+    saved_thresholds,
 )
 from engine.testing import tiny_model
+from engine.thresholds import DEFAULT_THRESHOLD, backend_key, resolve_threshold
 
 SVG = "{http://www.w3.org/2000/svg}"
 ROW_KEYS = {"concurrency", "unbatched_tps", "gemm_tps", "gemv_tps", "gemv_over_gemm",
@@ -199,32 +198,44 @@ def test_table_and_svg_of_synthetic_result():
     assert "<m&>" in "".join(root.itertext())
 
 
-# ---- resolve_threshold -----------------------------------------------------------------------
-LOADED = SimpleNamespace(name="tiny-llama", weights="q4")
-
-
+# ---- resolve_threshold: the table the engine is given ---------------------------------------
 def config(policy: str = "auto", threshold: int | None = None):
-    # Duck-typed: EngineConfig.kernel_threshold defaults to None once "not given" is supported.
     return SimpleNamespace(model="embedded", kernel_policy=policy, kernel_threshold=threshold)
 
 
 def test_resolve_threshold_precedence(caplog):
-    caplog.set_level(logging.INFO, logger="batchscope.calibration")
-    assert resolve_threshold(config(), LOADED, "cpu-openblas") == (DEFAULT_THRESHOLD, "default")
+    caplog.set_level(logging.INFO, logger="batchscope.engine")
+    table = saved_thresholds()
+    assert table == {}
+    assert resolve_threshold(config(), "tiny-llama", "q4", "cpu-openblas", table) == (
+        DEFAULT_THRESHOLD, "default")
     assert "uncalibrated" in caplog.text and "batchscope calibrate" in caplog.text
 
     saved = save_calibration(synthetic({1: 1.0, 2: 1.3, 3: 1.1, 4: 0.9}))
-    assert resolve_threshold(config(), LOADED, "cpu-openblas") == (3, f"calibration "
-                                                                      f"{saved['path']}")
-    assert resolve_threshold(config(), LOADED, {"backend": "cpu", "blas": "libopenblas.so.0"})[0] \
-        == 3
+    table = saved_thresholds()
+    threshold, source = resolve_threshold(config(), "tiny-llama", "q4", "cpu-openblas", table)
+    assert threshold == 3 and source.startswith(f"calibration {saved['path']}")
+    assert resolve_threshold(config(), "tiny-llama", "q4",
+                             {"backend": "cpu", "blas": "libopenblas.so.0"}, table)[0] == 3
     # The flag wins over the calibration, even a flag of 0 or of the default value.
-    assert resolve_threshold(config(threshold=0), LOADED, "cpu-openblas") == (0, "flag")
-    assert resolve_threshold(config(threshold=1), LOADED, "cpu-openblas") == (1, "flag")
+    assert resolve_threshold(config(threshold=0), "tiny-llama", "q4", "cpu-openblas",
+                             table) == (0, "flag")
+    assert resolve_threshold(config(threshold=1), "tiny-llama", "q4", "cpu-openblas",
+                             table) == (1, "flag")
     # Other weights or backend: not this calibration.
-    assert resolve_threshold(config(), SimpleNamespace(name="tiny-llama", weights="f32"),
-                             "cpu-openblas") == (DEFAULT_THRESHOLD, "default")
-    assert resolve_threshold(config(), LOADED, "metal") == (DEFAULT_THRESHOLD, "default")
-    # gemm / gemv do not use the threshold: no file is read.
-    assert resolve_threshold(config("gemm"), LOADED, "cpu-openblas") == (DEFAULT_THRESHOLD,
-                                                                         "default")
+    assert resolve_threshold(config(), "tiny-llama", "f32", "cpu-openblas", table) == (
+        DEFAULT_THRESHOLD, "default")
+    assert resolve_threshold(config(), "tiny-llama", "q4", "metal", table) == (
+        DEFAULT_THRESHOLD, "default")
+    # gemm / gemv do not use the threshold.
+    assert resolve_threshold(config("gemm"), "tiny-llama", "q4", "cpu-openblas", table) == (
+        DEFAULT_THRESHOLD, "default")
+    # No table given: the engine reads nothing and runs with the default.
+    assert resolve_threshold(config(), "tiny-llama", "q4", "cpu-openblas") == (
+        DEFAULT_THRESHOLD, "default")
+
+
+def test_saved_thresholds_skip_unreadable_files(tmp_path):
+    (tmp_path / "calibration-x-q4-cpu.json").write_text("{not json")
+    save_calibration(synthetic({1: 1.0, 2: 1.3}), tmp_path)
+    assert list(saved_thresholds(tmp_path)) == [("tiny-llama", "q4", "cpu-openblas")]

@@ -4,7 +4,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine.kernels import KernelPolicy, apply_linear
+from engine.config import KernelPolicy
+from engine.kernels import apply_linear
 
 
 def test_policy_paths():

