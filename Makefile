@@ -14,7 +14,7 @@ generate: setup
 # The browser test drives Debian's chromium through chromium-driver.
 test:
 	BATCHSCOPE_EXTRA_APT="chromium chromium-driver" ./scripts/setup.sh
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=20
 
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow"
@@ -27,5 +27,8 @@ bench: setup
 peers: setup
 	.venv/bin/python benchmarks/peers.py $(if $(QUICK),--quick)
 
-lint:
-	.venv/bin/ruff check engine app tests benchmarks
+# ruff, and the import contracts of .importlinter (engine/ knows no web or database code,
+# app's layers point one way, no cycles among sibling modules)
+lint: setup
+	.venv/bin/ruff check engine app tests benchmarks scripts
+	.venv/bin/lint-imports
