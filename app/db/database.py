@@ -18,11 +18,10 @@ from pathlib import Path
 import sqlalchemy.exc
 from sqlalchemy import Connection, Engine, create_engine, event, update
 
+from app.assets import migrations_dir
 from app.db.models import Run
 
 log = logging.getLogger(__name__)
-
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
 class DatabaseError(RuntimeError):
@@ -111,7 +110,8 @@ def alembic_config():
     from alembic.config import Config
 
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # Alembic reads a real directory: migrations/ in a checkout, the wheel's copy installed.
+    config.set_main_option("script_location", str(migrations_dir()))
     return config
 
 
