@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from app.lab.calibration import DEFAULT_CONCURRENCY, ENV_DIR
+from engine.config import WEIGHT_FORMATS
 
 
 def add_calibrate_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,7 +24,7 @@ def add_calibrate_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
                     "GEMV still wins as the threshold for --kernel-policy auto.")
     p.add_argument("--model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local mlx-lm model folder")
-    p.add_argument("--weights", default="auto", choices=["auto", "q4", "f32", "bf16"],
+    p.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
                    help="weight format to calibrate (each format gets its own threshold)")
     p.add_argument("--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY),
                    metavar="N", help="concurrent requests to measure (default: "

@@ -18,7 +18,7 @@ examples:
   # alone against alongside three other requests, mixed steps GEMM, single rows GEMV
   batchscope diverge "Once upon a time" --a policy=auto,threshold=1 \\
       --b policy=auto,threshold=1 --b-alongside 120,60,30
-  # the seed's case: a 120-token prompt joins while the target decodes
+  # the mini-vllm-rs case: a 120-token prompt joins while the target decodes
   batchscope diverge "Once upon a time" --a policy=auto,threshold=4 \\
       --b policy=auto,threshold=4,alongside=120,join=8
   # how often does it fork here? 20 built-in prompts, or one prompt a line from FILE
@@ -36,7 +36,7 @@ import time
 import uuid
 from typing import Any
 
-WEIGHTS = ["auto", "q4", "f32", "bf16"]
+from engine.config import WEIGHT_FORMATS
 
 
 def add_diverge_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def add_diverge_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="side A: prompt lengths of other requests (same as alongside=...)")
     p.add_argument("--b-alongside", metavar="N,N,...", default=None,
                    help="side B: prompt lengths of other requests")
-    p.add_argument("--weights", default="f32", choices=WEIGHTS,
+    p.add_argument("--weights", default="f32", choices=WEIGHT_FORMATS,
                    help="weights of both sides unless a spec says otherwise (default f32: on "
                         "a CPU, 4-bit rows are computed alike on every path)")
     p.add_argument("--model", default="embedded", help="'embedded' or an mlx-lm model folder")

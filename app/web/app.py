@@ -9,6 +9,11 @@ so every test gets its own engine and two apps can share a process:
     app.state.session_id  the recorder's session for this engine run, or None
     app.state.runs        RunService (routes submit through it)
     app.state.started_at  epoch seconds
+    app.state.templates   the pages' Jinja environment
+    app.state.live_runs   the playground's runs in flight (app/web/pages/playground.py)
+    app.state.step_feed   the dashboard's live step feed (app/web/feeds.py)
+    app.state.divergence_lab  the divergence page's experiments and worker (closed at shutdown)
+    app.state.metrics     the Prometheus collectors (app/web/metrics.py)
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from starlette.applications import Starlette
 
 from app.runs import Recorder, RunService, kernel_policy, session_config
 from app.settings import Settings
-from app.web import metrics, security
+from app.web import feeds, metrics, security
 from app.web import render as pages
 from app.web.api import openapi
 from app.web.api import routes as api
@@ -62,7 +67,10 @@ def _open_recorder(factory: RecorderFactory, settings: Settings, stack: ExitStac
 
 
 def create_app(settings: Settings, *, engine_factory: EngineFactory | None = None,
-               recorder_factory: RecorderFactory | None = None) -> Starlette:
+               recorder_factory: RecorderFactory | None = None,
+               divergence_loader: Any = None) -> Starlette:
+    """divergence_loader: weights -> LoadedModel for the divergence page's engines (tests give
+    a tiny model); None: the configured model."""
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine = (engine_factory or _default_engine)(settings.engine)
@@ -88,6 +96,12 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
             app.state.session_id = session_id
             app.state.runs = runs
             app.state.started_at = time.time()
+            app.state.templates = pages.make_templates()
+            app.state.live_runs = streams.LiveRuns()
+            app.state.step_feed = feeds.StepFeed(engine)
+            lab = app.state.divergence_lab = divergence_page.Lab(
+                settings.engine.model, divergence_loader, getattr(recorder, "database", None))
+            stack.callback(lab.close)
             stack.callback(metrics.install(app.state).close)
             log.info("serving %s (%s weights, context %d) with the OpenAI API at /v1",
                      engine.loaded.name, engine.loaded.weights, engine.max_model_len)

@@ -158,8 +158,5 @@ class StepFeed:
 
 
 def feed_for(app_state: Any) -> StepFeed:
-    """The app's feed, created on first use (on the event loop, next to the engine)."""
-    feed = getattr(app_state, "step_feed", None)
-    if feed is None:
-        feed = app_state.step_feed = StepFeed(app_state.engine)
-    return feed
+    """The app's feed (made by the lifespan, on the event loop: app/web/app.py)."""
+    return app_state.step_feed

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
@@ -25,15 +24,15 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from app.assets import static_dir, templates_dir
 from app.db import runs as queries
 from app.json_safe import json_safe
 from app.runs import RunService
 from app.web.api.routes import MAX_STOP, error_body
 from engine.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATES_DIR = ROOT / "templates"
-STATIC_DIR = ROOT / "static"
+TEMPLATES_DIR = templates_dir()
+STATIC_DIR = static_dir()
 
 MAX_COPIES = 8
 MAX_STOP_CHARS = 200
@@ -93,16 +92,18 @@ def tokens_per_s(tpot: float | None) -> float | None:
 
 
 # ---- per-app state -------------------------------------------------------------------------
-def _templates(request: Request) -> Environment:
-    env = getattr(request.app.state, "page_templates", None)
-    if env is None:
-        # autoescape everywhere: prompts and outputs are untrusted.
-        env = Environment(loader=FileSystemLoader(TEMPLATES_DIR), autoescape=True,
-                          undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-        env.filters.update(ms=fmt_ms, rate=fmt_rate, lp=fmt_lp, ts=fmt_time, visible=visible,
-                           json=as_json)
-        request.app.state.page_templates = env
+def make_templates() -> Environment:
+    """The pages' Jinja environment (one per app, made by the lifespan). Autoescape everywhere:
+    prompts and outputs are untrusted; a missing variable is an error."""
+    env = Environment(loader=FileSystemLoader(TEMPLATES_DIR), autoescape=True,
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(ms=fmt_ms, rate=fmt_rate, lp=fmt_lp, ts=fmt_time, visible=visible,
+                       json=as_json)
     return env
+
+
+def _templates(request: Request) -> Environment:
+    return request.app.state.templates
 
 
 def _database(request: Request) -> Any:

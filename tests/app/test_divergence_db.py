@@ -57,8 +57,7 @@ def open_client(db_path, loader=two_models) -> TestClient:
     factory = sqlite_recorder(db_path) if db_path is not None else None
     app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128)),
                      engine_factory=lambda config: Engine(config, loader=tiny_model),
-                     recorder_factory=factory)
-    app.state.divergence_loader = loader  # read when the lab is first made
+                     recorder_factory=factory, divergence_loader=loader)
     # Form posts come from the page itself (app/web/security.py's CSRF rule).
     return TestClient(app, headers={"origin": "http://testserver"})
 

@@ -47,10 +47,10 @@ def forked():
 @pytest.fixture(scope="module")
 def client():
     app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128)),
-                     engine_factory=lambda config: Engine(config, loader=tiny_model))
+                     engine_factory=lambda config: Engine(config, loader=tiny_model),
+                     divergence_loader=q4_loader)
     # Form posts come from the page itself (app/web/security.py's CSRF rule).
     with TestClient(app, headers={"origin": "http://testserver"}) as c:
-        c.app.state.divergence_loader = q4_loader  # read when the lab is first made
         yield c
 
 

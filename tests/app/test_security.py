@@ -41,10 +41,12 @@ OUTPUT = "<img src=x onerror=alert(1)><script>alert(1)</script>"  # every output
 payload_model = tiny_model_saying(OUTPUT)
 
 
-def make_app(api_key: str | None = None, recorder=None, loader=tiny_model):
+def make_app(api_key: str | None = None, recorder=None, loader=tiny_model,
+             divergence_loader=None):
     return create_app(Settings(engine=EngineConfig(num_kv_blocks=128), api_key=api_key),
                       engine_factory=lambda config: Engine(config, loader=loader),
-                      recorder_factory=(lambda settings: recorder) if recorder else None)
+                      recorder_factory=(lambda settings: recorder) if recorder else None,
+                      divergence_loader=divergence_loader)
 
 
 @pytest.fixture(scope="module")
@@ -274,13 +276,11 @@ def test_every_state_changing_route_refuses_a_cross_site_form(open_client):
 
 def test_cross_site_posts_change_nothing(open_client):
     app = open_client.app
-    registry = getattr(app.state, "live_runs", None)
-    before = len(registry._runs) if registry else 0
+    before = len(app.state.live_runs._runs)
     r = open_client.post("/playground", data={"mode": "raw", "prompt": "x", "max_tokens": "2"},
                          headers={**EVIL, "accept": "text/html"})
     assert r.status_code == 403 and "cross-origin" in BeautifulSoup(r.text, "html.parser").text
-    registry = getattr(app.state, "live_runs", None)
-    assert (len(registry._runs) if registry else 0) == before
+    assert len(app.state.live_runs._runs) == before
     r = open_client.post("/divergence.json", data={"prompt": "x"}, headers=EVIL)
     assert r.status_code == 403 and r.json()["error"]["code"] == "csrf_failed"
     assert lab_for(app).recent() == []
@@ -347,8 +347,8 @@ def test_security_headers(open_client):
 def hostile(db_module):
     recorder = Recorder(db_module, flush_interval=0.01)
     recorder.start()
-    with TestClient(make_app(recorder=recorder, loader=payload_model), headers=SAME) as c:
-        c.app.state.divergence_loader = payload_model
+    with TestClient(make_app(recorder=recorder, loader=payload_model,
+                             divergence_loader=payload_model), headers=SAME) as c:
         yield c, recorder
 
 

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import numpy as np
-from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -25,19 +24,12 @@ from starlette.routing import Route
 
 from app.web.api.routes import error_body
 from app.web.feeds import FeedClient, compact_steps, feed_for
-from app.web.render import TEMPLATES_DIR
 
 CHART_STEPS = 300  # steps the charts and the kernel-path strip show
 EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
 FRAMES_PER_S = 10  # the most updates a client gets; steps in between ride in the next frame
 PING_S = 15  # SSE keep-alive comment while the engine is idle
 MAX_STEPS_PAGE = 2048  # most records one /steps.json answer holds
-
-# Configuration only (no per-app state): autoescaped, and a missing variable is an error.
-templates = Environment(loader=FileSystemLoader(TEMPLATES_DIR),
-                        autoescape=True, undefined=StrictUndefined, trim_blocks=True,
-                        lstrip_blocks=True)
-
 
 # ---- the state -------------------------------------------------------------------------------
 def hue(request_id: str) -> int:
@@ -192,7 +184,7 @@ def _int_param(request: Request, name: str, default: int | None, lo: int,
 async def dashboard_page(request: Request) -> Response:
     engine = request.app.state.engine
     context = dashboard_context(engine)
-    html = templates.get_template("dashboard.html").render(
+    html = request.app.state.templates.get_template("dashboard.html").render(
         data=context, path=request.url.path, served_model=engine.loaded.name, **context)
     return HTMLResponse(html)
 

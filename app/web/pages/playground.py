@@ -102,10 +102,8 @@ class LiveRuns:
 
 
 def live_runs(app: Any) -> LiveRuns:
-    registry = getattr(app.state, "live_runs", None)
-    if registry is None:
-        registry = app.state.live_runs = LiveRuns()
-    return registry
+    """The app's registry (made by the lifespan: app/web/app.py)."""
+    return app.state.live_runs
 
 
 # ---- starting and stopping playground runs ------------------------------------------------
