@@ -37,7 +37,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from html import escape
 from pathlib import Path
 
 # isort: off
@@ -51,9 +50,8 @@ import numpy as np
 from app.bench import dataset as datasets
 from app.bench.client import choose_model, probe, run_load
 from app.bench.metrics import summarize
-from app.bench.plots import BOTTOM, COLORS, LEFT, RIGHT, TOP, _frame, _legend
-from app.charts import nice_ticks
-from engine.config import EngineConfig
+from app.charts import Point, Series, line_chart
+from engine.config import WEIGHT_FORMATS, EngineConfig
 from engine.engine import Engine
 from engine.model_loader import load_model, resolve_weights
 from engine.platform import backend_info
@@ -627,39 +625,18 @@ def goals(data: dict) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# SVG plots (app/bench/plots.py's frame and legend)
+# SVG plots (app/charts.py)
 
 
 def line_svg(title: str, x_label: str, y_label: str,
              series: list[tuple[str, list[tuple[float, float, str]]]], css: str) -> str:
-    xs = [x for _, pts in series for x, _, _ in pts] or [1.0]
-    ys = [y for _, pts in series for _, y, _ in pts] or [1.0]
-    x_ticks = nice_ticks(0, max(xs) * 1.08)
-    y_ticks = nice_ticks(0, max(ys) * 1.1)
-    x_max = max(x_ticks[-1], max(xs) * 1.08)
-    y_max = max(y_ticks[-1], max(ys) * 1.1)
-
-    def x(v: float) -> float:
-        return LEFT + v / x_max * (RIGHT - LEFT)
-
-    def y(v: float) -> float:
-        return BOTTOM - v / y_max * (BOTTOM - TOP)
-
-    out = _frame(title, x_label, y_label, x_ticks, y_ticks, x, y, css)
-    for i, (_, pts) in enumerate(series):
-        color = COLORS[i % len(COLORS)]
-        if len(pts) > 1:
-            path = " ".join(f"{x(a):.1f},{y(b):.1f}" for a, b, _ in pts)
-            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" '
-                       'stroke-width="1.6"/>')
-        for a, b, label in pts:
-            out.append(f'<circle cx="{x(a):.1f}" cy="{y(b):.1f}" r="3.5" fill="{color}">'
-                       f"<title>{escape(label)}</title></circle>")
-            out.append(f'<text x="{x(a) + 5:.1f}" y="{y(b) - 6:.1f}" font-size="10">'
-                       f"{escape(label.split(':')[0])}</text>")
-    out += _legend([name for name, _ in series])
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    """One line per series; each point's label is its tooltip, and its head (up to ":") is
+    written beside it."""
+    return line_chart(title, x_label, y_label,
+                      [Series(name, [Point(x, y, tip=label, label=label.split(":")[0])
+                                     for x, y, label in pts], marker=3.5, joined=len(pts) > 1)
+                       for name, pts in series],
+                      css_class=css, x_headroom=1.08)
 
 
 def write_plots(data: dict, out_dir: Path) -> list[Path]:
@@ -697,7 +674,7 @@ SECTIONS = ("offline", "http", "static", "sweep")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a tiny version of everything")
-    ap.add_argument("--weights", default="auto", choices=["auto", "q4", "f32", "bf16"],
+    ap.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
                     help="one weight format for every side (auto: the engine's pick for this "
                          "backend, e.g. f32 on a CPU with OpenBLAS)")
     ap.add_argument("--seed", type=int, default=0)

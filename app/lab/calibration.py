@@ -23,7 +23,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -32,9 +31,8 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from xml.sax.saxutils import escape
 
-from app.charts import nice_ticks, tick_label
+from app.charts import INK, Panel, Point, Scale, Series, Svg, extent, nice_ticks
 from engine.thresholds import ThresholdTable, backend_key
 
 log = logging.getLogger("batchscope.calibration")
@@ -326,7 +324,8 @@ def _rate(tps: float | None) -> str:
 
 
 def render_table(result: Mapping[str, Any]) -> str:
-    """The seed's table (aggregate output tokens/s), plus the decode-only rates T is based on."""
+    """The mini-vllm-rs write-up's table (aggregate output tokens/s), plus the decode-only rates
+    T is based on."""
     lines = [
         "| concurrency | unbatched | batched GEMM | batched GEMV | GEMV/GEMM "
         "| decode-only: unbatched | GEMM | GEMV | GEMV/GEMM |",
@@ -347,120 +346,71 @@ def describe(result: Mapping[str, Any]) -> str:
             f"greedy; aggregate output tokens/s")
 
 
-# ---- the plot (hand-written SVG: no plotting dependency) ---------------------------------------
+# ---- the plot (app/charts.py) ---------------------------------------------------------------
 COLORS = {"unbatched": "#6b7280", "gemm": "#2563eb", "gemv": "#ea580c", "ratio": "#7c3aed"}
 LABELS = {"unbatched": "unbatched", "gemm": "batched GEMM", "gemv": "batched row-wise GEMV"}
+CHOSEN = "#16a34a"  # the threshold's mark
 
 
 def render_svg(result: Mapping[str, Any]) -> str:
     """Tokens/s vs concurrency for the three modes, and the GEMV/GEMM ratio with T marked."""
     rows = sorted(result["rows"], key=lambda r: r["concurrency"])
-    width, height = 760, 540
     left, right = 64, 560  # plot area; the legend sits right of it
-    top1, bottom1 = 48, 300  # throughput panel
-    top2, bottom2 = 350, 500  # ratio panel
     ns = [r["concurrency"] for r in rows] or [1]  # an empty calibration still draws its axes
-    lo_n, hi_n = math.log2(min(ns)), math.log2(max(ns))
-
-    def x(n: float) -> float:  # log2 axis: 1, 2, 4, 8, 16 evenly spaced; points off the frame
-        if hi_n == lo_n:
-            return (left + right) / 2
-        return left + 16 + (math.log2(n) - lo_n) / (hi_n - lo_n) * (right - left - 32)
-
+    # log2 axis: 1, 2, 4, 8, 16 evenly spaced; points kept off the frame.
+    x = Scale(min(ns), max(ns), left + 16, right - 16, log=2)
     tps = [r[f"{m}_tps"] for r in rows for m in MODES if r.get(f"{m}_tps") is not None]
-    y1_hi = nice_ticks(0, max(tps or [1.0]) * 1.08)
-    y1_max = max(y1_hi[-1], max(tps or [1.0]) * 1.08)
-
-    def y1(v: float) -> float:
-        return bottom1 - v / y1_max * (bottom1 - top1)
-
+    tps_ticks, tps_max = extent(tps, 1.08)
     ratios = [100 * v for r in rows for v in (r.get("gemv_over_gemm_decode"),
                                               r.get("gemv_over_gemm")) if v is not None]
     r_lo = min([50.0, *ratios]) * 0.95
     r_hi = max([150.0, *ratios]) * 1.05
+    throughput = Panel(left, 48, right, 300, x, Scale(0, tps_max, 300, 48))
+    ratio = Panel(left, 350, right, 500, x, Scale(r_lo, r_hi, 500, 350))
 
-    def y2(v: float) -> float:
-        return bottom2 - (v - r_lo) / (r_hi - r_lo) * (bottom2 - top2)
-
-    out: list[str] = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" font-family="sans-serif" font-size="12" '
-        f'class="calibration-plot" role="img">',
-        f"<title>{escape(describe(result))}; chosen T = {result['threshold']}</title>",
-        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
-        f'<text x="{left}" y="22" font-size="14" font-weight="bold">'
-        f"{escape(str(result['model']))} · {escape(str(result['weights']))} · "
-        f"{escape(str(result['backend']))} · {result['max_tokens']} tokens/request</text>",
-        f'<text x="{left}" y="{top1 - 8}" fill="#444">aggregate output tokens/s</text>',
-        f'<text x="{left}" y="{top2 - 8}" fill="#444">GEMV / GEMM (%): solid decode-only, '
-        f"dashed aggregate</text>",
-    ]
-    # Grid, axes and ticks.
-    for v in y1_hi:
-        yy = y1(v)
-        out.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{right}" y2="{yy:.1f}" '
-                   f'stroke="#e5e7eb"/>')
-        out.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">'
-                   f'{tick_label(v)}</text>')
-    for v in nice_ticks(r_lo, r_hi, 4):
-        yy = y2(v)
-        out.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{right}" y2="{yy:.1f}" '
-                   f'stroke="#e5e7eb"/>')
-        out.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">'
-                   f'{tick_label(v)}</text>')
-    for top, bottom in ((top1, bottom1), (top2, bottom2)):
-        out.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" '
-                   f'fill="none" stroke="#9ca3af"/>')
-    for n in ns:
-        out.append(f'<line x1="{x(n):.1f}" y1="{bottom2}" x2="{x(n):.1f}" y2="{bottom2 + 4}" '
-                   f'stroke="#9ca3af"/>')
-        out.append(f'<text x="{x(n):.1f}" y="{bottom2 + 17}" text-anchor="middle">{n}</text>')
-    out.append(f'<text x="{(left + right) / 2}" y="{bottom2 + 34}" text-anchor="middle" '
-               f'fill="#444">concurrent requests (= rows per decode step)</text>')
-    # 100% line and the chosen threshold.
-    out.append(f'<line x1="{left}" y1="{y2(100):.1f}" x2="{right}" y2="{y2(100):.1f}" '
-               f'stroke="#111827" stroke-width="1"/>')
     threshold = result["threshold"]
+    svg = Svg(760, 540, css_class="calibration-plot", font_size=12,
+              title=f"{describe(result)}; chosen T = {threshold}")
+    svg.heading(f"{result['model']} · {result['weights']} · {result['backend']} · "
+                f"{result['max_tokens']} tokens/request", x=left, y=22, size=14)
+    svg.add("text", "aggregate output tokens/s", x=left, y=throughput.top - 8, fill=INK)
+    svg.add("text", "GEMV / GEMM (%): solid decode-only, dashed aggregate", x=left,
+            y=ratio.top - 8, fill=INK)
+    svg.grid_y(throughput, tps_ticks)
+    svg.grid_y(ratio, nice_ticks(r_lo, r_hi, 4))
+    svg.frame(throughput)
+    svg.frame(ratio)
+    svg.ticks_x(ratio, ns, str, gap=17)
+    svg.add("text", "concurrent requests (= rows per decode step)", x=(left + right) / 2,
+            y=ratio.bottom + 34, text_anchor="middle", fill=INK)
+    svg.hline(ratio, 100, stroke="#111827", stroke_width=1)
     if threshold >= min(ns):
-        xt = x(threshold)
-        out.append(f'<g class="threshold" data-threshold="{threshold}">'
-                   f'<line x1="{xt:.1f}" y1="{top1}" x2="{xt:.1f}" y2="{bottom2}" '
-                   f'stroke="#16a34a" stroke-dasharray="5 4" stroke-width="1.5"/>'
-                   f'<text x="{xt + 4:.1f}" y="{top1 + 14}" fill="#16a34a">T = {threshold}</text>'
-                   f"</g>")
+        with svg.group(class_="threshold", data_threshold=threshold):
+            svg.vline(x(threshold), throughput.top, ratio.bottom, f"T = {threshold}",
+                      label_y=throughput.top + 14, dx=4, label_attrs={"fill": CHOSEN},
+                      stroke=CHOSEN, stroke_dasharray="5 4", stroke_width=1.5)
 
-    def series(key: str, values: list[tuple[int, float | None]], yf: Callable[[float], float],
-               color: str, label: str, unit: str, dashed: bool = False) -> None:
-        pts = [(n, v) for n, v in values if v is not None]
-        dash = ' stroke-dasharray="6 4"' if dashed else ""
-        out.append(f'<g class="series" data-series="{key}">')
-        if pts:
-            coords = " ".join(f"{x(n):.1f},{yf(v):.1f}" for n, v in pts)
-            out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" '
-                       f'stroke-width="2"{dash}/>')
-        for n, v in pts:
-            out.append(f'<circle cx="{x(n):.1f}" cy="{yf(v):.1f}" r="3.5" fill="{color}">'
-                       f"<title>{escape(label)}, {n} requests: {v:.1f}{unit}</title></circle>")
-        out.append("</g>")
+    def series(key: str, panel: Panel, values: list[tuple[int, float | None]], color: str,
+               label: str, unit: str, dashed: bool = False) -> None:
+        points = [Point(n, v, tip=f"{label}, {n} requests: {v:.1f}{unit}")
+                  for n, v in values if v is not None]
+        with svg.group(class_="series", data_series=key):
+            svg.series(panel, Series(label, points, color=color, width=2,
+                                     dash="6 4" if dashed else None, marker=3.5))
 
     for mode in MODES:
-        series(mode, [(r["concurrency"], r.get(f"{mode}_tps")) for r in rows], y1,
+        series(mode, throughput, [(r["concurrency"], r.get(f"{mode}_tps")) for r in rows],
                COLORS[mode], LABELS[mode], " tok/s")
     pct = [(r["concurrency"], r.get("gemv_over_gemm_decode")) for r in rows]
-    series("gemv_over_gemm_decode", [(n, v * 100 if v is not None else None) for n, v in pct],
-           y2, COLORS["ratio"], "GEMV/GEMM decode-only", "%")
+    series("gemv_over_gemm_decode", ratio,
+           [(n, v * 100 if v is not None else None) for n, v in pct],
+           COLORS["ratio"], "GEMV/GEMM decode-only", "%")
     pct = [(r["concurrency"], r.get("gemv_over_gemm")) for r in rows]
-    series("gemv_over_gemm", [(n, v * 100 if v is not None else None) for n, v in pct],
-           y2, COLORS["ratio"], "GEMV/GEMM aggregate", "%", dashed=True)
-    # Legend.
-    lx, ly = right + 20, top1 + 10
-    for i, mode in enumerate([*MODES, "ratio"]):
-        label = LABELS.get(mode, "GEMV/GEMM ratio")
-        yy = ly + i * 20
-        out.append(f'<line x1="{lx}" y1="{yy}" x2="{lx + 22}" y2="{yy}" stroke="{COLORS[mode]}" '
-                   f'stroke-width="2"/><text x="{lx + 28}" y="{yy + 4}">{escape(label)}</text>')
-    out.append(f'<text x="{lx}" y="{ly + 100}" fill="#16a34a">chosen T = {threshold} rows</text>')
-    out.append(f'<text x="{lx}" y="{ly + 118}" fill="#444">'
-               f"{escape(str(result.get('date', '')))}</text>")
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    series("gemv_over_gemm", ratio, [(n, v * 100 if v is not None else None) for n, v in pct],
+           COLORS["ratio"], "GEMV/GEMM aggregate", "%", dashed=True)
+    lx, ly = right + 20, throughput.top + 10
+    svg.legend(lx, ly, [(LABELS.get(m, "GEMV/GEMM ratio"), COLORS[m]) for m in [*MODES, "ratio"]],
+               swatch=22, row=20)
+    svg.add("text", f"chosen T = {threshold} rows", x=lx, y=ly + 100, fill=CHOSEN)
+    svg.add("text", str(result.get("date", "")), x=lx, y=ly + 118, fill=INK)
+    return svg.render()

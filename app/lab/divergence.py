@@ -5,7 +5,8 @@ A side is a weight format, a kernel policy and a batch context: the target promp
 alongside other requests (given by their prompt lengths) that share its steps, joining with it
 or after it has produced `join_at` tokens. The target runs with trace=True, so each of its steps
 hands back the keys and values it wrote and its logits. The record follows cause to effect, as
-seed 000 had to (the fork shows up long after the batch that caused it has changed):
+the mini-vllm-rs write-up had to (the fork shows up long after the batch that caused it has
+changed):
 
     KV first differs at position P, written at step S_A (gemm, 124 rows) vs S_B (gemv, 4 rows)
     -> first logit difference at output token i -> fork at output token j (top-2 margin m)
@@ -622,7 +623,8 @@ def _common_prefix(x: str, y: str) -> int:
 
 def _fork_table(la: np.ndarray, lb: np.ndarray, top_k: int,
                 decode: Callable[[list[int]], str]) -> list[dict]:
-    """The leading tokens of both sides with their logits (seed 000's table) and logprobs."""
+    """The leading tokens of both sides with their logits (the mini-vllm-rs write-up's table)
+    and logprobs."""
     k = max(1, min(top_k, la.shape[0]))
     ids = list(dict.fromkeys([*np.argsort(-la, kind="stable")[:k].tolist(),
                               *np.argsort(-lb, kind="stable")[:k].tolist()]))

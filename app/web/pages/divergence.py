@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from app.charts import Panel, Point, Scale, Series, Svg
 from app.db import experiments as store
 from app.lab.divergence import DivergenceRunner, SideConfig, timeline
 from app.web.api.routes import error_body
@@ -74,12 +75,24 @@ class Lab:
         self.database = database
         self._items: OrderedDict[str, dict] = OrderedDict()
         self._lock = threading.Lock()
-        self._queue: queue.Queue[str] = queue.Queue()
+        self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._ids = itertools.count(1)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker (the app's lifespan does, at shutdown): it ends after the experiment
+        it is running; one still running after `timeout` is left to finish on its daemon
+        thread, and its result is not saved."""
+        self._closed = True
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
 
     def submit(self, params: dict) -> str:
         with self._lock:
+            if self._closed:
+                raise LabBusy("the server is shutting down")
             pending = sum(1 for e in self._items.values() if e["status"] in ("queued", "running"))
             if pending >= MAX_PENDING:
                 raise LabBusy(f"{pending} experiments are queued or running; try again later")
@@ -149,6 +162,8 @@ class Lab:
     def _work(self) -> None:
         while True:
             exp_id = self._queue.get()
+            if exp_id is None:  # close()
+                return
             entry = self.get(exp_id)
             if entry is None:
                 continue
@@ -197,14 +212,8 @@ def _summary(e: dict) -> dict:
 
 
 def lab_for(app: Any) -> Lab:
-    lab = getattr(app.state, "divergence_lab", None)
-    if lab is None:
-        settings = getattr(app.state, "settings", None)
-        model = settings.engine.model if settings is not None else "embedded"
-        recorder = getattr(app.state, "recorder", None)  # the runs database, if any
-        lab = app.state.divergence_lab = Lab(model, getattr(app.state, "divergence_loader", None),
-                                             getattr(recorder, "database", None))
-    return lab
+    """The app's Lab (made and closed by the lifespan: app/web/app.py)."""
+    return app.state.divergence_lab
 
 
 # ---- the form ------------------------------------------------------------------------------
@@ -286,9 +295,10 @@ def form_values(params: dict) -> dict:
 CHART_W, CHART_H, PAD_L, PAD_R, PAD_T, PAD_B = 720, 240, 56, 12, 12, 28
 
 
-def chart(record: dict) -> dict | None:
+def chart_svg(record: dict) -> str | None:
     """max |Δlogit| and the top-2 margins per output token on one log axis (zeros on a floor
-    line): where Δ climbs to the margin, a greedy choice can flip."""
+    line): where Δ climbs to the margin, a greedy choice can flip. Styled by the page's CSS
+    (.div-chart); its legend is the page's."""
     rows = record["logits"]["per_token"]
     if not rows:
         return None
@@ -300,43 +310,40 @@ def chart(record: dict) -> dict | None:
     zero_y = CHART_H - PAD_B
     top, bottom = PAD_T, CHART_H - PAD_B - 14  # the floor line sits below the lowest decade
     n = len(rows)
-
-    def x(i: float) -> float:
-        return round(PAD_L + (CHART_W - PAD_L - PAD_R) * (i / max(1, n - 1)), 1)
-
-    def y(v: float) -> float:
-        if not v or v <= 0:
-            return zero_y
-        frac = (math.log10(v) - lo_exp) / (hi_exp - lo_exp)
-        return round(bottom - frac * (bottom - top), 1)
-
-    def series(key: str) -> str:
-        return " ".join(f"{x(p['index'])},{y(p[key])}" for p in rows)
-
-    ticks = [{"y": y(10.0 ** e), "label": f"1e{e}"} for e in range(lo_exp, hi_exp + 1)]
-    ticks.append({"y": zero_y, "label": "0"})
+    panel = Panel(PAD_L, top, CHART_W - PAD_R, zero_y,
+                  x=Scale(0, max(1, n - 1), PAD_L, CHART_W - PAD_R),
+                  y=Scale(10.0 ** lo_exp, 10.0 ** hi_exp, bottom, top, log=10, floor=zero_y))
+    svg = Svg(CHART_W, CHART_H, css_class="div-chart", font_size=None, background=None,
+              label="max |Δlogit| and top-2 margins per output token")
+    decades = {10.0 ** e: f"1e{e}" for e in range(lo_exp, hi_exp + 1)}
+    svg.grid_y(panel, [*decades, 0.0], lambda v: decades.get(v, "0"), gap=4, class_="grid")
     step = max(1, math.ceil(n / 12))
-    xticks = [{"x": x(i), "label": str(i)} for i in range(0, n, step)]
+    svg.ticks_x(panel, range(0, n, step), str, mark=0, gap=CHART_H - 6 - zero_y)
     marks = []
     fork = record["fork"]
     if fork is not None and fork["token_index"] < n:
-        marks.append({"x": x(fork["token_index"]), "label": "fork", "kind": "fork"})
+        marks.append((fork["token_index"], "fork", "fork"))
     first = record["logits"]["first_difference"]
     if first is not None:
-        marks.append({"x": x(first), "label": "first Δlogit", "kind": "dlogit"})
+        marks.append((first, "first Δlogit", "dlogit"))
     kv_first = record["kv"]["first_difference"]
     if kv_first is not None and kv_first["b"] is not None:
         # The sampled token of the step that wrote the first differing keys/values.
         hit = next((p["index"] for p in rows if p["step_b"] == kv_first["b"]["step"]), None)
         if hit is not None:
-            marks.append({"x": x(hit), "label": "first ΔKV", "kind": "kv"})
-    return {"width": CHART_W, "height": CHART_H, "left": PAD_L, "right": CHART_W - PAD_R,
-            "top": top, "zero_y": zero_y, "ticks": ticks, "xticks": xticks, "marks": marks,
-            "delta": series("max_abs_delta"), "margin_a": series("margin_a"),
-            "margin_b": series("margin_b"),
-            "points": [{"x": x(p["index"]), "y": y(p["max_abs_delta"]), "index": p["index"],
-                        "delta": p["max_abs_delta"], "margin_a": p["margin_a"],
-                        "margin_b": p["margin_b"]} for p in rows]}
+            marks.append((hit, "first ΔKV", "kv"))
+    for i, (index, label, kind) in enumerate(marks):  # labels stacked: marks may coincide
+        svg.vline(panel.x(index), top, zero_y, label, label_y=top + 10 + i * 12, tip=label,
+                  class_=f"mark mark-{kind}")
+    for key, css in (("margin_a", "margin-a"), ("margin_b", "margin-b")):
+        svg.series(panel, Series(key, [(p["index"], p[key]) for p in rows], width=None,
+                                 line_attrs={"class_": css}))
+    dots = [Point(p["index"], p["max_abs_delta"],
+                  tip=f"token {p['index']}: max |Δlogit| {p['max_abs_delta']:.3g}, "
+                      f"margin A {p['margin_a']:.4g}, B {p['margin_b']:.4g}") for p in rows]
+    svg.series(panel, Series("max_abs_delta", dots, width=None, marker=3,
+                             line_attrs={"class_": "delta"}, dot_attrs={"class_": "dot"}))
+    return svg.render()
 
 
 def result_view(record: dict) -> dict:
@@ -355,7 +362,7 @@ def result_view(record: dict) -> dict:
         rows.append({**row, "has_first": bool(first and row["first"] <= first["position"]
                                               <= row["last"]),
                      "what": _what(row["first"], row["last"], record["prompt_tokens"])})
-    return {"texts": texts, "chart": chart(record), "timeline": rows,
+    return {"texts": texts, "timeline": rows,
             "fork_token": fork["token_index"] if fork else None}
 
 
@@ -408,7 +415,11 @@ async def divergence(request: Request) -> Response:
                           "id", "not_found")
         if entry["params"]:
             form = form_values(entry["params"])
-    return _page(request, "divergence.html", await _context(request, form, {}, entry))
+    context = await _context(request, form, {}, entry)
+    if context["view"] is not None and not _wants_json(request):
+        # The chart is markup for the page only; the JSON twin has its numbers in the record.
+        context["view"]["chart"] = chart_svg(entry["record"])
+    return _page(request, "divergence.html", context)
 
 
 async def start_divergence(request: Request) -> Response:
