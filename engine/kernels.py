@@ -5,7 +5,8 @@
 - "auto": row-wise while the step holds at most `threshold` rows, batched above.
 
 Rows are the step's token positions (prefill chunk rows plus decode rows), not requests: a
-request joining with a 120-token prompt chunk pushes a step far past any threshold (seed 000).
+request joining with a 120-token prompt chunk pushes a step far past any threshold (the
+mini-vllm-rs write-up; docs/background.md).
 With --batch-invariant the engine uses a fourth path, "tiled" (see _tiled).
 
 On Metal, MLX itself switches kernels inside one batched call (qmv below a row limit, qmm

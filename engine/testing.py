@@ -2,8 +2,9 @@
 of the engine's real code paths), and mlx-lm folders of any family (make_family_folder).
 
 4-bit quantized by default because MLX's CPU quantized matmul computes each row on its own,
-so batched and row-wise execution are bit-identical there (FACTS.md): any difference between a
-request run alone and in a batch then points at a real bug (block tables, positions, masks).
+so batched and row-wise execution are bit-identical there (docs/kernel-paths.md): any
+difference between a request run alone and in a batch then points at a real bug (block
+tables, positions, masks).
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ def test_float32_paths_differ_with_an_optimized_blas():
     gemm, gemv = run("f32", "gemm"), run("f32", "gemv")
     delta = max_delta_while_equal(gemm, gemv)
     if blas_loaded():
-        # OpenBLAS sums a GEMM in another order than a GEMV (FACTS.md: ~5e-5 in the logits).
+        # OpenBLAS sums a GEMM in another order than a GEMV (docs/kernel-paths.md: ~5e-5 in
+        # the logits).
         assert 0.0 < delta < 1e-3, delta
     else:
         assert delta == 0.0, delta  # the reference BLAS computes rows alike

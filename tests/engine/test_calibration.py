@@ -134,7 +134,7 @@ def test_calibrate_rejects_bad_arguments():
 
 # ---- choosing T ------------------------------------------------------------------------------
 @pytest.mark.parametrize("ratios, expected", [
-    ({1: 1.0, 3: 1.343, 4: 1.092, 5: 0.907}, 4),  # the seed's table: crossing between 4 and 5
+    ({1: 1.0, 3: 1.343, 4: 1.092, 5: 0.907}, 4),  # the mini-vllm-rs table: crossing between 4 and 5
     ({1: 0.97, 2: 0.81, 4: 0.68}, 1),  # GEMM wins from 2 rows; 1 row is the same call: noise
     ({2: 0.81, 4: 0.68}, 0),  # GEMM wins at the first measured count
     ({1: 1.0, 2: 1.1, 4: 0.9, 8: 1.2}, 2),  # every n <= N must favour GEMV, not just N

@@ -71,7 +71,8 @@ def test_float32_trace_finds_the_one_injected_gemm_step(join_at):
     mixed = gemm_steps[0]
     assert mixed["prefill_rows"] >= 100 and mixed["requests"] == 3
     assert all(s["path"] == "gemv" for s in r["sides"]["a"]["steps"])
-    if not blas_loaded():  # the reference BLAS computes GEMM rows like GEMV rows (FACTS.md)
+    # the reference BLAS computes GEMM rows like GEMV rows (docs/kernel-paths.md)
+    if not blas_loaded():
         assert r["bit_identical"], r["verdict"]
         return
     first = r["kv"]["first_difference"]
