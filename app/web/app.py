@@ -26,6 +26,8 @@ from typing import Any
 
 import anyio.to_thread
 from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
 
 from app.runs import Recorder, RunService, kernel_policy, session_config
 from app.settings import Settings
@@ -38,6 +40,7 @@ from app.web.pages import calibration as calibration_page
 from app.web.pages import dashboard
 from app.web.pages import divergence as divergence_page
 from app.web.pages import playground as streams
+from app.web.pages import runs as runs_pages
 from engine.config import EngineConfig
 
 log = logging.getLogger("batchscope.app")
@@ -116,9 +119,11 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
             await anyio.to_thread.run_sync(engine.stop)  # idempotent
             await anyio.to_thread.run_sync(stack.close)
 
-    app = Starlette(routes=list(api.routes) + dashboard.routes + metrics.routes + pages.routes
-                    + streams.routes + calibration_page.routes + divergence_page.routes
-                    + benchmarks_page.routes + openapi.routes,
+    app = Starlette(routes=list(api.routes) + dashboard.routes + metrics.routes
+                    + runs_pages.routes + streams.routes + calibration_page.routes
+                    + divergence_page.routes + benchmarks_page.routes + openapi.routes
+                    + [Mount("/static", app=StaticFiles(directory=pages.STATIC_DIR),
+                             name="static")],
                     exception_handlers=api.exception_handlers, lifespan=lifespan)
     app.state.settings = settings  # routes read limits from here even before startup ends
     # API key, login, CSRF, the Host check and security headers.

@@ -44,7 +44,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.web.api.routes import error_body
-from app.web.render import _read_form
+from app.web.render import read_form
 
 COOKIE = "batchscope_session"
 SESSION_TTL_S = 12 * 3600
@@ -381,7 +381,7 @@ async def login_form(request: Request) -> Response:
 
 async def login(request: Request) -> Response:
     security = _security(request)
-    form = await _read_form(request)
+    form = await read_form(request)
     if isinstance(form, Response):
         return form
     next_url = safe_next(form.get("next"))

@@ -15,7 +15,8 @@ from starlette.testclient import TestClient
 from app.db import Recorder, open_database
 from app.settings import Settings
 from app.web.app import create_app
-from app.web.render import fmt_lp, fmt_ms, fmt_rate, parse_playground, visible
+from app.web.pages.playground import parse_playground
+from app.web.render import fmt_lp, fmt_ms, fmt_rate, visible
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams

@@ -20,7 +20,14 @@ from app.bench import plots
 from app.bench.metrics import METRIC_TITLES, METRICS
 from app.db import benchmarks as store
 from app.json_safe import json_safe
-from app.web.render import NO_DATABASE, _database, _error, _read, _render, _wants_json
+from app.web.render import (
+    NO_DATABASE,
+    database,
+    error_response,
+    in_thread,
+    render_template,
+    wants_json,
+)
 
 LIST_LIMIT = 200
 DEFAULT_PLOTTED = 6
@@ -51,49 +58,49 @@ def _view(run: dict) -> dict:
 
 
 async def benchmarks(request: Request) -> Response:
-    if _database(request) is None:
-        return _error(request, 503, NO_DATABASE, None, "no_database")
-    listing = await _read(request, store.list_runs, LIST_LIMIT)
+    if database(request) is None:
+        return error_response(request, 503, NO_DATABASE, None, "no_database")
+    listing = await in_thread(request, store.list_runs, LIST_LIMIT)
     runs = [_view(r) for r in listing["runs"]]
     try:
         ids = _plotted_ids(request, runs)
     except ValueError as e:
-        return _error(request, 400, str(e), "runs", "invalid_value")
+        return error_response(request, 400, str(e), "runs", "invalid_value")
     plotted = []
     for run_id in ids:
-        run = await _read(request, store.get_run, run_id)
+        run = await in_thread(request, store.get_run, run_id)
         if run is None:
-            return _error(request, 404, f"no benchmark run {run_id}", "runs", "not_found")
+            return error_response(request, 404, f"no benchmark run {run_id}", "runs", "not_found")
         plotted.append(run)
     context: dict[str, Any] = {"total": listing["total"], "runs": runs,
                                "plotted": [r["id"] for r in plotted],
                                "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
-    if _wants_json(request):
+    if wants_json(request):
         return JSONResponse(json_safe(context))
     svgs = {"throughput": plots.throughput_svg(listing["runs"])}
     if plotted:
         for metric, title in CDF_METRICS:
             svgs[metric] = plots.latency_cdf_svg(plotted, metric, title)
-    return HTMLResponse(_render(request, "benchmarks.html", {**context, "svgs": svgs}))
+    return HTMLResponse(render_template(request, "benchmarks.html", {**context, "svgs": svgs}))
 
 
 async def benchmark_detail(request: Request) -> Response:
-    if _database(request) is None:
-        return _error(request, 503, NO_DATABASE, None, "no_database")
+    if database(request) is None:
+        return error_response(request, 503, NO_DATABASE, None, "no_database")
     raw = request.path_params["run_id"]
     try:
         run_id = int(raw)
     except ValueError:
-        return _error(request, 404, f"no benchmark run {raw!r}", "run_id", "not_found")
-    run = await _read(request, store.get_run, run_id)
+        return error_response(request, 404, f"no benchmark run {raw!r}", "run_id", "not_found")
+    run = await in_thread(request, store.get_run, run_id)
     if run is None:
-        return _error(request, 404, f"no benchmark run {run_id}", "run_id", "not_found")
+        return error_response(request, 404, f"no benchmark run {run_id}", "run_id", "not_found")
     context = {**_view(run), "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
-    if _wants_json(request):
+    if wants_json(request):
         return JSONResponse(json_safe(context))
     svgs = {metric: plots.latency_cdf_svg([run], metric, title)
             for metric, title in CDF_METRICS}
-    return HTMLResponse(_render(request, "benchmark.html", {**context, "svgs": svgs}))
+    return HTMLResponse(render_template(request, "benchmark.html", {**context, "svgs": svgs}))
 
 
 routes = [

@@ -23,7 +23,7 @@ from app.lab.calibration import (
     load_calibration,
     render_svg,
 )
-from app.web.render import _render, _wants_json
+from app.web.render import render_template, wants_json
 from engine.platform import backend_info
 
 
@@ -74,7 +74,7 @@ async def calibration_page(request: Request) -> Response:
     found = await anyio.to_thread.run_sync(load_calibration, engine.loaded.name,
                                            engine.loaded.weights, backend)
     context = calibration_context(engine, found, backend)
-    if _wants_json(request):
+    if wants_json(request):
         return JSONResponse(json_safe(context))
     # The plot is drawn from the JSON (numbers only; text escaped), not read from the .svg file.
     svg = None
@@ -83,7 +83,7 @@ async def calibration_page(request: Request) -> Response:
             svg = render_svg(found)
         except (KeyError, TypeError, ValueError):
             svg = None  # a hand-edited file: show the table without the plot
-    return HTMLResponse(_render(request, "calibration.html", {**context, "plot_svg": svg}))
+    return HTMLResponse(render_template(request, "calibration.html", {**context, "plot_svg": svg}))
 
 
 routes = [

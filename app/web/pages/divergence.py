@@ -38,7 +38,7 @@ from app.charts import Panel, Point, Scale, Series, Svg
 from app.db import experiments as store
 from app.lab.divergence import DivergenceRunner, SideConfig, timeline
 from app.web.api.routes import error_body
-from app.web.render import _error, _html, _page, _read_form, _wants_json
+from app.web.render import error_response, html_response, page_response, read_form, wants_json
 from engine.config import POLICIES, WEIGHT_FORMATS
 
 log = logging.getLogger("batchscope.divergence")
@@ -411,34 +411,34 @@ async def divergence(request: Request) -> Response:
         if entry is None:
             where = ("" if lab.database is not None else " (no database: results are kept in "
                      "memory only, and a restarted server has none)")
-            return _error(request, 404, f"no divergence experiment {exp_id[:100]!r}{where}",
+            return error_response(request, 404, f"no divergence experiment {exp_id[:100]!r}{where}",
                           "id", "not_found")
         if entry["params"]:
             form = form_values(entry["params"])
     context = await _context(request, form, {}, entry)
-    if context["view"] is not None and not _wants_json(request):
+    if context["view"] is not None and not wants_json(request):
         # The chart is markup for the page only; the JSON twin has its numbers in the record.
         context["view"]["chart"] = chart_svg(entry["record"])
-    return _page(request, "divergence.html", context)
+    return page_response(request, "divergence.html", context)
 
 
 async def start_divergence(request: Request) -> Response:
-    form = await _read_form(request)
+    form = await read_form(request)
     if isinstance(form, Response):
         return form
     params, errors = parse_form(form)
     if params is None:
-        if _wants_json(request):
+        if wants_json(request):
             name, message = next(iter(errors.items()))
             return JSONResponse(error_body(message, param=name, code="invalid_value"), 400)
         values = {**DEFAULT_FORM, **{k: v for k, v in form.items() if k in DEFAULT_FORM}}
-        return _html(request, "divergence.html", await _context(request, values, errors, None),
-                     400)
+        context = await _context(request, values, errors, None)
+        return html_response(request, "divergence.html", context, 400)
     try:
         exp_id = lab_for(request.app).submit(params)
     except LabBusy as e:
-        return _error(request, 503, str(e), None, "busy")
-    if _wants_json(request):
+        return error_response(request, 503, str(e), None, "busy")
+    if wants_json(request):
         return JSONResponse({"id": exp_id, "status": "queued",
                              "url": f"/divergence.json?id={exp_id}"}, status_code=202)
     return RedirectResponse(f"/divergence?id={exp_id}", status_code=303)

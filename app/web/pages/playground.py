@@ -1,5 +1,7 @@
-"""Live playground runs: started from the form, their result panels streamed over SSE, stopped.
+"""The playground: the page and its form, and live runs started from it, their result panels
+streamed over SSE, stopped.
 
+    GET  /                        the playground page
     POST /playground              start one run or N copies (the panels fragment, or JSON)
     GET  /runs/{id}/stream        SSE: the panels' token, stats and end fragments
     POST /runs/{id}/cancel        stop a live run
@@ -13,6 +15,7 @@ no longer in the registry are replayed from the database as their final state.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -26,19 +29,18 @@ from starlette.routing import Route
 
 from app.db import runs as queries
 from app.runs import QueueFullError, Run, RunRequest
+from app.web.api.routes import MAX_STOP
+from app.web.pages.runs import run_context
 from app.web.render import (
-    MAX_COPIES,
-    _database,
-    _decoder,
-    _error,
-    _form_errors,
-    _page,
-    _read,
-    _read_form,
-    _service,
-    _templates,
-    parse_playground,
-    run_context,
+    database,
+    error_response,
+    form_errors,
+    in_thread,
+    page_response,
+    page_templates,
+    read_form,
+    run_service,
+    token_decoder,
     token_view,
     tokens_per_s,
 )
@@ -46,6 +48,90 @@ from engine.engine import EngineError
 from engine.errors import RequestError
 from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
+
+MAX_COPIES = 8
+MAX_STOP_CHARS = 200
+PLAYGROUND_LOGPROBS = 5  # alternatives kept per token, shown on hover
+DEFAULTS = {"mode": "chat", "temperature": 0.0, "top_p": 1.0, "max_tokens": 64, "seed": None,
+            "stop": "", "copies": 1, "ignore_eos": False}
+
+
+# ---- playground ----------------------------------------------------------------------------
+@dataclass
+class PlaygroundInput:
+    mode: str
+    system: str
+    prompt: str
+    params: SamplingParams
+    copies: int
+
+
+def _form_number(form: dict[str, str], name: str, label: str, errors: dict[str, str],
+                 lo: float, hi: float, *, integer: bool = False, lo_open: bool = False,
+                 optional: bool = False) -> Any:
+    raw = form.get(name, "").strip()
+    if not raw:
+        if optional:
+            return None
+        if name in DEFAULTS and DEFAULTS[name] is not None:
+            return DEFAULTS[name]
+        errors[name] = f"{label} is required"
+        return None
+    try:
+        value: float = int(raw) if integer else float(raw)
+    except ValueError:
+        errors[name] = f"{label} must be {'a whole number' if integer else 'a number'}, " \
+                       f"got {raw[:40]!r}"
+        return None
+    low_ok = value > lo if lo_open else value >= lo
+    if not math.isfinite(value) or not low_ok or value > hi:
+        shown = (str(int(lo)), str(int(hi))) if integer else (f"{lo:g}", f"{hi:g}")
+        errors[name] = f"{label} must be {'above' if lo_open else 'at least'} {shown[0]} and " \
+                       f"at most {shown[1]}, got {raw[:40]}"
+        return None
+    return value
+
+
+def parse_playground(form: dict[str, str], max_tokens_limit: int) -> tuple[PlaygroundInput | None,
+                                                                             dict[str, str]]:
+    """The playground form checked field by field: (input, {}) or (None, {field: message})."""
+    errors: dict[str, str] = {}
+    mode = form.get("mode", DEFAULTS["mode"])
+    if mode not in ("chat", "raw"):
+        errors["mode"] = f"prompt mode must be chat or raw, got {mode[:40]!r}"
+    prompt = form.get("prompt", "")
+    if not prompt.strip():
+        errors["prompt"] = "prompt must not be empty"
+    system = form.get("system", "") if mode == "chat" else ""
+    temperature = _form_number(form, "temperature", "temperature", errors, 0.0, 2.0)
+    top_p = _form_number(form, "top_p", "top-p", errors, 0.0, 1.0, lo_open=True)
+    max_tokens = _form_number(form, "max_tokens", "max tokens", errors, 1, max_tokens_limit,
+                              integer=True)
+    seed = _form_number(form, "seed", "seed", errors, 0, 2**63 - 1, integer=True,
+                        optional=True)
+    copies = _form_number(form, "copies", "copies", errors, 1, MAX_COPIES, integer=True)
+    # Stop strings: one per line, or comma separated on a line.
+    stops = [s.strip() for line in form.get("stop", "").splitlines() for s in line.split(",")]
+    stops = [s for s in stops if s]
+    if len(stops) > MAX_STOP:
+        errors["stop"] = f"at most {MAX_STOP} stop strings, got {len(stops)}"
+    elif any(len(s) > MAX_STOP_CHARS for s in stops):
+        errors["stop"] = f"stop strings must be at most {MAX_STOP_CHARS} characters"
+    if errors:
+        return None, errors
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            seed=seed, stop=tuple(stops), logprobs=PLAYGROUND_LOGPROBS,
+                            ignore_eos=form.get("ignore_eos", "") not in ("", "0", "off"))
+    return PlaygroundInput(mode, system, prompt, params, copies), {}
+
+
+async def playground(request: Request) -> Response:
+    service = run_service(request)
+    context = {"model": service.model_name, "max_model_len": service.max_model_len,
+               "max_tokens_limit": service.max_context_tokens(), "max_copies": MAX_COPIES,
+               "max_stop": MAX_STOP, "defaults": DEFAULTS,
+               "database": database(request) is not None}
+    return page_response(request, "playground.html", context)
 
 
 # ---- live runs -----------------------------------------------------------------------------
@@ -108,13 +194,13 @@ def live_runs(app: Any) -> LiveRuns:
 
 # ---- starting and stopping playground runs ------------------------------------------------
 async def start_runs(request: Request) -> Response:
-    service = _service(request)
-    form = await _read_form(request)
+    service = run_service(request)
+    form = await read_form(request)
     if isinstance(form, Response):
         return form
     data, errors = parse_playground(form, service.max_context_tokens())
     if data is None:
-        return _form_errors(request, errors)
+        return form_errors(request, errors)
     if data.mode == "chat":
         messages = ([{"role": "system", "content": data.system}] if data.system.strip() else [])
         messages.append({"role": "user", "content": data.prompt})
@@ -129,18 +215,18 @@ async def start_runs(request: Request) -> Response:
         try:
             run = service.start(run_request)
         except QueueFullError as e:
-            return _error(request, 429, str(e), None, "queue_full", fragment=True)
+            return error_response(request, 429, str(e), None, "queue_full", fragment=True)
         except EngineError as e:
-            return _error(request, 503, f"the engine is not running: {e}", fragment=True)
+            return error_response(request, 503, f"the engine is not running: {e}", fragment=True)
         except RequestError as e:  # too long for the context window, and the like
-            return _form_errors(request, {e.param: str(e)})
+            return form_errors(request, {e.param: str(e)})
         started.append(registry.add(run))
     ids = [live.id for live in started]
     context = {"runs": [{"id": i, "url": f"/runs/{i}", "cancel_url": f"/runs/{i}/cancel",
                          "stream_url": f"/runs/{i}/stream"} for i in ids],
-               "stream_url": _stream_url(ids), "saved": _database(request) is not None,
+               "stream_url": _stream_url(ids), "saved": database(request) is not None,
                "prompt_tokens": len(prompt_ids), "params": _params_dict(data.params)}
-    return _page(request, "_run_panels.html", context)
+    return page_response(request, "_run_panels.html", context)
 
 
 def _params_dict(params: SamplingParams) -> dict:
@@ -157,14 +243,14 @@ async def cancel_run(request: Request) -> Response:
     run_id = request.path_params["run_id"]
     live = live_runs(request.app).get(run_id)
     if live is None:
-        return _error(request, 404, f"no live run {run_id!r} (only playground runs of this "
+        return error_response(request, 404, f"no live run {run_id!r} (only playground runs of this "
                                     "server can be stopped here)", "run_id", "not_found")
     running = live.finish is None
     if running:
         live.run.cancel()
     context = {"id": run_id, "cancelled": running,
                "finish_reason": live.finish.reason if live.finish else None}
-    return _page(request, "_cancelled.html", context)
+    return page_response(request, "_cancelled.html", context)
 
 
 # ---- the SSE stream of result panels --------------------------------------------------------
@@ -220,20 +306,20 @@ async def stream_runs(request: Request) -> Response:
     ids = list(dict.fromkeys([request.path_params["run_id"],
                               *request.query_params.getlist("with")]))
     if len(ids) > MAX_COPIES:
-        return _error(request, 400, f"a stream follows at most {MAX_COPIES} runs", "with")
+        return error_response(request, 400, f"a stream follows at most {MAX_COPIES} runs", "with")
     registry = live_runs(request.app)
     lives = [live for i in ids if (live := registry.get(i)) is not None]
     saved: list[dict] = []
     for run_id in ids:
         if registry.get(run_id) is not None:
             continue
-        record = await _read(request, queries.get_run, run_id) if _database(request) else None
+        record = await in_thread(request, queries.get_run, run_id) if database(request) else None
         if record is None:
-            return _error(request, 404, f"no run {run_id!r}", "run_id", "not_found")
+            return error_response(request, 404, f"no run {run_id!r}", "run_id", "not_found")
         saved.append(record)
-    env = _templates(request)
-    has_db = _database(request) is not None
-    service = _service(request)
+    env = page_templates(request)
+    has_db = database(request) is not None
+    service = run_service(request)
 
     def fragment(name: str, **context: Any) -> str:
         return env.get_template(name).render(context)
@@ -243,7 +329,7 @@ async def stream_runs(request: Request) -> Response:
 
     async def events() -> AsyncIterator[dict]:
         for record in saved:  # finished before this stream: the final state at once
-            run = run_context(record, _decoder(request, record["model"]))
+            run = run_context(record, token_decoder(request, record["model"]))
             tokens = run["tokens"] + ([{"text": run["text_tail"]}] if run["text_tail"] else [])
             stats = _saved_stats(record)
             yield _sse(f"token-{record['id']}", fragment("_tokens.html", tokens=tokens))
@@ -294,6 +380,7 @@ def _saved_stats(record: dict) -> PanelStats:
 
 
 routes = [
+    Route("/", playground, methods=["GET"]),
     Route("/playground", start_runs, methods=["POST"]),
     Route("/runs/{run_id}/stream", stream_runs, methods=["GET"]),
     Route("/runs/{run_id}/cancel", cancel_run, methods=["POST"]),
