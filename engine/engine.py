@@ -19,10 +19,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
+from engine import native
 from engine.block_manager import BlockManager
 from engine.config import TILED, EngineConfig, KernelPolicy
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
+from engine.model_loader import load_model
+from engine.model_runner import DECODE_MATMUL_MAX_ROWS, ModelRunner, RowGroup, pool_for
+from engine.models import family_for
 from engine.output import OutputText
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
@@ -30,6 +36,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.telemetry import StepEntry, StepLog, StepRecord
 from engine.thresholds import ThresholdTable, resolve_threshold
+from engine.token_bytes import TokenBytes
 
 log = logging.getLogger("batchscope.engine")
 
@@ -205,7 +212,6 @@ class Engine:
             return "native paged kernel"
         if self.runner.fused_attention:
             return "MLX fused attention per sequence"
-        from engine import native
 
         why = native.why_not() if self.config.decode_attention == "auto" else None
         return "MLX ops per sequence" + (f" (native kernel {why})" if why else "")
@@ -213,15 +219,12 @@ class Engine:
     @property
     def decode_matmul(self) -> str:
         """Which matmul few-row float32 steps use, in words (logged at start)."""
-        from engine.model_runner import DECODE_MATMUL_MAX_ROWS
-
         if self.runner.matmul_kernel is not None:
             if self.runner.native_matmul_applies:
                 return f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows"
             return f"MLX (the native kernel takes float32 only, weights are {self.loaded.weights})"
         if self.runner.fused_attention:
             return "MLX"
-        from engine import native
 
         why = native.why_not() if self.config.decode_matmul == "auto" else None
         return "MLX" + (f" (native kernel {why})" if why else "")
@@ -229,8 +232,6 @@ class Engine:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, exact even for part of a UTF-8 character (logprobs)."""
         if self._token_bytes is None:
-            from engine.token_bytes import TokenBytes
-
             self._token_bytes = TokenBytes(self.tokenizer)
         return self._token_bytes(token_id)
 
@@ -254,8 +255,6 @@ class Engine:
 
     # ---- engine thread -----------------------------------------------------------------------
     def _default_loader(self):
-        from engine.model_loader import load_model
-
         return load_model(self.config.model, self.config.weights)
 
     def _run(self) -> None:
@@ -264,8 +263,6 @@ class Engine:
         except BaseException as e:  # reported to start()
             self._load_error = e
             self._ready.set()
-            import mlx.core as mx
-
             mx.clear_streams()
             return
         self._ready.set()
@@ -280,13 +277,9 @@ class Engine:
                 self._finish(req, "cancelled", error="engine stopped")
             # MLX wants each thread to destroy its own streams before it ends; otherwise the
             # process aborts at exit ("terminate called without an active exception").
-            import mlx.core as mx
-
             mx.clear_streams()
 
     def _setup(self) -> None:
-        from engine.model_runner import ModelRunner, RowGroup, pool_for
-        from engine.models import family_for
 
         self.loaded = self._loader()
         self.tokenizer = self.loaded.tokenizer
@@ -370,8 +363,6 @@ class Engine:
             req.handle.push(event)
 
     def _run_step(self, started_at: float, t0: float) -> None:
-        from engine.model_runner import RowGroup
-
         plan = self.scheduler.schedule()
         self.step_count += 1
         step = self.step_count
@@ -529,8 +520,6 @@ class Engine:
 
     def _recover_pool(self) -> None:
         """After a failed step, make sure the pool's pending writes can still be evaluated."""
-        import mlx.core as mx
-
         try:
             mx.eval(self.pool.state())
         except Exception:
