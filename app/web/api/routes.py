@@ -1,22 +1,23 @@
 """The OpenAI-compatible JSON API: /v1/completions, /v1/chat/completions, /v1/models.
 
-Each route reads the body and checks it into a typed request (app/web/api/params.py), encodes the
-prompt, hands it to RunService, and shapes the engine's events like OpenAI's responses: one
-JSON object, or SSE `data: {chunk}` lines ending with `data: [DONE]`. Bad input is always a 4xx
-JSON error in OpenAI's shape naming the parameter; a full queue is a 429 with Retry-After.
-Nothing here touches MLX.
+Each route reads the body into a checked request model (app/web/api/params.py, the models in
+app/web/api/schemas.py), encodes the prompt, hands it to RunService, and shapes the engine's
+events like OpenAI's responses, checked and serialized by the response models: one JSON object,
+or SSE `data: {chunk}` lines ending with `data: [DONE]`. Bad input is always a 4xx JSON error in
+OpenAI's shape naming the parameter; a full queue is a 429 with Retry-After. Nothing here
+touches MLX.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio.to_thread
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -24,18 +25,20 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from app.runs import QueueFullError, Run, RunRequest, RunResult, RunService
-from app.web.api.params import (
+from app.web.api.params import APIError, bad, read_json, read_request
+from app.web.api.schemas import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP,
-    APIError,
-    ChatRequest,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChunk,
     CompletionRequest,
-    Limits,
-    bad,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
     error_body,
-    parse_chat,
-    parse_completion,
-    read_json,
 )
 from engine.engine import EngineError
 from engine.errors import RequestError
@@ -81,12 +84,6 @@ exception_handlers: dict[Any, Callable] = {
 
 
 # ---- submitting ------------------------------------------------------------------------------
-def _limits(request: Request) -> Limits:
-    settings = request.app.state.settings
-    return Limits(max_body_bytes=settings.max_body_bytes,
-                  max_tokens=getattr(settings, "max_tokens_limit", None))
-
-
 INLINE_TOKENIZE_CHARS = 8192  # ~8 ms for the real tokenizer: cheaper than a thread hop
 
 
@@ -105,15 +102,16 @@ async def _encode(encode: Callable[[Any], list[int]], prompt: Any, param: str,
         raise bad(f"the {param} could not be tokenized: {e}", param) from None
 
 
-def _params(common: Any, max_tokens: int, logprobs: int) -> SamplingParams:
+def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+            logprobs: int) -> SamplingParams:
     try:
-        return common.sampling(max_tokens, logprobs)
-    except ValueError as e:  # checked in api_params already; the engine's own words if not
+        return req.sampling(max_tokens, logprobs)
+    except ValueError as e:  # the request models checked it already; the engine's words if not
         raise bad(str(e)) from None
 
 
 def _start(service: RunService, run_request: RunRequest, id_prefix: str,
-           req: CompletionRequest | ChatRequest) -> Run:
+           req: CompletionRequest | ChatCompletionRequest) -> Run:
     """Submit, turning the engine's refusals into 4xx that name the parameter to change."""
     try:
         return service.start(run_request, id_prefix=id_prefix)
@@ -181,10 +179,13 @@ def _usage(finish: FinishEvent) -> dict:
 
 
 class _Shape:
-    """Builds one endpoint's response objects for one run."""
+    """Builds one endpoint's response objects for one run (checked and serialized by the
+    response models: `Response`, `Chunk`)."""
 
     object_name = ""
     chunk_name = ""
+    Response: type[Completion] | type[ChatCompletion]
+    Chunk: type[CompletionChunk] | type[ChatCompletionChunk]
 
     def __init__(self, service: RunService, run: Run, logprobs: bool, include_usage: bool):
         self.service, self.run = service, run
@@ -219,6 +220,7 @@ class _Shape:
 
 class _CompletionShape(_Shape):
     object_name = chunk_name = "text_completion"
+    Response, Chunk = Completion, CompletionChunk
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -265,6 +267,7 @@ class _CompletionShape(_Shape):
 class _ChatShape(_Shape):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
+    Response, Chunk = ChatCompletion, ChatCompletionChunk
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         return {"token": self.service.token_text(token_id), "logprob": _lp(logprob),
@@ -300,32 +303,42 @@ class _ChatShape(_Shape):
                                                "usage": _usage(result.finish)}
 
 
-def _sse(obj: dict | str) -> dict:
-    return {"data": obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}
+def _out(model: type[BaseModel], obj: dict) -> str:
+    """`obj` as JSON, checked against its response model: the keys it leaves out (a chunk's
+    usage, a delta's role) stay out."""
+    return model.model_validate(obj).model_dump_json(exclude_unset=True)
+
+
+def _json(model: type[BaseModel], obj: dict) -> Response:
+    return Response(_out(model, obj), media_type="application/json")
+
+
+def _sse(model: type[BaseModel], obj: dict) -> dict:
+    return {"data": _out(model, obj)}
 
 
 async def _stream(run: Run, shape: _Shape) -> AsyncIterator[dict]:
     """SSE events for one run. Leaving early (client gone) ends run.events(), which cancels."""
     for chunk in shape.opening():
-        yield _sse(chunk)
+        yield _sse(shape.Chunk, chunk)
     error: str | None = None
     async for event in run.events():
         if isinstance(event, TokenEvent):
             chunk = shape.token_chunk(event)
             if chunk is not None:
-                yield _sse(chunk)
+                yield _sse(shape.Chunk, chunk)
         elif isinstance(event, ErrorEvent):
             error = event.message
         elif isinstance(event, FinishEvent):
             if event.reason in ("error", "cancelled"):
                 message = error or event.error or f"request {event.reason}"
-                yield _sse(error_body(f"the request ended early: {message}", "server_error",
-                                      None, "engine_error"))
+                yield _sse(ErrorResponse, error_body(f"the request ended early: {message}",
+                                                     "server_error", None, "engine_error"))
             else:
-                yield _sse(shape.final_chunk(event))
+                yield _sse(shape.Chunk, shape.final_chunk(event))
                 if shape.include_usage:
-                    yield _sse(shape.usage_chunk(event))
-    yield _sse("[DONE]")
+                    yield _sse(shape.Chunk, shape.usage_chunk(event))
+    yield {"data": "[DONE]"}
 
 
 async def _respond(request: Request, run: Run, shape: _Shape, stream: bool) -> Response:
@@ -335,7 +348,7 @@ async def _respond(request: Request, run: Run, shape: _Shape, stream: bool) -> R
         return EventSourceResponse(_stream(run, shape), sep="\n")
     result = await _collect(request, run)
     _raise_for_failure(result)
-    return JSONResponse(shape.response(result))
+    return _json(shape.Response, shape.response(result))
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -345,35 +358,34 @@ def _service(request: Request) -> RunService:
 
 async def completions(request: Request) -> Response:
     service = _service(request)
-    limits = _limits(request)
-    req = parse_completion(await read_json(request, limits.max_body_bytes), service.model_name,
-                           limits)
-    prompt_ids = (req.token_ids if req.token_ids is not None
-                  else await _encode(service.encode, req.text, "prompt", len(req.text)))
-    default = DEFAULT_COMPLETION_MAX_TOKENS
-    if limits.max_tokens is not None:
-        default = min(default, limits.max_tokens)
-    params = _params(req.common, req.max_tokens or default, req.logprobs or 0)
-    run = _start(service, RunRequest(prompt_ids, params, "/v1/completions", "api", req.text),
+    req = await read_request(request, CompletionRequest)
+    text = req.prompt if isinstance(req.prompt, str) else None  # or token ids
+    prompt_ids = (await _encode(service.encode, text, "prompt", len(text)) if text is not None
+                  else req.prompt)
+    cap = request.app.state.settings.max_tokens_limit or DEFAULT_COMPLETION_MAX_TOKENS
+    params = _params(req, req.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, cap),
+                     req.logprobs or 0)
+    run = _start(service, RunRequest(prompt_ids, params, "/v1/completions", "api", text),
                  "cmpl", req)
-    shape = _CompletionShape(service, run, req.logprobs is not None, req.common.include_usage)
-    return await _respond(request, run, shape, req.common.stream)
+    shape = _CompletionShape(service, run, req.logprobs is not None, req.include_usage)
+    return await _respond(request, run, shape, req.stream)
 
 
 async def chat_completions(request: Request) -> Response:
     service = _service(request)
-    limits = _limits(request)
-    req = parse_chat(await read_json(request, limits.max_body_bytes), service.model_name, limits)
-    prompt_ids = await _encode(service.encode_chat, req.messages, "messages",
-                               sum(len(m["content"]) for m in req.messages))
-    max_tokens = req.max_tokens
+    req = await read_request(request, ChatCompletionRequest)
+    messages = req.chat()
+    prompt_ids = await _encode(service.encode_chat, messages, "messages",
+                               sum(len(m["content"]) for m in messages))
+    max_tokens = req.max_new_tokens
     if max_tokens is None:
-        max_tokens = _default_max_tokens(service, len(prompt_ids), "messages", limits.max_tokens)
-    params = _params(req.common, max_tokens, req.top_logprobs or 0)
+        max_tokens = _default_max_tokens(service, len(prompt_ids), "messages",
+                                         request.app.state.settings.max_tokens_limit)
+    params = _params(req, max_tokens, req.top_logprobs or 0)
     run = _start(service, RunRequest(prompt_ids, params, "/v1/chat/completions", "api",
-                                     None, req.messages), "chatcmpl", req)
-    shape = _ChatShape(service, run, req.logprobs, req.common.include_usage)
-    return await _respond(request, run, shape, req.common.stream)
+                                     None, messages), "chatcmpl", req)
+    shape = _ChatShape(service, run, bool(req.logprobs), req.include_usage)
+    return await _respond(request, run, shape, req.stream)
 
 
 def _model_card(request: Request) -> dict:
@@ -384,14 +396,14 @@ def _model_card(request: Request) -> dict:
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+    return _json(ModelList, {"object": "list", "data": [_model_card(request)]})
 
 
 async def get_model(request: Request) -> Response:
     model = request.path_params["model"]
     if model != _service(request).model_name:
         raise APIError(404, f"the model '{model}' does not exist", "model", "model_not_found")
-    return JSONResponse(_model_card(request))
+    return _json(ModelCard, _model_card(request))
 
 
 routes = [
