@@ -3,6 +3,6 @@
     dataset   the requests: a seeded long-tailed mix (`mixed`) or a file
     client    probing the server, streaming requests with Poisson arrivals / a concurrency cap
     metrics   TTFT, TPOT, ITL, E2E latency statistics, throughput, goodput; the text report
-    store     benchmark runs in the runs database
-    plots     inline SVG plots for the /benchmarks page
+
+Runs are stored by app/db/benchmarks.py and shown by app/web/pages/benchmarks.py.
 """

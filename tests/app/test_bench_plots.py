@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from app.bench.plots import latency_cdf_svg, latency_values, sweep_name, throughput_svg
+from app.web.pages.benchmark_plots import (
+    latency_cdf_svg,
+    latency_values,
+    sweep_name,
+    throughput_svg,
+)
 
 NS = {"s": "http://www.w3.org/2000/svg"}
 EVIL = "</text><script>alert(1)</script>"

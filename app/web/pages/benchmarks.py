@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from app.bench import plots
 from app.bench.metrics import METRIC_TITLES, METRICS
 from app.db import benchmarks as store
 from app.json_safe import json_safe
+from app.web.pages import benchmark_plots as plots
 from app.web.render import (
     NO_DATABASE,
     database,
