@@ -1,6 +1,7 @@
 """Every chart the server draws, as SVG: the /benchmarks plots
 (app/web/pages/benchmark_plots.py), the chart on the divergence page, the calibration plot
-saved next to its JSON, and benchmarks/peers.py's files. The live dashboard draws its own charts in the browser (static/dashboard.js).
+saved next to its JSON, and benchmarks/peers.py's files. The live dashboard draws its own
+charts in the browser (static/dashboard.js).
 
 Callers pass numbers and plain strings; every text and attribute value is escaped here, since
 labels come from users (run labels, model names) and the SVG is inserted into pages as markup.
