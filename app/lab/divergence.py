@@ -430,9 +430,12 @@ def _filler(engine: Engine, n: int, index: int) -> list[int]:
 
 
 def _backend() -> dict:
-    from engine.platform import backend_info
+    """Where the experiment ran; the BLAS by its library name (a record is shared and saved:
+    it does not say where the library lives on this machine)."""
+    from engine.platform import backend_info, blas_name
 
-    return backend_info()
+    info = backend_info()
+    return info | {"blas": blas_name(info.get("blas"))}
 
 
 # ---- comparison ----------------------------------------------------------------------------

@@ -245,3 +245,10 @@ def test_compare_reports_the_chain_from_cache_write_to_fork():
     assert r["logits"]["first_difference"] == 1 and r["logits"]["compared_tokens"] == 3
     assert [line.split(" ")[0] for line in r["chain"]] == ["KV", "first", "fork"]
     assert "position 3" in r["chain"][0] and "fork at output token 2" in r["chain"][2]
+
+
+def test_a_record_names_the_blas_library_not_its_path():
+    from app.lab.divergence import _backend
+
+    blas = _backend()["blas"]
+    assert blas is None or "/" not in blas
