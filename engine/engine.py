@@ -27,7 +27,13 @@ from engine.config import TILED, EngineConfig, KernelPolicy
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
 from engine.model_loader import load_model
-from engine.model_runner import DECODE_MATMUL_MAX_ROWS, ModelRunner, RowGroup, pool_for
+from engine.model_runner import (
+    DECODE_MATMUL_MAX_ROWS,
+    DECODE_QUANTIZED_MAX_ROWS,
+    ModelRunner,
+    RowGroup,
+    pool_for,
+)
 from engine.models import family_for
 from engine.output import OutputText
 from engine.platform import backend_info
@@ -218,11 +224,15 @@ class Engine:
 
     @property
     def decode_matmul(self) -> str:
-        """Which matmul few-row float32 steps use, in words (logged at start)."""
+        """Which matmul few-row float32 or quantized steps use, in words (logged at start)."""
+        if self.runner.quantized_kernel is not None and self.runner.native_quantized_applies:
+            return (f"native quantized kernel up to {DECODE_QUANTIZED_MAX_ROWS} rows "
+                    f"({native.decode_quantized_isa()} path)")
         if self.runner.matmul_kernel is not None:
             if self.runner.native_matmul_applies:
                 return f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows"
-            return f"MLX (the native kernel takes float32 only, weights are {self.loaded.weights})"
+            return (f"MLX (the native kernels take float32 or affine 4/8-bit, weights are "
+                    f"{self.loaded.weights})")
         if self.runner.fused_attention:
             return "MLX"
 

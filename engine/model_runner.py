@@ -31,6 +31,13 @@ NEG_INF = float("-inf")
 # benchmarks/decode_linear.py it is faster than MLX's BLAS matmul at every row count up to 32
 # (1.2-1.8x here), and the gap closes above.
 DECODE_MATMUL_MAX_ROWS = 32
+# The same for MLX's affine-quantized layers (the shipped 4-bit linears and 8-bit tied head):
+# the native quantized kernel. On the CPU MLX's quantized_matmul computes one row at a time,
+# and the kernel is faster at every row count measured: 7x at 1 row, 16-55x from 4 to 128 over
+# the whole model (benchmarks/decode_linear.py --weights q4), 30-50x at 512 and 2048 rows on
+# single layers. So every gemm step up to this many rows takes it (no crossover was found),
+# and a row gets the same bits in every such step.
+DECODE_QUANTIZED_MAX_ROWS = 4096
 
 
 @dataclass
@@ -169,6 +176,7 @@ class ModelRunner:
         self.fused_attention = use_fused_attention()
         self.attention_kernel = _decode_kernel(decode_attention, self.fused_attention)
         self.matmul_kernel = _matmul_kernel(decode_matmul, self.fused_attention)
+        self.quantized_kernel = _quantized_kernel(decode_matmul, self.fused_attention)
         self.path = "gemm"
         self.tile = 16  # rows per call on the batch-invariant ("tiled") path
 
@@ -192,14 +200,31 @@ class ModelRunner:
         return self.matmul_kernel is not None and any(
             _float32_weight(m) is not None for m in self.model.modules())
 
+    @property
+    def native_quantized_applies(self) -> bool:
+        """Whether gemm steps reach the native quantized kernel (affine 4/8-bit layers)."""
+        return self.quantized_kernel is not None and any(
+            _quantized_weight(m, kind) is not None for m in self.model.modules()
+            for kind in (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
     # The one place a linear layer runs: the step's kernel path decides how. A "gemm" step of
-    # few rows takes the native kernel for float32 weights (one call, each row on its own).
+    # few rows takes the native kernel for float32 weights, and one of up to
+    # DECODE_QUANTIZED_MAX_ROWS the native quantized kernel for affine-quantized ones (one
+    # call, each row on its own).
     def linear(self, module, x: mx.array, tied: bool = False) -> mx.array:
-        if (self.matmul_kernel is not None and self.path == "gemm"
-                and x.shape[1] <= DECODE_MATMUL_MAX_ROWS):
-            weight = _float32_weight(module, nn.Embedding if tied else nn.Linear)
-            if weight is not None:
-                out = self.matmul_kernel(x, weight)
+        if self.path == "gemm":
+            rows = x.shape[1]
+            out = None
+            if self.matmul_kernel is not None and rows <= DECODE_MATMUL_MAX_ROWS:
+                weight = _float32_weight(module, nn.Embedding if tied else nn.Linear)
+                if weight is not None:
+                    out = self.matmul_kernel(x, weight)
+            if (out is None and self.quantized_kernel is not None
+                    and rows <= DECODE_QUANTIZED_MAX_ROWS and x.dtype == mx.float32):
+                q = _quantized_weight(module, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
+                if q is not None:
+                    out = self.quantized_kernel(x, *q)
+            if out is not None:
                 bias = getattr(module, "bias", None)
                 return out if bias is None else out + bias
         return apply_linear(module.as_linear if tied else module, x, self.path, self.tile)
@@ -307,6 +332,11 @@ def _matmul_kernel(decode_matmul: str, fused: bool):
     return _native_op("decode_matmul", decode_matmul, fused, native.decode_linear)
 
 
+def _quantized_kernel(decode_matmul: str, fused: bool):
+    """The native quantized decode linear op to use (the same setting), or None for MLX's."""
+    return _native_op("decode_matmul", decode_matmul, fused, native.decode_quantized_linear)
+
+
 def _native_op(setting: str, value: str, fused: bool, get):
     """engine.config.NATIVE_SETTING: on a GPU backend (fused attention) "auto" is MLX's own
     kernels and "native" an error; on the CPU, "native" is an error when the op is not built."""
@@ -327,6 +357,16 @@ def _float32_weight(module, kind=nn.Linear) -> mx.array | None:
     if type(module) is not kind or module.weight.dtype != mx.float32:
         return None
     return module.weight
+
+
+def _quantized_weight(module, kind=nn.QuantizedLinear) -> tuple | None:
+    """(weight, scales, biases, group_size, bits) the native quantized kernel can take: MLX's
+    affine quantization at 4 or 8 bits in groups of 32, 64 or 128; None for anything else."""
+    if (type(module) is not kind or getattr(module, "mode", "affine") != "affine"
+            or module.bits not in (4, 8) or module.group_size not in (32, 64, 128)
+            or getattr(module, "biases", None) is None):
+        return None
+    return module.weight, module.scales, module.biases, module.group_size, module.bits
 
 
 def _sample_row(logprobs: mx.array, p: SamplingParams, output_index: int) -> mx.array:

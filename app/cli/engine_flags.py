@@ -28,9 +28,9 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "decode_attention": ("decode rows' attention: the native paged kernel (CPU backend, built "
                          "by scripts/setup.sh), MLX ops, or auto (native when available)",
                          NATIVE_SETTING),
-    "decode_matmul": ("linear layers of float32 steps of up to 32 rows on the gemm path: the "
-                      "native kernel (CPU backend, batch-invariant), MLX's matmul (the BLAS), "
-                      "or auto (native when available)", NATIVE_SETTING),
+    "decode_matmul": ("linear layers on the gemm path (float32 steps of up to 32 rows, 4/8-bit "
+                      "ones of any size): the native kernels (CPU backend, batch-invariant), "
+                      "MLX's matmul, or auto (native when available)", NATIVE_SETTING),
 }
 SWITCHES = {  # boolean fields: the flag flips the default
     "enable_prefix_caching": ("--no-prefix-caching", "turn prefix caching off"),

@@ -5,7 +5,9 @@ two CPU ops for decode rows:
 
 - `paged_decode_attention`: attention that reads keys and values straight from the paged pool;
 - `decode_linear`: a float32 linear layer for a few rows that reads each weight row once for all
-  of them, with a row's arithmetic independent of the others (batch-invariant).
+  of them, with a row's arithmetic independent of the others (batch-invariant);
+- `decode_quantized_linear`: the same for MLX's affine-quantized (4/8-bit) layers, dequantizing
+  each packed group once for all rows, the same bits on its AVX-512, AVX2 and portable paths.
 
 When it is not built (no compiler, a build failure, or an MLX it was not built against), the
 engine falls back to MLX ops and says so at start; nothing else changes.
@@ -45,6 +47,35 @@ def decode_linear() -> Callable | None:
     """The native float32 decode linear op, or None when it cannot be loaded here."""
     module = _load()
     return module.decode_linear if module else None
+
+
+def decode_quantized_linear() -> Callable | None:
+    """The native quantized (4/8-bit) decode linear op, or None when it cannot be loaded here."""
+    module = _load()
+    return module.decode_quantized_linear if module else None
+
+
+def decode_quantized_isa() -> str | None:
+    """The instruction set the quantized op runs: "avx512", "avx2" or "portable" (the best this
+    CPU has unless BATCHSCOPE_QUANTIZED_ISA names another); None when not built."""
+    module = _load()
+    return module.decode_quantized_isa() if module else None
+
+
+def set_decode_quantized_isa(name: str) -> str:
+    """Force the quantized op's path ("auto", "avx512", "avx2", "portable"; tests compare
+    them): returns the one now in use, raises ValueError for one this CPU lacks."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"native kernels {why_not()}")
+    return module.set_decode_quantized_isa(name)
+
+
+def threads() -> int | None:
+    """Threads the native ops' pool uses (BATCHSCOPE_NATIVE_THREADS caps them); None when not
+    built."""
+    module = _load()
+    return module.native_threads() if module else None
 
 
 def why_not() -> str | None:

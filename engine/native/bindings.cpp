@@ -1,8 +1,11 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
 #include "decode_linear.h"
+#include "decode_quantized.h"
 #include "paged_attention.h"
+#include "workers.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -16,4 +19,14 @@ NB_MODULE(_kernels, m) {
   m.def("decode_linear", &batchscope::decode_linear, "x"_a, "weight"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "x @ weight.T in float32 for a few rows, each row computed alone (batch-invariant).");
+  m.def("decode_quantized_linear", &batchscope::decode_quantized_linear, "x"_a, "w"_a,
+        "scales"_a, "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "An affine-quantized (4 or 8 bit) linear layer for a few float32 rows, each row computed "
+        "alone (batch-invariant), the same bits on every instruction-set path.");
+  m.def("decode_quantized_isa", &batchscope::decode_quantized_isa,
+        "The instruction set decode_quantized_linear uses: avx512, avx2 or portable.");
+  m.def("set_decode_quantized_isa", &batchscope::set_decode_quantized_isa, "name"_a,
+        "Force decode_quantized_linear's path (auto, avx512, avx2, portable); returns it.");
+  m.def("native_threads", &batchscope::parallel_threads,
+        "Threads the native ops' worker pool uses (the caller included).");
 }

@@ -126,9 +126,9 @@ def test_unknown_experiment_is_a_404(client):
 def test_the_form_runs_an_experiment_in_the_worker(client):
     form = {"prompt": f"hi {SCRIPT}", "max_tokens": "6", "top_k": "3",
             "a_weights": "q4", "a_policy": "gemm", "a_threshold": "1", "a_alongside": "20, 10",
-            "a_join": "2", "a_others_tokens": "4",
+            "a_join": "2", "a_others_tokens": "4", "a_matmul": "mlx",
             "b_weights": "q4", "b_policy": "gemv", "b_threshold": "1", "b_alongside": "",
-            "b_join": "0", "b_others_tokens": "4"}
+            "b_join": "0", "b_others_tokens": "4", "b_matmul": "mlx"}
     r = client.post("/divergence", data=form, follow_redirects=False)
     assert r.status_code == 303
     exp_id = r.headers["location"].split("id=")[1]
@@ -142,10 +142,11 @@ def test_the_form_runs_an_experiment_in_the_worker(client):
         time.sleep(0.05)
     assert entry["status"] == "done", entry["error"]
     record = entry["record"]
-    # 4-bit on a CPU: rows are computed alike on every path, alone or not.
+    # 4-bit on a CPU, MLX's quantized_matmul on both sides: rows are computed alike on every
+    # path, alone or not (the native kernel on gemm steps sums in another order than MLX's).
     assert record["bit_identical"] and record["fork"] is None
     assert record["sides"]["a"]["others_joined"]
-    assert record["sides"]["a"]["label"] == "q4 · gemm · alongside 20,10 from token 2"
+    assert record["sides"]["a"]["label"] == "q4 · gemm · matmul mlx · alongside 20,10 from token 2"
     page = soup(client.get(f"/divergence?id={exp_id}"))
     assert page.find("meta", attrs={"http-equiv": "refresh"}) is None
     assert page.find(class_="verdict").get_text().startswith("bit-identical")
@@ -177,8 +178,8 @@ def test_cli_text_output(forked):
     assert f"{fork['table'][0]['logit_a']:.6f}" in text
     assert "Contamination timeline" in text and "prompt" in text
     assert clean("a\x1b[31mred\x07") == "a\\x1b[31mred\\x07"
-    s = search(["hello", "hi"], SideConfig(weights="q4"), SideConfig(weights="q4",
-                                                                      kernel_policy="gemv"),
+    s = search(["hello", "hi"], SideConfig(weights="q4", decode_matmul="mlx"),
+               SideConfig(weights="q4", kernel_policy="gemv", decode_matmul="mlx"),
                max_tokens=4, loader=q4_loader)
     out = format_search(s)
     assert "Forked: 0 of 2" in out and "bit-identical: 2" in out

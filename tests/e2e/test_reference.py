@@ -1,7 +1,14 @@
 """batchscope against an independent reference: mlx-lm's own generation on the exported folder.
 
-The embedded 4-bit model on MLX's CPU backend computes every row independently, so the token
-ids must match exactly, alone and batched. Slow: loads the real model.
+mlx-lm runs the 4-bit layers through MLX's quantized_matmul; batchscope's gemm steps on the CPU
+run them through the native quantized kernel (engine/native/decode_quantized.cpp), which sums
+in another order, so the logits are not the same bits: they differ by float32 rounding
+(measured: at most 3e-5 in a token's logprob over these prompts). The token ids are compared
+exactly up to the first one that differs, if any; every logprob up to there must be within
+LOGPROB_BOUND of mlx-lm's, and at a differing token the two choices must have been within
+2 * LOGPROB_BOUND of each other in mlx-lm's logprobs (a near-tie that rounding may flip: the
+test reports it with both sides' numbers). On these prompts no token differs today. Slow:
+loads the real model.
 """
 
 from __future__ import annotations
@@ -9,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import warnings
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -23,6 +32,8 @@ PROMPTS = [
     "Water boils at 100 degrees Celsius, which is",
 ]
 MAX_TOKENS = 64
+# A token's logprob, batchscope's against mlx-lm's, on the same context (measured: <= 3e-5).
+LOGPROB_BOUND = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +50,31 @@ def reference():
         assert main(["export-model", tmp]) == 0
         model, tokenizer = load(tmp)
 
-    def generate(prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-        steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens)
-        return [int(token) for token, _ in steps]
+    def generate(prompt_ids: list[int], max_tokens: int = MAX_TOKENS):
+        """mlx-lm's greedy ids and, per step, its logprobs over the vocabulary."""
+        steps = list(generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens))
+        return ([int(token) for token, _ in steps],
+                [np.array(logprobs.astype(mx.float32)) for _, logprobs in steps])
 
     return tokenizer, generate
+
+
+def assert_follows_reference(ours: list[int], logprobs: list[float], expected, what=""):
+    """Our ids and their logprobs against mlx-lm's (ids, logprobs): the same ids, or the same up
+    to a near-tie (see the module docstring), with every logprob up to there within bounds."""
+    ids, ref = expected
+    assert len(ours) == len(ids), what
+    first = next((i for i, (a, b) in enumerate(zip(ours, ids, strict=True)) if a != b), None)
+    upto = len(ours) if first is None else first + 1
+    diffs = [abs(logprobs[i] - float(ref[i][ours[i]])) for i in range(upto)]
+    assert max(diffs) <= LOGPROB_BOUND, (what, max(diffs))
+    if first is not None:
+        gap = float(ref[first][ids[first]] - ref[first][ours[first]])
+        report = (f"{what}: token {first} differs from mlx-lm's: ours {ours[first]} "
+                  f"(logprob {logprobs[first]:.6f}, mlx-lm's {ref[first][ours[first]]:.6f}), "
+                  f"mlx-lm's {ids[first]} (logprob {ref[first][ids[first]]:.6f}): gap {gap:.2e}")
+        assert gap <= 2 * LOGPROB_BOUND, report
+        warnings.warn(report, stacklevel=2)
 
 
 def run_cli(*args: str) -> dict:
@@ -59,38 +90,43 @@ def run_cli(*args: str) -> dict:
 def test_cli_greedy_tokens_equal_mlx_lm(prompt, reference):
     tokenizer, generate = reference
     ours = run_cli(prompt, "--json", "--max-tokens", str(MAX_TOKENS), "--weights", "q4",
-                   "--ignore-eos")
+                   "--ignore-eos", "--logprobs", "1")
     assert ours["prompt_token_ids"] == tokenizer.encode(prompt)
-    expected = generate(ours["prompt_token_ids"])
-    assert ours["token_ids"] == expected
+    assert_follows_reference(ours["token_ids"], [t["logprob"] for t in ours["tokens"]],
+                             generate(ours["prompt_token_ids"]), prompt)
     assert ours["finish_reason"] == "length"
 
 
 def test_chat_prompt_matches_mlx_lm_chat_template(reference):
     tokenizer, generate = reference
     ours = run_cli("Name a fruit.", "--chat", "--json", "--max-tokens", "24", "--weights", "q4",
-                   "--ignore-eos")
+                   "--ignore-eos", "--logprobs", "1")
     messages = [{"role": "user", "content": "Name a fruit."}]
     assert ours["prompt_token_ids"] == tokenizer.apply_chat_template(
         messages, add_generation_prompt=True)
-    assert ours["token_ids"] == generate(ours["prompt_token_ids"], 24)
+    assert_follows_reference(ours["token_ids"], [t["logprob"] for t in ours["tokens"]],
+                             generate(ours["prompt_token_ids"], 24), "chat")
 
 
 def test_batched_engine_equals_mlx_lm_per_prompt(reference):
     """All prompts in one continuous batch, with chunked prefill mixed into decode steps."""
     from engine.config import EngineConfig
     from engine.engine import Engine
+    from engine.events import TokenEvent
     from engine.sampling import SamplingParams
 
     tokenizer, generate = reference
     prompts = PROMPTS + ["Hello", "Why is the sky blue?", "1, 2, 3, 4,"]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1)
     config = EngineConfig(weights="q4", max_num_batched_tokens=16, num_kv_blocks=256)
     with Engine(config).start() as engine:
         handles = [engine.submit(p, params) for p in prompts]
+        events = [list(h) for h in handles]
         results = [h.result() for h in handles]
         mixed = [r for r in engine.steps.recent() if r.prefill_rows and r.decode_rows]
         assert engine.block_manager.num_used_blocks == 0
     assert mixed, "expected steps mixing prefill chunks with decode rows"
-    for prompt, result in zip(prompts, results, strict=True):
-        assert result.token_ids == generate(tokenizer.encode(prompt), 24), prompt
+    for prompt, result, evs in zip(prompts, results, events, strict=True):
+        logprobs = [e.logprob for e in evs if isinstance(e, TokenEvent)]
+        assert_follows_reference(result.token_ids, logprobs,
+                                 generate(tokenizer.encode(prompt), 24), prompt)

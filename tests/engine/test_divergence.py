@@ -31,8 +31,11 @@ def loader(weights: str):
 
 
 def test_four_bit_gemm_and_gemv_are_bit_identical_alone_and_alongside():
-    a = SideConfig(weights="q4", kernel_policy="gemm", alongside=(40, 25))
-    b = SideConfig(weights="q4", kernel_policy="gemv")
+    """On MLX's quantized_matmul (decode_matmul "mlx"), which computes each row alone. The
+    native quantized kernel (gemm steps by default) is row-independent too, but sums in
+    another order than MLX's, which the gemv path keeps: tests/engine/test_decode_quantized.py."""
+    a = SideConfig(weights="q4", kernel_policy="gemm", alongside=(40, 25), decode_matmul="mlx")
+    b = SideConfig(weights="q4", kernel_policy="gemv", decode_matmul="mlx")
     r = run_experiment(PROMPT, a, b, max_tokens=12, loader=loader)
     assert r["identical"] and r["bit_identical"]
     assert r["fork"] is None
@@ -138,9 +141,9 @@ def test_search_counts_and_prompt_files(tmp_path):
     path.write_text('Once upon a time\n\n"two\\nlines"\nx' + "y" * 600 + "\n", encoding="utf-8")
     prompts = load_prompts(path)
     assert prompts[1] == "two\nlines" and len(prompts) == 3
-    q4 = SideConfig(weights="q4")
-    out = search(prompts, q4, SideConfig(weights="q4", kernel_policy="gemv"), max_tokens=6,
-                 loader=loader)
+    q4 = SideConfig(weights="q4", decode_matmul="mlx")  # MLX's kernel on both: the same bits
+    out = search(prompts, q4, SideConfig(weights="q4", kernel_policy="gemv", decode_matmul="mlx"),
+                 max_tokens=6, loader=loader)
     assert out["prompts"] == 3 and out["errors"] == 1  # the last one is too long for 512
     assert out["bit_identical"] == 2 and out["forked"] == 0 and out["forks"] == []
     assert "context window" in out["results"][2]["error"]

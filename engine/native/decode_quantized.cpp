@@ -1,0 +1,662 @@
+#include "decode_quantized.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "workers.h"
+
+// The arithmetic, the same on every path (so every path gives the same bits):
+//   w[k] = fma(scale, q[k], bias) in float32 (exact for float16 and bfloat16 scales: the
+//   product has at most 19 significant bits), then out = sum over k of x[k] * w[k] as 16
+//   lanes: lane l takes the k's of lane l, in increasing k, with one fma each, then the fixed
+//   tree of lane_sum. For 8 bits lane l takes k = l, l + 16, ...; for 4 bits each 32 k's
+//   (16 bytes) split into the low nibbles (even k: lane l takes k = 2l) and then the high
+//   ones (odd k: k = 2l + 1), the order a byte-to-int widening gives with no shuffle. x is
+//   put into that order once per call. in_features is a multiple of the group (>= 32), so
+//   there is no tail. The file is built with -ffp-contract=off: no fma but the written ones.
+
+namespace batchscope {
+
+namespace {
+
+enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+enum class ScaleType { f32, f16, bf16 };
+
+struct Problem {
+  const float* x;  // (M, K), in lane order
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  ScaleType scale_type;
+  float* out;  // (M, N)
+  int M, K, N, group_size, bits;
+};
+
+inline float scale_at(const void* p, ScaleType t, size_t i) {
+  switch (t) {
+    case ScaleType::f16: return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
+    case ScaleType::bf16: return static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// The same tree as decode_linear's: lane i + lane i + 8, then + 4, then (0 + 2) + (1 + 3).
+inline float lane_sum(const float* a) {
+  float b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// Prefetch the packed weights of the outputs this many rows ahead: memory bounds a few-row
+// step, and the next tile's loads then overlap this one's arithmetic.
+constexpr int PREFETCH_ROWS = 6;
+
+inline size_t row_words(const Problem& p) {
+  return static_cast<size_t>(p.K) * p.bits / 32;
+}
+
+// ---- portable: plain C++, std::fma -------------------------------------------------------
+
+struct Portable {
+  static constexpr int MR = 4, NR = 2;
+  static constexpr int FUSED_MR = 0;  // no buffer-free path: the buffer serves every step
+
+  // Output n's weights, dequantized into dst[K] in lane order.
+  static void dequant(const Problem& p, int n, float* dst) {
+    const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
+    const int groups = p.K / p.group_size;
+    for (int g = 0; g < groups; ++g) {
+      const size_t at = static_cast<size_t>(n) * groups + g;
+      const float s = scale_at(p.scales, p.scale_type, at);
+      const float b = scale_at(p.biases, p.scale_type, at);
+      const int k0 = g * p.group_size;
+      if (p.bits == 4) {
+        for (int k = k0; k < k0 + p.group_size; k += 32) {
+          const uint32_t* q = wr + k / 8;
+          for (int j = 0; j < 16; ++j) {
+            const uint32_t byte = (q[j / 4] >> (8 * (j % 4))) & 0xffu;
+            dst[k + j] = std::fma(s, static_cast<float>(byte & 0xfu), b);
+            dst[k + 16 + j] = std::fma(s, static_cast<float>(byte >> 4), b);
+          }
+        }
+      } else {
+        for (int k = k0; k < k0 + p.group_size; k += 16) {
+          const uint32_t* q = wr + k / 4;
+          for (int j = 0; j < 16; ++j) {
+            const uint32_t byte = (q[j / 4] >> (8 * (j % 4))) & 0xffu;
+            dst[k + j] = std::fma(s, static_cast<float>(byte), b);
+          }
+        }
+      }
+    }
+  }
+
+  template <int mr, int nr>
+  static void dot(const Problem& p, const float* wt, int m0, int n0) {
+    float acc[mr][nr][16] = {};
+    for (int k = 0; k < p.K; k += 16) {
+      for (int i = 0; i < mr; ++i) {
+        const float* xr = p.x + static_cast<size_t>(m0 + i) * p.K + k;
+        for (int j = 0; j < nr; ++j) {
+          const float* wr = wt + static_cast<size_t>(j) * p.K + k;
+          for (int l = 0; l < 16; ++l) acc[i][j][l] = std::fma(xr[l], wr[l], acc[i][j][l]);
+        }
+      }
+    }
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j)
+        p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = lane_sum(acc[i][j]);
+  }
+};
+
+#if defined(__x86_64__)
+
+// ---- AVX2 + FMA: a 16-lane vector is two 8-float registers --------------------------------
+
+#define BATCHSCOPE_AVX2 __attribute__((target("avx2,fma")))
+
+struct Avx2 {
+  // 2 x 2 tiles: 8 accumulator registers, 4 for x and 2 for the weights, of the 16.
+  static constexpr int MR = 2, NR = 2;
+  static constexpr int FUSED_MR = 2;  // steps of up to 2 rows skip the buffer (see Avx512)
+
+  BATCHSCOPE_AVX2 static void dequant(const Problem& p, int n, float* dst) {
+    const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
+    const uint32_t* ahead = wr + PREFETCH_ROWS * row_words(p);
+    const int groups = p.K / p.group_size;
+    const __m256i mask = _mm256_set1_epi32(0xf);
+    for (int g = 0; g < groups; ++g) {
+      const size_t at = static_cast<size_t>(n) * groups + g;
+      const __m256 s = _mm256_set1_ps(scale_at(p.scales, p.scale_type, at));
+      const __m256 b = _mm256_set1_ps(scale_at(p.biases, p.scale_type, at));
+      const int k0 = g * p.group_size;
+      const int step = p.bits == 4 ? 32 : 16;  // weights per 16 bytes
+      for (int k = k0; k < k0 + p.group_size; k += step) {
+        const size_t word = static_cast<size_t>(k) * p.bits / 32;
+        __builtin_prefetch(ahead + word);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + word));
+        const __m256i v0 = _mm256_cvtepu8_epi32(bytes);
+        const __m256i v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+        float* d = dst + k;
+        if (p.bits == 4) {
+          _mm256_storeu_ps(d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)), s, b));
+          _mm256_storeu_ps(d + 8,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, mask)), s, b));
+          _mm256_storeu_ps(d + 16,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s, b));
+          _mm256_storeu_ps(d + 24,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s, b));
+        } else {
+          _mm256_storeu_ps(d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v0), s, b));
+          _mm256_storeu_ps(d + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v1), s, b));
+        }
+      }
+    }
+  }
+
+  template <int mr, int nr>
+  BATCHSCOPE_AVX2 static void dot(const Problem& p, const float* wt, int m0, int n0) {
+    __m256 lo[mr][nr], hi[mr][nr];
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+    for (int k = 0; k < p.K; k += 16) {
+      __m256 xl[mr], xh[mr];
+      for (int i = 0; i < mr; ++i) {
+        const float* xr = p.x + static_cast<size_t>(m0 + i) * p.K + k;
+        xl[i] = _mm256_loadu_ps(xr);
+        xh[i] = _mm256_loadu_ps(xr + 8);
+      }
+      for (int j = 0; j < nr; ++j) {
+        const float* wr = wt + static_cast<size_t>(j) * p.K + k;
+        const __m256 wl = _mm256_loadu_ps(wr), wh = _mm256_loadu_ps(wr + 8);
+        for (int i = 0; i < mr; ++i) {
+          lo[i][j] = _mm256_fmadd_ps(xl[i], wl, lo[i][j]);
+          hi[i][j] = _mm256_fmadd_ps(xh[i], wh, hi[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < mr; ++i) {
+      for (int j = 0; j < nr; ++j) {
+        float lanes[16];
+        _mm256_storeu_ps(lanes, lo[i][j]);
+        _mm256_storeu_ps(lanes + 8, hi[i][j]);
+        p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = lane_sum(lanes);
+      }
+    }
+  }
+
+  // As Avx512::fused: lanes 0-7 of the 16 in `lo`, 8-15 in `hi`, each fed in dot's order.
+  template <int BITS, int mr, int nr>
+  BATCHSCOPE_AVX2 static void fused(const Problem& p, int n0) {
+    __m256 lo[mr][nr], hi[mr][nr];
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+    const size_t rw = row_words(p);
+    const uint32_t* w0 = p.w + static_cast<size_t>(n0) * rw;
+    const int groups = p.K / p.group_size;
+    const __m256i mask = _mm256_set1_epi32(0xf);
+    constexpr int step = BITS == 4 ? 32 : 16;
+    for (int g = 0; g < groups; ++g) {
+      __m256 s[nr], b[nr];
+      for (int j = 0; j < nr; ++j) {
+        const size_t at = static_cast<size_t>(n0 + j) * groups + g;
+        s[j] = _mm256_set1_ps(scale_at(p.scales, p.scale_type, at));
+        b[j] = _mm256_set1_ps(scale_at(p.biases, p.scale_type, at));
+      }
+      const int k0 = g * p.group_size;
+      for (int k = k0; k < k0 + p.group_size; k += step) {
+        const size_t word = static_cast<size_t>(k) * BITS / 32;
+        for (int j = 0; j < nr; ++j) {
+          const uint32_t* q = w0 + j * rw + word;
+          __builtin_prefetch(q + PREFETCH_ROWS * rw);
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+          const __m256i v0 = _mm256_cvtepu8_epi32(bytes);
+          const __m256i v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+          if constexpr (BITS == 4) {
+            const __m256 d0 =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)), s[j], b[j]);
+            const __m256 d1 =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, mask)), s[j], b[j]);
+            const __m256 d2 =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s[j], b[j]);
+            const __m256 d3 =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s[j], b[j]);
+            for (int i = 0; i < mr; ++i) {
+              const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
+              lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), d0, lo[i][j]);
+              hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), d1, hi[i][j]);
+              lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), d2, lo[i][j]);
+              hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), d3, hi[i][j]);
+            }
+          } else {
+            const __m256 d0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v0), s[j], b[j]);
+            const __m256 d1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v1), s[j], b[j]);
+            for (int i = 0; i < mr; ++i) {
+              const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
+              lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), d0, lo[i][j]);
+              hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), d1, hi[i][j]);
+            }
+          }
+        }
+      }
+    }
+    for (int i = 0; i < mr; ++i) {
+      for (int j = 0; j < nr; ++j) {
+        float lanes[16];
+        _mm256_storeu_ps(lanes, lo[i][j]);
+        _mm256_storeu_ps(lanes + 8, hi[i][j]);
+        p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum(lanes);
+      }
+    }
+  }
+
+  static void fused_range(const Problem& p, int n_begin, int n_end);
+};
+
+// ---- AVX-512F: a 16-lane vector is one register -------------------------------------------
+
+#define BATCHSCOPE_AVX512 __attribute__((target("avx512f")))
+
+struct Avx512 {
+  // 8 x 3 tiles, as decode_linear: 24 accumulators and 8 x vectors in the 32 registers.
+  static constexpr int MR = 8, NR = 3;
+  static constexpr int FUSED_MR = 8;
+
+  BATCHSCOPE_AVX512 static void dequant(const Problem& p, int n, float* dst) {
+    const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
+    const uint32_t* ahead = wr + PREFETCH_ROWS * row_words(p);
+    const int groups = p.K / p.group_size;
+    const __m512i mask = _mm512_set1_epi32(0xf);
+    for (int g = 0; g < groups; ++g) {
+      const size_t at = static_cast<size_t>(n) * groups + g;
+      const __m512 s = _mm512_set1_ps(scale_at(p.scales, p.scale_type, at));
+      const __m512 b = _mm512_set1_ps(scale_at(p.biases, p.scale_type, at));
+      const int k0 = g * p.group_size;
+      const int step = p.bits == 4 ? 32 : 16;
+      for (int k = k0; k < k0 + p.group_size; k += step) {
+        const size_t word = static_cast<size_t>(k) * p.bits / 32;
+        __builtin_prefetch(ahead + word);
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + word)));
+        float* d = dst + k;
+        if (p.bits == 4) {
+          _mm512_storeu_ps(d, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), s, b));
+          _mm512_storeu_ps(d + 16,
+                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, b));
+        } else {
+          _mm512_storeu_ps(d, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, b));
+        }
+      }
+    }
+  }
+
+  template <int mr, int nr>
+  BATCHSCOPE_AVX512 static void dot(const Problem& p, const float* wt, int m0, int n0) {
+    __m512 acc[mr][nr];
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int k = 0; k < p.K; k += 16) {
+      __m512 xv[mr];
+      for (int i = 0; i < mr; ++i) {
+        xv[i] = _mm512_loadu_ps(p.x + static_cast<size_t>(m0 + i) * p.K + k);
+        asm("" : "+v"(xv[i]));  // keep it in a register: loaded once, used nr times
+      }
+      for (int j = 0; j < nr; ++j) {
+        const __m512 wv = _mm512_loadu_ps(wt + static_cast<size_t>(j) * p.K + k);
+        for (int i = 0; i < mr; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < mr; ++i) {
+      for (int j = 0; j < nr; ++j) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc[i][j]);
+        p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = lane_sum(lanes);
+      }
+    }
+  }
+
+  // A step of at most MR rows: each chunk of packed weights is dequantized in registers and
+  // multiplied with every row at once, with no buffer (the same fmas in the same order as
+  // dequant + dot, so the same bits).
+  template <int BITS, int mr, int nr>
+  BATCHSCOPE_AVX512 static void fused(const Problem& p, int n0) {
+    __m512 acc[mr][nr];
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+    const size_t rw = row_words(p);
+    const uint32_t* w0 = p.w + static_cast<size_t>(n0) * rw;
+    const int groups = p.K / p.group_size;
+    const __m512i mask = _mm512_set1_epi32(0xf);
+    constexpr int step = BITS == 4 ? 32 : 16;
+    for (int g = 0; g < groups; ++g) {
+      __m512 s[nr], b[nr];
+      for (int j = 0; j < nr; ++j) {
+        const size_t at = static_cast<size_t>(n0 + j) * groups + g;
+        s[j] = _mm512_set1_ps(scale_at(p.scales, p.scale_type, at));
+        b[j] = _mm512_set1_ps(scale_at(p.biases, p.scale_type, at));
+      }
+      const int k0 = g * p.group_size;
+      for (int k = k0; k < k0 + p.group_size; k += step) {
+        const size_t word = static_cast<size_t>(k) * BITS / 32;
+        for (int j = 0; j < nr; ++j) {
+          const uint32_t* q = w0 + j * rw + word;
+          __builtin_prefetch(q + PREFETCH_ROWS * rw);
+          const __m512i v =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+          if constexpr (BITS == 4) {
+            const __m512 lo =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), s[j], b[j]);
+            const __m512 hi =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[j], b[j]);
+            for (int i = 0; i < mr; ++i) {
+              const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
+              acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), lo, acc[i][j]);
+              acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), hi, acc[i][j]);
+            }
+          } else {
+            const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[j], b[j]);
+            for (int i = 0; i < mr; ++i) {
+              const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
+              acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), wv, acc[i][j]);
+            }
+          }
+        }
+      }
+    }
+    for (int i = 0; i < mr; ++i) {
+      for (int j = 0; j < nr; ++j) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc[i][j]);
+        p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum(lanes);
+      }
+    }
+  }
+
+  static void fused_range(const Problem& p, int n_begin, int n_end);
+};
+
+// A step of exactly R rows (R <= Kern::FUSED_MR) through Kern::fused.
+template <class Kern, int nr, int R = Kern::FUSED_MR>
+void fused_rows(const Problem& p, int n0) {
+  if constexpr (R >= 1) {
+    if (p.M == R) {
+      if (p.bits == 4) {
+        Kern::template fused<4, R, nr>(p, n0);
+      } else {
+        Kern::template fused<8, R, nr>(p, n0);
+      }
+    } else {
+      fused_rows<Kern, nr, R - 1>(p, n0);
+    }
+  }
+}
+
+// Outputs [n_begin, n_end) of a step of at most FUSED_MR rows.
+template <class Kern>
+void fused_outputs(const Problem& p, int n_begin, int n_end) {
+  int n = n_begin;
+  for (; n + Kern::NR <= n_end; n += Kern::NR) fused_rows<Kern, Kern::NR>(p, n);
+  for (; n < n_end; ++n) fused_rows<Kern, 1>(p, n);
+}
+
+void Avx2::fused_range(const Problem& p, int n_begin, int n_end) {
+  fused_outputs<Avx2>(p, n_begin, n_end);
+}
+
+void Avx512::fused_range(const Problem& p, int n_begin, int n_end) {
+  fused_outputs<Avx512>(p, n_begin, n_end);
+}
+
+#endif  // __x86_64__
+
+// ---- shared driver -----------------------------------------------------------------------
+
+template <class Kern, int NR, int R = Kern::MR - 1>
+void row_tail(const Problem& p, const float* wt, int m, int n0, int rows) {
+  if constexpr (R >= 1) {
+    if (rows == R) {
+      Kern::template dot<R, NR>(p, wt, m, n0);
+    } else {
+      row_tail<Kern, NR, R - 1>(p, wt, m, n0, rows);
+    }
+  }
+}
+
+template <class Kern, int NR>
+void all_rows(const Problem& p, const float* wt, int n0) {
+  int m = 0;
+  for (; m + Kern::MR <= p.M; m += Kern::MR) Kern::template dot<Kern::MR, NR>(p, wt, m, n0);
+  row_tail<Kern, NR>(p, wt, m, n0, p.M - m);
+}
+
+// Outputs [n_begin, n_end): a tile's weights are dequantized once into a per-thread buffer
+// (NR x K floats, in L1 or L2), then every row tile of the step reads them from there.
+template <class Kern>
+void output_range(const Problem& p, int n_begin, int n_end) {
+  if constexpr (Kern::FUSED_MR > 0) {
+    if (p.M <= Kern::FUSED_MR) return Kern::fused_range(p, n_begin, n_end);
+  }
+  thread_local std::vector<float> buffer;
+  const size_t K = static_cast<size_t>(p.K);
+  if (buffer.size() < Kern::NR * K) buffer.resize(Kern::NR * K);
+  float* wt = buffer.data();
+  int n = n_begin;
+  for (; n + Kern::NR <= n_end; n += Kern::NR) {
+    for (int j = 0; j < Kern::NR; ++j) Kern::dequant(p, n + j, wt + j * K);
+    all_rows<Kern, Kern::NR>(p, wt, n);
+  }
+  for (; n < n_end; ++n) {
+    Kern::dequant(p, n, wt);
+    all_rows<Kern, 1>(p, wt, n);
+  }
+}
+
+template <class Kern>
+void compute_with(const Problem& p) {
+  // Output tiles in chunks shared by the threads (parallel_for); which thread takes a tile
+  // does not change its arithmetic. Below ~64k multiply-adds one thread is faster.
+  const int tiles = (p.N + Kern::NR - 1) / Kern::NR;
+  if (static_cast<int64_t>(p.M) * p.K * p.N >= (1 << 16)) {
+    const int chunk = std::max(1, tiles / (parallel_threads() * 8));
+    auto outputs = [&](int begin, int end) {
+      output_range<Kern>(p, begin * Kern::NR, std::min(p.N, end * Kern::NR));
+    };
+    if (parallel_for(tiles, chunk, outputs)) return;
+  }
+  output_range<Kern>(p, 0, p.N);
+}
+
+bool cpu_has(Isa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (isa == Isa::avx512) return __builtin_cpu_supports("avx512f");
+  if (isa == Isa::avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == Isa::portable;
+}
+
+Isa best_isa() {
+  for (Isa isa : {Isa::avx512, Isa::avx2}) {
+    if (cpu_has(isa)) return isa;
+  }
+  return Isa::portable;
+}
+
+bool parse_isa(const std::string& name, Isa* isa) {
+  if (name == "auto") {
+    *isa = best_isa();
+  } else if (name == "avx512") {
+    *isa = Isa::avx512;
+  } else if (name == "avx2") {
+    *isa = Isa::avx2;
+  } else if (name == "portable") {
+    *isa = Isa::portable;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+std::atomic<int> chosen{-1};
+
+Isa current_isa() {
+  int c = chosen.load();
+  if (c < 0) {
+    // BATCHSCOPE_QUANTIZED_ISA picks a path this CPU has; an unknown or missing one: the best.
+    Isa isa = best_isa();
+    const char* env = std::getenv("BATCHSCOPE_QUANTIZED_ISA");
+    Isa wanted;
+    if (env != nullptr && parse_isa(env, &wanted) && cpu_has(wanted)) isa = wanted;
+    int expected = -1;
+    chosen.compare_exchange_strong(expected, static_cast<int>(isa));
+    c = chosen.load();
+  }
+  return static_cast<Isa>(c);
+}
+
+void compute(const Problem& p) {
+  switch (current_isa()) {
+#if defined(__x86_64__)
+    case Isa::avx512: compute_with<Avx512>(p); return;
+    case Isa::avx2: compute_with<Avx2>(p); return;
+#endif
+    default: compute_with<Portable>(p); return;
+  }
+}
+
+void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("decode_quantized_linear: " + message);
+}
+
+std::string shape_str(const mx::array& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + ")";
+}
+
+}  // namespace
+
+std::string decode_quantized_isa() {
+  return isa_name(current_isa());
+}
+
+std::string set_decode_quantized_isa(const std::string& name) {
+  Isa isa;
+  if (!parse_isa(name, &isa)) {
+    throw std::invalid_argument("decode_quantized_linear: unknown path '" + name +
+                                "' (auto, avx512, avx2 or portable)");
+  }
+  if (!cpu_has(isa)) {
+    throw std::invalid_argument("decode_quantized_linear: this CPU or build has no " + name +
+                                " path");
+  }
+  chosen.store(static_cast<int>(isa));
+  return isa_name(isa);
+}
+
+mx::array decode_quantized_linear(const mx::array& x, const mx::array& w,
+                                  const mx::array& scales, const mx::array& biases,
+                                  int group_size, int bits, mx::StreamOrDevice s) {
+  check(bits == 4 || bits == 8, "bits must be 4 or 8, not " + std::to_string(bits));
+  check(group_size == 32 || group_size == 64 || group_size == 128,
+        "group_size must be 32, 64 or 128, not " + std::to_string(group_size));
+  check(x.ndim() >= 1 && w.ndim() == 2 && scales.ndim() == 2 && biases.ndim() == 2,
+        "x must be (..., in), w (out, in * bits / 32), scales and biases (out, in / group_size)");
+  check(x.dtype() == mx::float32,
+        "x must be float32 (float16 and bfloat16 activations keep MLX's quantized_matmul)");
+  check(w.dtype() == mx::uint32, "w must be uint32 (MLX's packed quantized weights)");
+  check(scales.dtype() == mx::float16 || scales.dtype() == mx::bfloat16 ||
+            scales.dtype() == mx::float32,
+        "scales must be float16, bfloat16 or float32");
+  check(biases.dtype() == scales.dtype(), "biases must have the scales' dtype");
+  const int64_t K = x.shape(-1);
+  check(K > 0 && K % group_size == 0,
+        "in_features (" + std::to_string(K) + ") must be a positive multiple of group_size");
+  check(static_cast<int64_t>(w.shape(1)) * 32 == K * bits,
+        "w " + shape_str(w) + " does not hold " + std::to_string(K) + " " +
+            std::to_string(bits) + "-bit values per row");
+  check(scales.shape(0) == w.shape(0) && scales.shape(1) == K / group_size,
+        "scales " + shape_str(scales) + " must be (out, in / group_size)");
+  check(biases.shape() == scales.shape(),
+        "biases " + shape_str(biases) + " must have the scales' shape");
+  check(static_cast<int64_t>(w.shape(0)) * K < (int64_t{1} << 31) &&
+            static_cast<int64_t>(x.size()) < (int64_t{1} << 31),
+        "too large");
+  auto stream = mx::to_stream(s);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<DecodeQuantizedLinear>(stream, group_size, bits),
+                   {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
+                    mx::contiguous(scales, false, stream),
+                    mx::contiguous(biases, false, stream)});
+}
+
+void DecodeQuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
+                                     std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const int K = static_cast<int>(x.shape(-1));
+  const int N = static_cast<int>(w.shape(0));
+  const int M = static_cast<int>(x.size() / K);
+  const ScaleType st = scales.dtype() == mx::float16    ? ScaleType::f16
+                       : scales.dtype() == mx::bfloat16 ? ScaleType::bf16
+                                                        : ScaleType::f32;
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                    scales = mx::array::unsafe_weak_copy(scales),
+                    biases = mx::array::unsafe_weak_copy(biases),
+                    out = mx::array::unsafe_weak_copy(out), st, M, K, N, gs = group_size_,
+                    bits = bits_]() mutable {
+    const float* xs = x.data<float>();
+    std::vector<float> lane_order;
+    if (bits == 4) {  // each 32 values: the even ones, then the odd ones (see the top)
+      lane_order.resize(static_cast<size_t>(M) * K);
+      for (size_t base = 0; base < lane_order.size(); base += 32) {
+        for (int j = 0; j < 16; ++j) {
+          lane_order[base + j] = xs[base + 2 * j];
+          lane_order[base + 16 + j] = xs[base + 2 * j + 1];
+        }
+      }
+      xs = lane_order.data();
+    }
+    Problem p{xs, w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), st,
+              out.data<float>(), M, K, N, gs, bits};
+    compute(p);
+  });
+}
+
+void DecodeQuantizedLinear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "decode_quantized_linear runs on the CPU only; on a GPU MLX's quantized_matmul is used");
+}
+
+}  // namespace batchscope

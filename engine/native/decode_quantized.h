@@ -1,0 +1,52 @@
+// MLX's affine-quantized linear layer (nn.QuantizedLinear, 4 or 8 bits) for the few rows of a
+// decode step: each packed weight group is read once for all of the step's rows and
+// dequantized on the CPU, with the same arithmetic for a row whatever else is in the call
+// (batch-invariant by construction) and on every instruction set it runs on.
+#pragma once
+
+#include <string>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace batchscope {
+
+namespace mx = mlx::core;
+
+// x: (..., in) float32; w: (out, in * bits / 32) uint32 as MLX packs it (lowest bits first);
+// scales, biases: (out, in / group_size), float16, bfloat16 or float32. Returns (..., out)
+// float32: x @ (scales * q + biases).T.
+mx::array decode_quantized_linear(const mx::array& x, const mx::array& w,
+                                  const mx::array& scales, const mx::array& biases,
+                                  int group_size, int bits, mx::StreamOrDevice s = {});
+
+// The instruction set the op uses: "avx512", "avx2" or "portable" (best this CPU has, unless
+// BATCHSCOPE_QUANTIZED_ISA or set_decode_quantized_isa chose another it also has).
+std::string decode_quantized_isa();
+
+// Forces a path (tests compare them): "auto", "avx512", "avx2" or "portable". Returns the one
+// now in use; raises for a path this CPU (or build) does not have.
+std::string set_decode_quantized_isa(const std::string& name);
+
+class DecodeQuantizedLinear : public mx::Primitive {
+ public:
+  DecodeQuantizedLinear(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "DecodeQuantizedLinear";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeQuantizedLinear&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+}  // namespace batchscope
