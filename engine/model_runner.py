@@ -33,10 +33,10 @@ NEG_INF = float("-inf")
 DECODE_MATMUL_MAX_ROWS = 32
 # The same for MLX's affine-quantized layers (the shipped 4-bit linears and 8-bit tied head):
 # the native quantized kernel. On the CPU MLX's quantized_matmul computes one row at a time,
-# and the kernel is faster at every row count measured: 7x at 1 row, 16-55x from 4 to 128 over
-# the whole model (benchmarks/decode_linear.py --weights q4), 30-50x at 512 and 2048 rows on
-# single layers. So every gemm step up to this many rows takes it (no crossover was found),
-# and a row gets the same bits in every such step.
+# and the kernel is faster at every row count measured over the whole model: 7x at 1 row and
+# 16-55x from 4 to 128 (benchmarks/decode_linear.py --weights q4, results/decode_quantized.md;
+# `--rows 512 2048` measures larger steps). Since MLX's cost grows with every row, every gemm
+# step up to this many rows takes it, and a row gets the same bits in every such step.
 DECODE_QUANTIZED_MAX_ROWS = 4096
 
 
@@ -170,6 +170,8 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.layer_kv = self.family.layer_kv()
+        # The sliding windows of the layers that write keys and values (empty: none).
+        self.windows = [kv.window for kv in self.layer_kv if kv.window and kv.writes]
         pool_layers = 1 + max(kv.pool_layer for kv in self.layer_kv)
         if pool.num_layers != pool_layers:
             raise ValueError(f"the pool has {pool.num_layers} layers, the model {pool_layers}")
@@ -179,11 +181,6 @@ class ModelRunner:
         self.quantized_kernel = _quantized_kernel(decode_matmul, self.fused_attention)
         self.path = "gemm"
         self.tile = 16  # rows per call on the batch-invariant ("tiled") path
-
-    @property
-    def windows(self) -> list[int]:
-        """The sliding windows of the layers that write keys and values (empty: none)."""
-        return [kv.window for kv in self.layer_kv if kv.window and kv.writes]
 
     @property
     def window_block_bytes(self) -> int:

@@ -1,4 +1,5 @@
-"""The native ops (engine/native/) for tests: the op, or a skip where it is not built.
+"""The native ops (engine/native/) for tests: the op, or a skip where it is not built; and the
+runner set-up the decode-matmul tests share.
 
 In CI (`CI` set), where scripts/setup.sh builds the kernels, their absence fails the test
 instead, so a broken build cannot pass as skipped tests.
@@ -21,3 +22,34 @@ def native_op(name: str):
             pytest.fail(f"native kernel {native.why_not()}")
         pytest.skip(f"native kernel {native.why_not()}")
     return op
+
+
+def random(shape, seed):
+    import numpy as np
+
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def runner_for(model, decode_matmul="auto"):
+    """A ModelRunner over a small pool of the model's own shapes."""
+    from engine.model_runner import ModelRunner, pool_for
+    from engine.models import family_for
+
+    family = family_for(model)
+    return ModelRunner(model, pool_for(family, 64, 16), "auto", decode_matmul, family)
+
+
+def decode_groups(lens, first_token=40):
+    """Prefill groups for sequences of these lengths, then one decode row each."""
+    from engine.model_runner import RowGroup
+    from engine.sampling import SamplingParams
+
+    groups, prefill, block = [], [], 0
+    for i, n in enumerate(lens):
+        nb = -(-(n + 1) // 16)
+        table = list(range(block, block + nb))
+        block += nb
+        prefill.append(RowGroup(f"s{i}", [(7 * j + i) % 200 + 3 for j in range(n)], 0, table,
+                                False))
+        groups.append(RowGroup(f"s{i}", [first_token + i], n, table, True, SamplingParams()))
+    return prefill, groups

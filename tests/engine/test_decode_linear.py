@@ -9,11 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from native_ops import native_op
+from native_ops import decode_groups, native_op, random, runner_for
 
-from engine.kv_cache import KVPool
-from engine.model_runner import DECODE_MATMUL_MAX_ROWS, ModelRunner, RowGroup
-from engine.sampling import SamplingParams
+from engine.model_runner import DECODE_MATMUL_MAX_ROWS
 from engine.testing import tiny_model
 
 
@@ -21,8 +19,6 @@ def native_linear():
     return native_op("decode_linear")
 
 
-def random(shape, seed):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 # Shapes of SmolLM2's layers, and odd ones that exercise every tail: rows not a multiple of the
@@ -116,11 +112,6 @@ def test_decode_matmul_setting_is_checked():
 
 # ---- in the model runner ----------------------------------------------------------------------
 
-def runner_for(model, decode_matmul):
-    args = model.args
-    pool = KVPool(len(model.model.layers), 64, 16, args.num_key_value_heads,
-                  args.hidden_size // args.num_attention_heads)
-    return ModelRunner(model, pool, "auto", decode_matmul)
 
 
 def count_native_calls(runner):
@@ -135,16 +126,6 @@ def count_native_calls(runner):
     return calls
 
 
-def decode_groups(lens, first_token=40):
-    groups, prefill, block = [], [], 0
-    for i, n in enumerate(lens):
-        nb = -(-(n + 1) // 16)
-        table = list(range(block, block + nb))
-        block += nb
-        prefill.append(RowGroup(f"s{i}", [(7 * j + i) % 200 + 3 for j in range(n)], 0, table,
-                                False))
-        groups.append(RowGroup(f"s{i}", [first_token + i], n, table, True, SamplingParams()))
-    return prefill, groups
 
 
 def test_few_row_float32_gemm_steps_take_the_kernel_and_others_do_not():

@@ -10,11 +10,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from native_ops import native_op
+from native_ops import decode_groups, native_op, random, runner_for
 
 from engine import native
-from engine.kv_cache import KVPool
-from engine.model_runner import DECODE_QUANTIZED_MAX_ROWS, ModelRunner, RowGroup
+from engine.model_runner import DECODE_QUANTIZED_MAX_ROWS
 from engine.sampling import SamplingParams
 from engine.testing import tiny_model
 
@@ -25,8 +24,6 @@ def kernel():
     return native_op("decode_quantized_linear")
 
 
-def random(shape, seed):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 def quantized(out, k, bits, group_size, dtype=mx.float16, seed=0):
@@ -211,11 +208,6 @@ def test_refuses_bad_inputs_before_running():
 
 # ---- in the model runner ----------------------------------------------------------------------
 
-def runner_for(model, decode_matmul="auto"):
-    args = model.args
-    pool = KVPool(len(model.model.layers), 64, 16, args.num_key_value_heads,
-                  args.hidden_size // args.num_attention_heads)
-    return ModelRunner(model, pool, "auto", decode_matmul)
 
 
 def count_calls(runner):
@@ -230,16 +222,6 @@ def count_calls(runner):
     return calls
 
 
-def decode_groups(lens, first_token=40):
-    groups, prefill, block = [], [], 0
-    for i, n in enumerate(lens):
-        nb = -(-(n + 1) // 16)
-        table = list(range(block, block + nb))
-        block += nb
-        prefill.append(RowGroup(f"s{i}", [(7 * j + i) % 200 + 3 for j in range(n)], 0, table,
-                                False))
-        groups.append(RowGroup(f"s{i}", [first_token + i], n, table, True, SamplingParams()))
-    return prefill, groups
 
 
 def test_gemm_steps_of_a_4bit_model_take_the_kernel_and_gemv_does_not():
