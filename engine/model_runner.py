@@ -116,6 +116,11 @@ class Step:
         """A linear layer (tied=True: an embedding used as the output head)."""
         return self.runner.linear(module, x, tied)
 
+    def linears(self, modules: list, x: mx.array) -> list[mx.array]:
+        """Several linear layers over the same input (q/k/v, gate/up): the same results as
+        one `linear` each, in fewer calls where the step's kernel allows."""
+        return self.runner.linears(modules, x)
+
     def rope(self, rope, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         """q: (rows, heads, dim), k: (rows, kv_heads, dim), rotated at each row's position.
 
@@ -181,6 +186,7 @@ class ModelRunner:
         self.quantized_kernel = _quantized_kernel(decode_matmul, self.fused_attention)
         self.path = "gemm"
         self.tile = 16  # rows per call on the batch-invariant ("tiled") path
+        self._stacks: dict[tuple[int, ...], tuple[str | None, tuple]] = {}  # see _stacked
 
     @property
     def window_block_bytes(self) -> int:
@@ -225,6 +231,51 @@ class ModelRunner:
                 bias = getattr(module, "bias", None)
                 return out if bias is None else out + bias
         return apply_linear(module.as_linear if tied else module, x, self.path, self.tile)
+
+    def linears(self, modules: list, x: mx.array) -> list[mx.array]:
+        """Linear layers that share an input. On a few-row "gemm" step the native kernels take
+        them as one call over their weights stacked by output (ModelRunner._stacked): each
+        output's arithmetic in those kernels depends on its own weights alone, so the bits are
+        those of one call per layer, with a fraction of the calls."""
+        stacked = self._stacked(modules, x) if self.path == "gemm" else None
+        if stacked is None:
+            return [self.linear(m, x) for m in modules]
+        out = stacked(x)
+        parts, at = [], 0
+        for m in modules:
+            n = m.weight.shape[0]
+            part = out[..., at:at + n]
+            at += n
+            bias = getattr(m, "bias", None)
+            parts.append(part if bias is None else part + bias)
+        return parts
+
+    def _stacked(self, modules: list, x: mx.array):
+        """The one native call for `modules` on x (a function of x), or None where a layer
+        would not take a native kernel on this step. The stacked weights are made on first use
+        and the layers' own weights become views of them, so no memory is added."""
+        rows = x.shape[1]
+        key = tuple(id(m) for m in modules)
+        entry = self._stacks.get(key)
+        if entry is None:
+            entry = self._stacks[key] = self._stack(modules)
+        kind, arrays = entry
+        if kind == "f32" and rows <= DECODE_MATMUL_MAX_ROWS:
+            return lambda v: self.matmul_kernel(v, arrays[0])
+        if kind == "q" and rows <= DECODE_QUANTIZED_MAX_ROWS and x.dtype == mx.float32:
+            return lambda v: self.quantized_kernel(v, *arrays)
+        return None
+
+    def _stack(self, modules: list) -> tuple[str | None, tuple]:
+        weights = [_float32_weight(m) for m in modules]
+        if self.matmul_kernel is not None and all(w is not None for w in weights):
+            return "f32", (_stack_rows(modules, ["weight"])[0],)
+        quantized = [_quantized_weight(m) for m in modules]
+        if (self.quantized_kernel is not None and all(q is not None for q in quantized)
+                and len({(q[3], q[4], q[1].dtype) for q in quantized}) == 1):
+            w, scales, biases = _stack_rows(modules, ["weight", "scales", "biases"])
+            return "q", (w, scales, biases, quantized[0][3], quantized[0][4])
+        return None, ()
 
     def run(self, groups: list[RowGroup], path: str = "gemm") -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path`."""
@@ -364,6 +415,21 @@ def _quantized_weight(module, kind=nn.QuantizedLinear) -> tuple | None:
             or getattr(module, "biases", None) is None):
         return None
     return module.weight, module.scales, module.biases, module.group_size, module.bits
+
+
+def _stack_rows(modules: list, names: list[str]) -> list[mx.array]:
+    """Concatenate the modules' parameters `names` along the output axis, and make each
+    module's own parameter a view of its rows of the result (evaluated: no copy is kept)."""
+    stacked = [mx.concatenate([m[name] for m in modules], axis=0) for name in names]
+    mx.eval(stacked)
+    at = 0
+    for m in modules:
+        n = m["weight"].shape[0]
+        for name, whole in zip(names, stacked, strict=True):
+            m[name] = whole[at:at + n]
+        at += n
+    mx.eval([m[name] for m in modules for name in names])
+    return stacked
 
 
 def _sample_row(logprobs: mx.array, p: SamplingParams, output_index: int) -> mx.array:

@@ -132,9 +132,10 @@ def llama_attention(step: Step, i: int, attn: nn.Module, h: mx.array, *,
     """Separate q/k/v projections (biases live in the modules), optional per-head q/k
     RMSNorm before RoPE, paged attention, the output projection."""
     rows = step.rows
-    q = step.linear(attn.q_proj, h).reshape(rows, attn.n_heads, -1)
-    k = step.linear(attn.k_proj, h).reshape(rows, attn.n_kv_heads, -1)
-    v = step.linear(attn.v_proj, h).reshape(rows, attn.n_kv_heads, -1)
+    q, k, v = step.linears([attn.q_proj, attn.k_proj, attn.v_proj], h)
+    q = q.reshape(rows, attn.n_heads, -1)
+    k = k.reshape(rows, attn.n_kv_heads, -1)
+    v = v.reshape(rows, attn.n_kv_heads, -1)
     if qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if rope:
@@ -146,5 +147,5 @@ def llama_attention(step: Step, i: int, attn: nn.Module, h: mx.array, *,
 def swiglu_mlp(step: Step, mlp: nn.Module, h: mx.array) -> mx.array:
     # Not mlx-lm's compiled `swiglu`: a function compiled on a non-main thread makes the
     # process abort at exit (MLX 0.32). The uncompiled form gives bit-identical results.
-    gate = step.linear(mlp.gate_proj, h)
-    return step.linear(mlp.down_proj, nn.silu(gate) * step.linear(mlp.up_proj, h))
+    gate, up = step.linears([mlp.gate_proj, mlp.up_proj], h)
+    return step.linear(mlp.down_proj, nn.silu(gate) * up)

@@ -637,7 +637,7 @@ void DecodeQuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
                     out = mx::array::unsafe_weak_copy(out), st, M, K, N, gs = group_size_,
                     bits = bits_]() mutable {
     const float* xs = x.data<float>();
-    std::vector<float> lane_order;
+    thread_local std::vector<float> lane_order;  // reused: no allocation per call
     if (bits == 4) {  // each 32 values: the even ones, then the odd ones (see the top)
       lane_order.resize(static_cast<size_t>(M) * K);
       for (size_t base = 0; base < lane_order.size(); base += 32) {

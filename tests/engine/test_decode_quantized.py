@@ -236,10 +236,11 @@ def test_gemm_steps_of_a_4bit_model_take_the_kernel_and_gemv_does_not():
     assert 67 <= DECODE_QUANTIZED_MAX_ROWS
     layers = len(model.model.layers)
     head = isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
-    assert calls[:7 * layers] == [(67, 4)] * (7 * layers)
+    # Per layer: q/k/v stacked into one call, o, gate/up stacked, down.
+    assert calls[:4 * layers] == [(67, 4)] * (4 * layers)
     calls.clear()
     runner.run(decode)  # 3 decode rows: every linear layer, and the tied head
-    assert calls == [(3, 4)] * (7 * layers) + [(3, 4)] * head
+    assert calls == [(3, 4)] * (4 * layers) + [(3, 4)] * head
     calls.clear()
     runner.run(decode, path="gemv")  # the row-wise path stays on MLX's quantized_matmul
     runner.run(decode, path="tiled")
@@ -262,6 +263,39 @@ def test_the_setting_mlx_keeps_mlx_and_native_tokens_follow_it():
         mlx_token, mlx_logprob = results["mlx"][seq]
         assert token == mlx_token
         assert abs(logprob - mlx_logprob) < 1e-4
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_stacked_projections_give_the_bits_of_one_call_each_and_add_no_memory(quantize):
+    """Step.linears (q/k/v, gate/up) as one native call over the stacked weights: each output
+    sums its own weights only, so the bits are those of a call per layer; the layers' weights
+    become views of the stacked ones. Biases (qwen2's q/k/v) are added per layer."""
+    (native_op("decode_quantized_linear") if quantize else native_op("decode_linear"))
+    model = tiny_model(quantize=quantize).model
+    runner = runner_for(model, "native")
+    attn = model.model.layers[0].self_attn
+    modules = [attn.q_proj, attn.k_proj, attn.v_proj]
+    for i, m in enumerate(modules):
+        m.bias = mx.array(random((m.weight.shape[0],), 20 + i))
+    features = model.args.hidden_size
+    for rows in (1, 3, 8):
+        x = mx.array(random((1, rows, features), rows))
+        separate = [runner.linear(m, x) for m in modules]
+        mx.eval(separate)
+        before = mx.get_active_memory()
+        stacked = runner.linears(modules, x)
+        mx.eval(stacked)
+        for a, b in zip(stacked, separate, strict=True):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
+        grew = mx.get_active_memory() - before
+        weights = sum(m.weight.nbytes for m in modules)
+        assert grew < weights / 2, (grew, weights)  # the stacked copy replaced the originals
+    assert list(runner._stacks.values())[0][0] == ("q" if quantize else "f32")
+    # The row-wise path still calls each layer (MLX's own kernel).
+    runner.path = "gemv"
+    x = mx.array(random((1, 2, x.shape[-1]), 99))
+    for a, m in zip(runner.linears(modules, x), modules, strict=True):
+        assert mx.array_equal(a, runner.linear(m, x)).item()
 
 
 def test_a_quantized_linear_with_bias_adds_it():
