@@ -134,10 +134,12 @@ def test_the_form_runs_an_experiment_in_the_worker(client):
     exp_id = r.headers["location"].split("id=")[1]
     deadline = time.time() + 120
     while True:
+        # The page first, then the status: a status still running means the page was rendered
+        # while it ran, so it must refresh itself.
+        page = soup(client.get(f"/divergence?id={exp_id}"))
         entry = client.get(f"/divergence.json?id={exp_id}").json()["experiment"]
         if entry["status"] in ("done", "error") or time.time() > deadline:
             break
-        page = soup(client.get(f"/divergence?id={exp_id}"))
         assert page.find("meta", attrs={"http-equiv": "refresh"}) is not None
         time.sleep(0.05)
     assert entry["status"] == "done", entry["error"]
