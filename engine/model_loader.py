@@ -112,21 +112,27 @@ def _validate_weights(weights: str) -> None:
         )
 
 
-def resolve_weights(requested: str, backend_info: dict | None = None) -> str:
+def resolve_weights(requested: str, backend_info: dict | None = None,
+                    native_quantized: bool | None = None) -> str:
     """Turn a requested weights format into a concrete one ("q4", "f32" or "bf16").
 
     Explicit formats pass through. "auto" picks the fastest format for the backend, as
-    measured by benchmarks/weights_speed.py (docs/weights.md has the table):
+    measured by benchmarks/engine_weights.py and benchmarks/weights_speed.py (docs/weights.md
+    has the tables):
       - Metal / CUDA: "q4". MLX has fast quantized GPU kernels, and decode is bound by
         memory bandwidth, which 4-bit weights cut ~4x against bf16.
-      - CPU with an optimized BLAS (OpenBLAS preloaded on Linux; Accelerate on macOS):
-        "f32". MLX's CPU quantized matmul ignores BLAS and costs the same per row at any
-        batch size, while f32 matmuls go to the BLAS: decode 1.5-2.6x q4 at batch 1 and
-        4.4-7.4x at batch 4, prefill 20-35x (2-core x86, OpenBLAS 0.3.21).
-      - CPU with only MLX's bundled reference BLAS: "bf16". At batch 1 all three formats
-        decode at about the same speed, but bf16 matmuls use MLX's own kernels (not the
-        slow reference BLAS): ~1.7-1.8x q4 and f32 at batch 4, ~2.2x for prefill. bf16
-        rounds the dequantized weights, so logits drift (top-1 agreement with q4 ~98%).
+      - CPU with the native quantized kernel built (engine/native; native_quantized, default:
+        whether it is): "q4". The engine decodes faster at q4 than at f32 at every batch size
+        measured (1.1-1.4x at 1-16 sequences), in a fifth of the memory, and every row of a
+        step gets the same bits whatever shares it; prefill runs at 0.8-1.1x f32.
+      - CPU without it, with an optimized BLAS (OpenBLAS preloaded on Linux; Accelerate on
+        macOS): "f32". MLX's CPU quantized matmul computes one row at a time: f32 decodes
+        1.5-2.6x faster at batch 1, 4.4-7.4x at batch 4, and prefills 20-35x faster.
+      - CPU with only MLX's bundled reference BLAS: "bf16" (MLX's own kernels; ~1.7-1.8x q4
+        and f32 at batch 4, ~2.2x for prefill; bf16 rounds the weights, top-1 agreement with
+        q4 ~98%).
+    A folder whose quantization the native kernel cannot take falls back to the CPU rules
+    without it (load_folder).
     """
     _validate_weights(requested)
     if requested != "auto":
@@ -134,9 +140,29 @@ def resolve_weights(requested: str, backend_info: dict | None = None) -> str:
     info = backend_info if backend_info is not None else _backend_info()
     if info.get("backend") in ("metal", "cuda"):
         return "q4"
+    if native_quantized is None:
+        from engine import native
+
+        native_quantized = native.decode_quantized_linear() is not None
+    if native_quantized:
+        return "q4"
     if info.get("blas") or info.get("platform") == "darwin":
         return "f32"
     return "bf16"
+
+
+def native_takes(model: nn.Module) -> bool:
+    """Whether the native quantized kernel takes every quantized layer of the model (MLX's
+    affine 4/8-bit in groups of 32/64/128, no quantized experts) and there is at least one."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    quantized = [m for m in model.modules()
+                 if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding
+                               | QuantizedSwitchLinear)]
+    return bool(quantized) and all(
+        not isinstance(m, QuantizedSwitchLinear) and getattr(m, "mode", "affine") == "affine"
+        and m.bits in (4, 8) and m.group_size in (32, 64, 128)
+        and getattr(m, "biases", None) is not None for m in quantized)
 
 
 # ---------------------------------------------------------------------------------------
@@ -493,8 +519,10 @@ def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
     weights: "q4" means *as shipped* (whatever quantization or dtype the folder holds; the
     LoadedModel's `weights` says which, e.g. "q4", "q8", "bf16"); "f32"/"bf16" dequantize
     or convert at load; "auto" follows resolve_weights (on Metal/CUDA: as shipped; on CPU:
-    f32 or bf16; f32 for a mixture of experts on the CPU, where MLX's gather_mm takes
-    float32 only). Never downloads: a missing folder is a ModelNotFoundError.
+    as shipped where the native quantized kernel takes every layer, else f32 or bf16; f32
+    for a mixture of experts on the CPU, where MLX's gather_mm takes float32 only), and keeps
+    the shipped format where dequantizing would not fit in memory. Never downloads: a
+    missing folder is a ModelNotFoundError.
     """
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -518,6 +546,11 @@ def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
         weights = _check_expansion(folder, requested, weights)
     model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
     config = dict(config)
+    if requested == "auto" and weights == "q4" and mx.default_device() == mx.cpu \
+            and not native_takes(model):
+        # Not a format the native kernel takes (or not quantized): the CPU rule without it.
+        weights = resolve_weights("auto", native_quantized=False)
+        weights = _check_expansion(folder, requested, weights)
     if requested == "auto" and weights == "bf16" and _has_experts(model) \
             and mx.default_device() == mx.cpu:
         # MLX's CPU gather_mm (dense experts) computes float32 only

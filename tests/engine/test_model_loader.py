@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,9 +67,20 @@ def test_bad_weights_value_is_a_value_error(bad):
     ],
 )
 def test_auto_weights_rule(info, expected):
-    assert resolve_weights("auto", info) == expected
+    """Without the native quantized kernel; with it, the CPU keeps the shipped 4-bit weights."""
+    assert resolve_weights("auto", info, native_quantized=False) == expected
+    assert resolve_weights("auto", info, native_quantized=True) == "q4"
     for explicit in ("q4", "f32", "bf16"):
-        assert resolve_weights(explicit, info) == explicit
+        assert resolve_weights(explicit, info, native_quantized=True) == explicit
+        assert resolve_weights(explicit, info, native_quantized=False) == explicit
+
+
+def test_auto_follows_whether_the_native_quantized_kernel_is_built():
+    from engine import native
+
+    cpu = {"backend": "cpu", "blas": "/usr/lib/libopenblas.so.0", "platform": "linux"}
+    built = native.decode_quantized_linear() is not None
+    assert resolve_weights("auto", cpu) == ("q4" if built else "f32")
 
 
 def test_missing_folder_is_model_not_found(tmp_path):
@@ -407,6 +419,26 @@ def test_auto_keeps_the_shipped_format_when_the_expansion_would_not_fit(
     with pytest.raises(ValueError, match=r"--weights f32: llama would need .* GiB at load"):
         load_model(str(tiny_q4_folder), "f32")
     assert load_model(str(tiny_q4_folder), "q4").weights == "q4"
+
+
+def test_auto_on_the_cpu_keeps_a_folder_the_native_kernel_takes(tiny_q4_folder, tmp_path):
+    """A 4-bit (group 64) folder stays 4-bit; an unquantized one and a 3-bit one (not a
+    format the kernel takes) load as float32, as without the kernel."""
+    from mlx_lm.models import llama
+
+    from engine import native
+    from engine.testing import FAMILY_CONFIGS, make_family_folder
+
+    if native.decode_quantized_linear() is None:
+        pytest.skip(f"native kernel {native.why_not()}")
+    assert load_model(str(tiny_q4_folder), "auto").weights == "q4"
+    _, config = FAMILY_CONFIGS["llama"]
+    dense = make_family_folder(tmp_path / "dense", llama, config)
+    assert load_model(str(dense), "auto").weights == "f32"
+    three = load_model(str(dense), "q4")
+    nn.quantize(three.model, group_size=64, bits=3)
+    assert not model_loader.native_takes(three.model)
+    assert model_loader.native_takes(load_model(str(tiny_q4_folder), "q4").model)
 
 
 def test_available_memory_is_a_plausible_number():
