@@ -153,13 +153,17 @@ def resolve_weights(requested: str, backend_info: dict | None = None,
 
 def native_takes(model: nn.Module) -> bool:
     """Whether the native quantized kernel takes every quantized layer of the model (MLX's
-    affine 4/8-bit in groups of 32/64/128, no quantized experts) and there is at least one."""
+    affine 4/8-bit in groups of 32/64/128, no quantized experts; there is at least one) and
+    the activations stay float32, as the kernel takes them: no float16/bfloat16 parameter but
+    the quantization's scales and biases (a folder with bfloat16 norms computes in bfloat16)."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     quantized = [m for m in model.modules()
                  if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding
                                | QuantizedSwitchLinear)]
-    return bool(quantized) and all(
+    half = [name for name, v in tree_flatten(model.parameters())
+            if v.dtype in (mx.float16, mx.bfloat16) and not name.endswith((".scales", ".biases"))]
+    return bool(quantized) and not half and all(
         not isinstance(m, QuantizedSwitchLinear) and getattr(m, "mode", "affine") == "affine"
         and m.bits in (4, 8) and m.group_size in (32, 64, 128)
         and getattr(m, "biases", None) is not None for m in quantized)
