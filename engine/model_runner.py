@@ -11,6 +11,7 @@ rows that are sampled.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -127,9 +128,18 @@ class Step:
         Each row is its own "batch" entry so RoPE takes a per-row position. Queries and keys
         go through one call, half the calls: RoPE rotates each head alone, so the bits are
         those of two calls (tests/engine/test_attention.py)."""
+        native_rope = self.runner.native_rope(rope, q, k)
+        if native_rope is not None:
+            op, inv_freqs, scale = native_rope
+            return tuple(op(x, self.pos, inv_freqs, rope.dims, rope.traditional, scale)
+                         for x in (q, k))
         n = q.shape[1]
         qk = rope(mx.concatenate([q, k], axis=1)[:, :, None, :], offset=self.pos)[:, :, 0, :]
         return qk[:, :n], qk[:, n:]
+
+    def norm(self, module, x: mx.array) -> mx.array:
+        """An RMS norm module (mlx-lm's nn.RMSNorm) on x: the native op where it applies."""
+        return self.runner.norm(module, x)
 
     def attend(self, i: int, q: mx.array, k: mx.array | None, v: mx.array | None,
                scale: float, sinks: mx.array | None = None) -> mx.array:
@@ -184,9 +194,13 @@ class ModelRunner:
         self.attention_kernel = _decode_kernel(decode_attention, self.fused_attention)
         self.matmul_kernel = _matmul_kernel(decode_matmul, self.fused_attention)
         self.quantized_kernel = _quantized_kernel(decode_matmul, self.fused_attention)
+        # RMS norm and RoPE as one native op each (engine/native/row_ops.h), with the native
+        # linear kernels: "mlx" keeps MLX's own ops for all of a row's math.
+        self.row_ops = _row_ops(decode_matmul, self.fused_attention)
+        self._rope_freqs: dict[int, tuple] = {}  # id(rope) -> (rope, _rope_freqs(rope))
         self.path = "gemm"
         self.tile = 16  # rows per call on the batch-invariant ("tiled") path
-        self._stacks: dict[tuple[int, ...], tuple[str | None, tuple]] = {}  # see _stacked
+        self._stacks: dict[tuple[int, ...], tuple] = {}  # ids -> (modules, kind, arrays)
 
     @property
     def window_block_bytes(self) -> int:
@@ -257,9 +271,9 @@ class ModelRunner:
         rows = x.shape[1]
         key = tuple(id(m) for m in modules)
         entry = self._stacks.get(key)
-        if entry is None:
-            entry = self._stacks[key] = self._stack(modules)
-        kind, arrays = entry
+        if entry is None or any(a is not b for a, b in zip(entry[0], modules, strict=True)):
+            entry = self._stacks[key] = (modules, *self._stack(modules))  # modules kept alive
+        _, kind, arrays = entry
         if kind == "f32" and rows <= DECODE_MATMUL_MAX_ROWS:
             return lambda v: self.matmul_kernel(v, arrays[0])
         if kind == "q" and rows <= DECODE_QUANTIZED_MAX_ROWS and x.dtype == mx.float32:
@@ -276,6 +290,23 @@ class ModelRunner:
             w, scales, biases = _stack_rows(modules, ["weight", "scales", "biases"])
             return "q", (w, scales, biases, quantized[0][3], quantized[0][4])
         return None, ()
+
+    def norm(self, module, x: mx.array) -> mx.array:
+        if (self.row_ops is not None and type(module) is nn.RMSNorm and x.dtype == mx.float32
+                and module.weight.dtype == mx.float32):
+            return self.row_ops[0](x, module.weight, module.eps)
+        return module(x)
+
+    def native_rope(self, rope, q: mx.array, k: mx.array) -> tuple | None:
+        """(op, inv_freqs, scale) for the native RoPE of q and k, or None: MLX's. The native op
+        takes nn.RoPE and Llama3RoPE (a position-only angle); other variants scale or mix."""
+        if self.row_ops is None or q.dtype != mx.float32 or k.dtype != mx.float32:
+            return None
+        entry = self._rope_freqs.get(id(rope))
+        if entry is None or entry[0] is not rope:  # kept with its module: an id is not reused
+            entry = self._rope_freqs[id(rope)] = (rope, _rope_freqs(rope))
+        found = entry[1]
+        return None if found is None else (self.row_ops[1], *found)
 
     def run(self, groups: list[RowGroup], path: str = "gemm") -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path`."""
@@ -383,6 +414,28 @@ def _matmul_kernel(decode_matmul: str, fused: bool):
 def _quantized_kernel(decode_matmul: str, fused: bool):
     """The native quantized decode linear op to use (the same setting), or None for MLX's."""
     return _native_op("decode_matmul", decode_matmul, fused, native.decode_quantized_linear)
+
+
+def _row_ops(decode_matmul: str, fused: bool):
+    """The native (rms_norm_rows, rope_rows), or None for MLX's ops (a GPU, or "mlx")."""
+    return _native_op("decode_matmul", decode_matmul, fused, native.row_ops)
+
+
+def _rope_freqs(rope) -> tuple[mx.array, float] | None:
+    """(inv_freqs, position scale) as mlx.core.fast.rope computes them for this module."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    if type(rope) is nn.RoPE:
+        half = rope.dims // 2
+        inv = mx.exp(mx.arange(0.0, -half, -1.0) * (math.log(rope.base) / half))
+        scale = rope.scale
+    elif type(rope) is Llama3RoPE:
+        inv, scale = mx.reciprocal(rope._freqs), 1.0
+    else:
+        return None
+    inv = inv.astype(mx.float32)
+    mx.eval(inv)
+    return inv, float(scale)
 
 
 def _native_op(setting: str, value: str, fused: bool, get):

@@ -77,7 +77,7 @@ class Family:
 
     def head(self, step: Step, h: mx.array) -> mx.array:
         """Logits (1, n, vocab) for the last hidden states h (1, n, hidden) of sampled rows."""
-        h = self.inner.norm(h)
+        h = step.norm(self.inner.norm, h)
         if getattr(self.model, "lm_head", None) is not None:
             return step.linear(self.model.lm_head, h)
         return step.linear(self.inner.embed_tokens, h, tied=True)
@@ -137,7 +137,7 @@ def llama_attention(step: Step, i: int, attn: nn.Module, h: mx.array, *,
     k = k.reshape(rows, attn.n_kv_heads, -1)
     v = v.reshape(rows, attn.n_kv_heads, -1)
     if qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = step.norm(attn.q_norm, q), step.norm(attn.k_norm, k)
     if rope:
         q, k = step.rope(attn.rope, q, k)
     o = step.attend(i, q, k, v, attn.scale)

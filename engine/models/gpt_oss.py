@@ -61,8 +61,8 @@ class GptOss(Family):
 
     def layer(self, step, i, x):
         layer = self.layers[i]
-        x = x + self._attention(step, i, layer.self_attn, layer.input_layernorm(x))
-        return x + self._moe(step, i, layer.mlp, layer.post_attention_layernorm(x))
+        x = x + self._attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x))
+        return x + self._moe(step, i, layer.mlp, step.norm(layer.post_attention_layernorm, x))
 
     def _attention(self, step, i, attn, h):
         rows, dim = step.rows, attn.head_dim

@@ -23,5 +23,5 @@ class Llama(Family):
 
     def layer(self, step, i, x):
         layer = self.layers[i]
-        x = x + llama_attention(step, i, layer.self_attn, layer.input_layernorm(x))
-        return x + swiglu_mlp(step, layer.mlp, layer.post_attention_layernorm(x))
+        x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x))
+        return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))

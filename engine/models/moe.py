@@ -73,9 +73,9 @@ class Qwen3Moe(_MoEFamily):
 
     def layer(self, step, i, x):
         layer = self.layers[i]
-        x = x + llama_attention(step, i, layer.self_attn, layer.input_layernorm(x),
+        x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x),
                                 qk_norm=True)
-        h = layer.post_attention_layernorm(x)
+        h = step.norm(layer.post_attention_layernorm, x)
         if i not in self._experts:
             return x + swiglu_mlp(step, layer.mlp, h)
         return x + self._moe(step, i, layer.mlp, h)
@@ -109,8 +109,9 @@ class Mixtral(_MoEFamily):
 
     def layer(self, step, i, x):
         layer = self.layers[i]
-        x = x + _mixtral_attention(step, i, layer.self_attn, layer.input_layernorm(x))
-        return x + self._moe(step, i, layer.block_sparse_moe, layer.post_attention_layernorm(x))
+        x = x + _mixtral_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x))
+        h = step.norm(layer.post_attention_layernorm, x)
+        return x + self._moe(step, i, layer.block_sparse_moe, h)
 
     def _moe(self, step, i, block, x):
         # MixtralSparseMoeBlock.__call__, op for op.

@@ -17,9 +17,9 @@ class Qwen2(Family):
 
     def layer(self, step, i, x):
         layer = self.layers[i]
-        x = x + llama_attention(step, i, layer.self_attn, layer.input_layernorm(x),
+        x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x),
                                 qk_norm=self.qk_norm)
-        return x + swiglu_mlp(step, layer.mlp, layer.post_attention_layernorm(x))
+        return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))
 
 
 class Qwen3(Qwen2):

@@ -19,9 +19,9 @@ class SmolLM3(Family):
 
     def layer(self, step, i, x):
         layer = self.layers[i]
-        x = x + llama_attention(step, i, layer.self_attn, layer.input_layernorm(x),
+        x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x),
                                 rope=self.uses_rope[i])
-        return x + swiglu_mlp(step, layer.mlp, layer.post_attention_layernorm(x))
+        return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))
 
     def describe_layers(self):
         skipped = self.uses_rope.count(False)

@@ -1,13 +1,15 @@
 """Native kernels: C++ MLX primitives built on this machine against the installed MLX.
 
 `python -m engine.native.build` (run by scripts/setup.sh) compiles `_kernels`, which holds
-two CPU ops for decode rows:
+the CPU ops for the rows of a step:
 
 - `paged_decode_attention`: attention that reads keys and values straight from the paged pool;
 - `decode_linear`: a float32 linear layer for a few rows that reads each weight row once for all
   of them, with a row's arithmetic independent of the others (batch-invariant);
 - `decode_quantized_linear`: the same for MLX's affine-quantized (4/8-bit) layers, dequantizing
-  each packed group once for all rows, the same bits on its AVX-512, AVX2 and portable paths.
+  each packed group once for all rows, the same bits on its AVX-512, AVX2 and portable paths;
+- `rms_norm_rows` and `rope_rows`: RMS norm, and RoPE at each row's position, as one op each
+  (MLX's CPU fallbacks build several, and on a few-row step dispatch dominates).
 
 When it is not built (no compiler, a build failure, or an MLX it was not built against), the
 engine falls back to MLX ops and says so at start; nothing else changes.
@@ -53,6 +55,12 @@ def decode_quantized_linear() -> Callable | None:
     """The native quantized (4/8-bit) decode linear op, or None when it cannot be loaded here."""
     module = _load()
     return module.decode_quantized_linear if module else None
+
+
+def row_ops() -> tuple[Callable, Callable] | None:
+    """(rms_norm_rows, rope_rows), or None when they cannot be loaded here."""
+    module = _load()
+    return (module.rms_norm_rows, module.rope_rows) if module else None
 
 
 def decode_quantized_isa() -> str | None:

@@ -5,6 +5,7 @@
 #include "decode_linear.h"
 #include "decode_quantized.h"
 #include "paged_attention.h"
+#include "row_ops.h"
 #include "workers.h"
 
 namespace nb = nanobind;
@@ -27,6 +28,11 @@ NB_MODULE(_kernels, m) {
         "The instruction set decode_quantized_linear uses: avx512, avx2 or portable.");
   m.def("set_decode_quantized_isa", &batchscope::set_decode_quantized_isa, "name"_a,
         "Force decode_quantized_linear's path (auto, avx512, avx2, portable); returns it.");
+  m.def("rms_norm_rows", &batchscope::rms_norm_rows, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "RMS norm of float32 rows, each row alone (batch-invariant).");
+  m.def("rope_rows", &batchscope::rope_rows, "x"_a, "positions"_a, "inv_freqs"_a, "dims"_a,
+        "traditional"_a, "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "RoPE of (rows, heads, head_dim) float32 rows, each at its own position.");
   m.def("native_threads", &batchscope::parallel_threads,
         "Threads the native ops' worker pool uses (the caller included).");
 }

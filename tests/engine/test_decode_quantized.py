@@ -291,7 +291,7 @@ def test_stacked_projections_give_the_bits_of_one_call_each_and_add_no_memory(qu
         grew = mx.get_active_memory() - before
         weights = sum(m.weight.nbytes for m in modules)
         assert grew < weights / 2, (grew, weights)  # the stacked copy replaced the originals
-    assert list(runner._stacks.values())[0][0] == ("q" if quantize else "f32")
+    assert list(runner._stacks.values())[0][1] == ("q" if quantize else "f32")
     # The row-wise path still calls each layer (MLX's own kernel).
     runner.path = "gemv"
     x = mx.array(random((1, 2, x.shape[-1]), 99))

@@ -1,0 +1,148 @@
+#include "row_ops.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+// Built with -ffp-contract=off: a * c - b * s rounds each product, as MLX's separate ops do.
+
+namespace batchscope {
+
+namespace {
+
+void check(bool ok, const char* op, const std::string& message) {
+  if (!ok) throw std::invalid_argument(std::string(op) + ": " + message);
+}
+
+// The same fixed order for every row: 16 running sums, then a tree over them.
+float sum_of_squares(const float* x, int n) {
+  float lanes[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int l = 0; l < 16; ++l) lanes[l] += x[i + l] * x[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += x[i] * x[i];
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  }
+  return lanes[0];
+}
+
+// `out` must have its data (allocate) before the body takes its weak copy of it.
+mx::array& allocate(mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return out;
+}
+
+template <class Body>
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out,
+              Body body) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch(std::move(body));
+}
+
+}  // namespace
+
+mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps,
+                        mx::StreamOrDevice s) {
+  const char* op = "rms_norm_rows";
+  check(x.ndim() >= 1 && x.dtype() == mx::float32, op, "x must be float32 (..., D)");
+  check(weight.ndim() == 1 && weight.dtype() == mx::float32 && weight.shape(0) == x.shape(-1),
+        op, "weight must be float32 (D,) with x's last dimension");
+  auto stream = mx::to_stream(s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNormRows>(stream, eps),
+                   {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+}
+
+void RmsNormRows::eval_cpu(const std::vector<mx::array>& inputs,
+                           std::vector<mx::array>& outputs) {
+  auto& out = allocate(outputs[0]);
+  dispatch(stream(), inputs, out,
+           [x = mx::array::unsafe_weak_copy(inputs[0]),
+            w = mx::array::unsafe_weak_copy(inputs[1]), out = mx::array::unsafe_weak_copy(out),
+            eps = eps_]() mutable {
+             const int D = static_cast<int>(w.shape(0));
+             const size_t rows = x.size() / D;
+             const float* xs = x.data<float>();
+             const float* ws = w.data<float>();
+             float* os = out.data<float>();
+             const float inv_d = static_cast<float>(1.0 / D);  // mean = sum * (1 / D), as MLX
+             for (size_t r = 0; r < rows; ++r) {
+               const float* xr = xs + r * D;
+               float* o = os + r * D;
+               const float scale = 1.0f / std::sqrt(sum_of_squares(xr, D) * inv_d + eps);
+               for (int i = 0; i < D; ++i) o[i] = (xr[i] * scale) * ws[i];
+             }
+           });
+}
+
+void RmsNormRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("rms_norm_rows runs on the CPU only");
+}
+
+mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::array& inv_freqs,
+                    int dims, bool traditional, float scale, mx::StreamOrDevice s) {
+  const char* op = "rope_rows";
+  check(x.ndim() == 3 && x.dtype() == mx::float32, op,
+        "x must be float32 (rows, heads, head_dim)");
+  check(positions.ndim() == 1 && positions.dtype() == mx::int32 &&
+            positions.shape(0) == x.shape(0),
+        op, "positions must be int32 (rows,)");
+  check(dims > 0 && dims % 2 == 0 && dims <= x.shape(2), op,
+        "dims must be even and at most head_dim, not " + std::to_string(dims));
+  check(inv_freqs.ndim() == 1 && inv_freqs.dtype() == mx::float32 &&
+            inv_freqs.shape(0) == dims / 2,
+        op, "inv_freqs must be float32 (dims / 2,)");
+  auto stream = mx::to_stream(s);
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<RopeRows>(stream, dims, traditional, scale),
+                   {mx::contiguous(x, false, stream), mx::contiguous(positions, false, stream),
+                    mx::contiguous(inv_freqs, false, stream)});
+}
+
+void RopeRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = allocate(outputs[0]);
+  dispatch(stream(), inputs, out,
+           [x = mx::array::unsafe_weak_copy(inputs[0]),
+            pos = mx::array::unsafe_weak_copy(inputs[1]),
+            inv = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
+            dims = dims_, traditional = traditional_, scale = scale_]() mutable {
+             const int rows = static_cast<int>(x.shape(0)), heads = static_cast<int>(x.shape(1));
+             const int dim = static_cast<int>(x.shape(2)), half = dims / 2;
+             const float* xs = x.data<float>();
+             const int32_t* ps = pos.data<int32_t>();
+             const float* fs = inv.data<float>();
+             float* os = out.data<float>();
+             std::vector<float> c(half), sn(half);
+             for (int r = 0; r < rows; ++r) {
+               const float p = static_cast<float>(ps[r]) * scale;
+               for (int i = 0; i < half; ++i) {
+                 const float theta = p * fs[i];
+                 c[i] = std::cos(theta);
+                 sn[i] = std::sin(theta);
+               }
+               for (int h = 0; h < heads; ++h) {
+                 const size_t at = (static_cast<size_t>(r) * heads + h) * dim;
+                 const float* xr = xs + at;
+                 float* o = os + at;
+                 for (int i = 0; i < half; ++i) {
+                   const int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+                   o[a] = xr[a] * c[i] - xr[b] * sn[i];
+                   o[b] = xr[a] * sn[i] + xr[b] * c[i];
+                 }
+                 for (int i = dims; i < dim; ++i) o[i] = xr[i];
+               }
+             }
+           });
+}
+
+void RopeRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("rope_rows runs on the CPU only");
+}
+
+}  // namespace batchscope

@@ -1,0 +1,62 @@
+// Per-row ops of a step on the CPU: RMS norm and RoPE at each row's own position, one MLX
+// primitive each instead of the handful of ops MLX's CPU fallbacks build (on a decode step of
+// a few rows each op costs more in dispatch than in arithmetic). Each row is computed alone,
+// in a fixed order, so a row gets the same bits whatever shares its step.
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace batchscope {
+
+namespace mx = mlx::core;
+
+// x: (..., D) float32, weight: (D,) float32. x * rsqrt(mean(x * x) + eps) * weight, as
+// mlx.core.fast.rms_norm computes it (the mean summed in another order).
+mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps,
+                        mx::StreamOrDevice s = {});
+
+// x: (rows, heads, head_dim) float32, positions: (rows,) int32, inv_freqs: (dims / 2,)
+// float32. Rotates the first `dims` of every head of row r at angle positions[r] * scale *
+// inv_freqs[i], pairs (i, i + dims / 2), or (2i, 2i + 1) when traditional, as
+// mlx.core.fast.rope does with an array offset; the rest of each head is copied.
+mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::array& inv_freqs,
+                    int dims, bool traditional, float scale, mx::StreamOrDevice s = {});
+
+class RmsNormRows : public mx::Primitive {
+ public:
+  RmsNormRows(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "RmsNormRows";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNormRows&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+class RopeRows : public mx::Primitive {
+ public:
+  RopeRows(mx::Stream stream, int dims, bool traditional, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "RopeRows";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RopeRows&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float scale_;
+};
+
+}  // namespace batchscope

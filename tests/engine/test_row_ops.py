@@ -1,0 +1,135 @@
+"""The native per-row ops (engine/native/row_ops.cpp): RMS norm and RoPE, and where they run."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from native_ops import native_op, random, runner_for
+
+from engine.testing import tiny_model
+
+
+def ops():
+    return native_op("row_ops")
+
+
+def norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (1, 7, 64), (3, 5, 48), (2, 9, 17)])
+def test_rms_norm_matches_float64_and_mlx(shape):
+    norm, _ = ops()
+    x, w = random(shape, 1) * 3, random(shape[-1:], 2)
+    out = norm(mx.array(x), mx.array(w), 1e-5)
+    assert out.shape == shape and out.dtype == mx.float32
+    np.testing.assert_allclose(np.array(out), norm_reference(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+    theirs = mx.fast.rms_norm(mx.array(x), mx.array(w), 1e-5)
+    assert mx.abs(out - theirs).max().item() <= 1e-5 * np.abs(x).max() * np.abs(w).max()
+
+
+def test_rms_norm_gives_a_row_the_same_bits_alone_and_with_others():
+    norm, _ = ops()
+    x, w = mx.array(random((1, 13, 96), 3)), mx.array(random((96,), 4))
+    together = norm(x, w, 1e-6)
+    for r in (0, 5, 12):
+        assert mx.array_equal(norm(x[:, r:r + 1], w, 1e-6), together[:, r:r + 1]).item()
+
+
+def rope_reference(x: np.ndarray, pos: np.ndarray, inv: np.ndarray, dims: int, traditional: bool,
+                   scale: float) -> np.ndarray:
+    out = x.astype(np.float64).copy()
+    theta = (pos.astype(np.float64) * scale)[:, None] * inv.astype(np.float64)[None, :]
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    half = dims // 2
+    a = np.arange(0, dims, 2) if traditional else np.arange(half)
+    b = a + 1 if traditional else a + half
+    xa, xb = x[..., a].astype(np.float64), x[..., b].astype(np.float64)
+    out[..., a] = xa * c - xb * s
+    out[..., b] = xa * s + xb * c
+    return out
+
+
+def default_inv_freqs(dims: int, base: float) -> mx.array:
+    half = dims // 2
+    return mx.exp(mx.arange(0.0, -half, -1.0) * (math.log(base) / half))
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims,head_dim", [(64, 64), (32, 64), (16, 24)])
+def test_rope_matches_float64_and_mlx(traditional, dims, head_dim):
+    _, rope = ops()
+    x = random((5, 3, head_dim), 5)
+    pos = np.array([0, 1, 37, 511, 4093], dtype=np.int32)
+    inv = default_inv_freqs(dims, 10000.0)
+    for scale in (1.0, 0.25):
+        out = rope(mx.array(x), mx.array(pos), inv, dims, traditional, scale)
+        # float32 angles of up to 4093 radians: cos and sin are good to ~4093 * 2^-24.
+        np.testing.assert_allclose(np.array(out), rope_reference(x, pos, np.array(inv), dims,
+                                                                 traditional, scale),
+                                   atol=2e-3 * np.abs(x).max(), rtol=0)
+        theirs = mx.fast.rope(mx.array(x)[:, :, None, :], dims, traditional=traditional,
+                              base=10000.0, scale=scale, offset=mx.array(pos))[:, :, 0, :]
+        assert mx.abs(out - theirs).max().item() <= 1e-5 * np.abs(x).max()
+        assert mx.array_equal(out[..., dims:], mx.array(x)[..., dims:]).item()
+
+
+def test_ops_refuse_bad_inputs():
+    norm, rope = ops()
+    x = mx.zeros((2, 8))
+    with pytest.raises(ValueError, match="weight must be float32"):
+        norm(x, mx.zeros((7,)), 1e-5)
+    with pytest.raises(ValueError, match="x must be float32"):
+        norm(x.astype(mx.float16), mx.zeros((8,)), 1e-5)
+    q, pos = mx.zeros((2, 3, 8)), mx.array([0, 1], dtype=mx.int32)
+    inv = default_inv_freqs(8, 10000.0)
+    cases = [((q[0], pos, inv, 8, False, 1.0), "x must be float32 \\(rows, heads"),
+             ((q, pos[:1], inv, 8, False, 1.0), "positions must be int32"),
+             ((q, pos.astype(mx.float32), inv, 8, False, 1.0), "positions must be int32"),
+             ((q, pos, inv, 7, False, 1.0), "dims must be even"),
+             ((q, pos, inv, 10, False, 1.0), "dims must be even"),
+             ((q, pos, inv[:2], 8, False, 1.0), "inv_freqs must be"), ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            rope(*args)
+
+
+# ---- in the model runner ----------------------------------------------------------------------
+
+
+def test_the_runner_takes_them_for_float32_rms_norms_and_plain_ropes():
+    ops()
+    from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
+
+    model = tiny_model(quantize=False).model
+    runner = runner_for(model, "auto")
+    layer = model.model.layers[0]
+    x = mx.array(random((1, 3, model.args.hidden_size), 6))
+    native_out = runner.norm(layer.input_layernorm, x)
+    assert mx.allclose(native_out, layer.input_layernorm(x), rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(native_out, runner.row_ops[0](x, layer.input_layernorm.weight,
+                                                         layer.input_layernorm.eps)).item()
+    q, k = mx.array(random((3, 4, 16), 7)), mx.array(random((3, 2, 16), 8))
+    for rope in (nn.RoPE(16, traditional=True, base=500.0, scale=0.5),
+                 Llama3RoPE(16, traditional=False, base=500000.0,
+                            scaling_config={"factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192})):
+        assert runner.native_rope(rope, q, k) is not None
+        pos = mx.array([0, 9, 300], dtype=mx.int32)
+        op, inv, scale = runner.native_rope(rope, q, k)
+        ours = op(q, pos, inv, rope.dims, rope.traditional, scale)
+        theirs = rope(q[:, :, None, :], offset=pos)[:, :, 0, :]
+        assert mx.abs(ours - theirs).max().item() < 1e-5
+    yarn = YarnRoPE(16, base=10000.0, scaling_factor=4.0)
+    assert runner.native_rope(yarn, q, k) is None  # scales q and k too: MLX's
+    assert runner.native_rope(nn.RoPE(16), q.astype(mx.bfloat16), k) is None
+    # "mlx" keeps MLX's ops for everything.
+    plain = runner_for(model, "mlx")
+    assert plain.row_ops is None and plain.native_rope(nn.RoPE(16), q, k) is None
+    assert mx.array_equal(plain.norm(layer.input_layernorm, x), layer.input_layernorm(x)).item()
