@@ -77,11 +77,21 @@ inline size_t row_words(const Problem& p) {
   return static_cast<size_t>(p.K) * p.bits / 32;
 }
 
+// Outputs per fused tile for a step of R rows: the most that leave registers for the
+// dequantized weights (each output still sums alone, in the same order: the tile width changes
+// no bit). Wider tiles read each row's x once for more outputs.
+template <class Kern>
+constexpr int fused_nr(int R) {
+  return R == 1 ? Kern::FUSED_NR1 : R == 2 ? Kern::FUSED_NR2 : R <= 4 ? Kern::FUSED_NR4
+                                                                    : Kern::NR;
+}
+
 // ---- portable: plain C++, std::fma -------------------------------------------------------
 
 struct Portable {
   static constexpr int MR = 4, NR = 2;
   static constexpr int FUSED_MR = 0;  // no buffer-free path: the buffer serves every step
+  static constexpr int FUSED_NR1 = NR, FUSED_NR2 = NR, FUSED_NR4 = NR;
 
   // Output n's weights, dequantized into dst[K] in lane order.
   static void dequant(const Problem& p, int n, float* dst) {
@@ -133,14 +143,30 @@ struct Portable {
 
 #if defined(__x86_64__)
 
+// The scale_at values, float16 through the F16C instruction: a scale and a bias are read per
+// group per output, and a software conversion cost a third of a 1-row step at group size 32.
+__attribute__((target("f16c"))) inline float scale_x86(const void* p, ScaleType t, size_t i) {
+  switch (t) {
+    case ScaleType::f16: return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+    case ScaleType::bf16: {
+      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      return f;
+    }
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
 // ---- AVX2 + FMA: a 16-lane vector is two 8-float registers --------------------------------
 
-#define BATCHSCOPE_AVX2 __attribute__((target("avx2,fma")))
+#define BATCHSCOPE_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 struct Avx2 {
   // 2 x 2 tiles: 8 accumulator registers, 4 for x and 2 for the weights, of the 16.
   static constexpr int MR = 2, NR = 2;
   static constexpr int FUSED_MR = 2;  // steps of up to 2 rows skip the buffer (see Avx512)
+  static constexpr int FUSED_NR1 = 4, FUSED_NR2 = 2, FUSED_NR4 = 2;  // see fused_nr
 
   BATCHSCOPE_AVX2 static void dequant(const Problem& p, int n, float* dst) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
@@ -149,8 +175,8 @@ struct Avx2 {
     const __m256i mask = _mm256_set1_epi32(0xf);
     for (int g = 0; g < groups; ++g) {
       const size_t at = static_cast<size_t>(n) * groups + g;
-      const __m256 s = _mm256_set1_ps(scale_at(p.scales, p.scale_type, at));
-      const __m256 b = _mm256_set1_ps(scale_at(p.biases, p.scale_type, at));
+      const __m256 s = _mm256_set1_ps(scale_x86(p.scales, p.scale_type, at));
+      const __m256 b = _mm256_set1_ps(scale_x86(p.biases, p.scale_type, at));
       const int k0 = g * p.group_size;
       const int step = p.bits == 4 ? 32 : 16;  // weights per 16 bytes
       for (int k = k0; k < k0 + p.group_size; k += step) {
@@ -222,15 +248,15 @@ struct Avx2 {
       __m256 s[nr], b[nr];
       for (int j = 0; j < nr; ++j) {
         const size_t at = static_cast<size_t>(n0 + j) * groups + g;
-        s[j] = _mm256_set1_ps(scale_at(p.scales, p.scale_type, at));
-        b[j] = _mm256_set1_ps(scale_at(p.biases, p.scale_type, at));
+        s[j] = _mm256_set1_ps(scale_x86(p.scales, p.scale_type, at));
+        b[j] = _mm256_set1_ps(scale_x86(p.biases, p.scale_type, at));
       }
       const int k0 = g * p.group_size;
       for (int k = k0; k < k0 + p.group_size; k += step) {
         const size_t word = static_cast<size_t>(k) * BITS / 32;
         for (int j = 0; j < nr; ++j) {
           const uint32_t* q = w0 + j * rw + word;
-          __builtin_prefetch(q + PREFETCH_ROWS * rw);
+          __builtin_prefetch(q + 2 * nr * rw);  // two tiles ahead
           const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
           const __m256i v0 = _mm256_cvtepu8_epi32(bytes);
           const __m256i v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
@@ -277,12 +303,13 @@ struct Avx2 {
 
 // ---- AVX-512F: a 16-lane vector is one register -------------------------------------------
 
-#define BATCHSCOPE_AVX512 __attribute__((target("avx512f")))
+#define BATCHSCOPE_AVX512 __attribute__((target("avx512f,f16c")))
 
 struct Avx512 {
   // 8 x 3 tiles, as decode_linear: 24 accumulators and 8 x vectors in the 32 registers.
   static constexpr int MR = 8, NR = 3;
   static constexpr int FUSED_MR = 8;
+  static constexpr int FUSED_NR1 = 8, FUSED_NR2 = 6, FUSED_NR4 = 4;  // see fused_nr
 
   BATCHSCOPE_AVX512 static void dequant(const Problem& p, int n, float* dst) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
@@ -291,8 +318,8 @@ struct Avx512 {
     const __m512i mask = _mm512_set1_epi32(0xf);
     for (int g = 0; g < groups; ++g) {
       const size_t at = static_cast<size_t>(n) * groups + g;
-      const __m512 s = _mm512_set1_ps(scale_at(p.scales, p.scale_type, at));
-      const __m512 b = _mm512_set1_ps(scale_at(p.biases, p.scale_type, at));
+      const __m512 s = _mm512_set1_ps(scale_x86(p.scales, p.scale_type, at));
+      const __m512 b = _mm512_set1_ps(scale_x86(p.biases, p.scale_type, at));
       const int k0 = g * p.group_size;
       const int step = p.bits == 4 ? 32 : 16;
       for (int k = k0; k < k0 + p.group_size; k += step) {
@@ -354,15 +381,15 @@ struct Avx512 {
       __m512 s[nr], b[nr];
       for (int j = 0; j < nr; ++j) {
         const size_t at = static_cast<size_t>(n0 + j) * groups + g;
-        s[j] = _mm512_set1_ps(scale_at(p.scales, p.scale_type, at));
-        b[j] = _mm512_set1_ps(scale_at(p.biases, p.scale_type, at));
+        s[j] = _mm512_set1_ps(scale_x86(p.scales, p.scale_type, at));
+        b[j] = _mm512_set1_ps(scale_x86(p.biases, p.scale_type, at));
       }
       const int k0 = g * p.group_size;
       for (int k = k0; k < k0 + p.group_size; k += step) {
         const size_t word = static_cast<size_t>(k) * BITS / 32;
         for (int j = 0; j < nr; ++j) {
           const uint32_t* q = w0 + j * rw + word;
-          __builtin_prefetch(q + PREFETCH_ROWS * rw);
+          __builtin_prefetch(q + 2 * nr * rw);  // two tiles ahead
           const __m512i v =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
           if constexpr (BITS == 4) {
@@ -397,28 +424,31 @@ struct Avx512 {
   static void fused_range(const Problem& p, int n_begin, int n_end);
 };
 
-// A step of exactly R rows (R <= Kern::FUSED_MR) through Kern::fused.
-template <class Kern, int nr, int R = Kern::FUSED_MR>
-void fused_rows(const Problem& p, int n0) {
-  if constexpr (R >= 1) {
-    if (p.M == R) {
-      if (p.bits == 4) {
-        Kern::template fused<4, R, nr>(p, n0);
-      } else {
-        Kern::template fused<8, R, nr>(p, n0);
-      }
-    } else {
-      fused_rows<Kern, nr, R - 1>(p, n0);
-    }
+template <class Kern, int R, int nr>
+void fused_tile(const Problem& p, int n0) {
+  if (p.bits == 4) {
+    Kern::template fused<4, R, nr>(p, n0);
+  } else {
+    Kern::template fused<8, R, nr>(p, n0);
   }
 }
 
-// Outputs [n_begin, n_end) of a step of at most FUSED_MR rows.
-template <class Kern>
-void fused_outputs(const Problem& p, int n_begin, int n_end) {
+// Outputs [n_begin, n_end) of a step of exactly R rows.
+template <class Kern, int R>
+void fused_rows(const Problem& p, int n_begin, int n_end) {
+  constexpr int nr = fused_nr<Kern>(R);
   int n = n_begin;
-  for (; n + Kern::NR <= n_end; n += Kern::NR) fused_rows<Kern, Kern::NR>(p, n);
-  for (; n < n_end; ++n) fused_rows<Kern, 1>(p, n);
+  for (; n + nr <= n_end; n += nr) fused_tile<Kern, R, nr>(p, n);
+  for (; n < n_end; ++n) fused_tile<Kern, R, 1>(p, n);
+}
+
+// Outputs [n_begin, n_end) of a step of at most FUSED_MR rows.
+template <class Kern, int R = Kern::FUSED_MR>
+void fused_outputs(const Problem& p, int n_begin, int n_end) {
+  if constexpr (R >= 1) {
+    if (p.M == R) return fused_rows<Kern, R>(p, n_begin, n_end);
+    fused_outputs<Kern, R - 1>(p, n_begin, n_end);
+  }
 }
 
 void Avx2::fused_range(const Problem& p, int n_begin, int n_end) {
@@ -477,11 +507,13 @@ template <class Kern>
 void compute_with(const Problem& p) {
   // Output tiles in chunks shared by the threads (parallel_for); which thread takes a tile
   // does not change its arithmetic. Below ~64k multiply-adds one thread is faster.
-  const int tiles = (p.N + Kern::NR - 1) / Kern::NR;
+  // A tile: the outputs the step's kernel takes at once (chunk edges on tile edges).
+  const int unit = p.M <= Kern::FUSED_MR ? fused_nr<Kern>(p.M) : Kern::NR;
+  const int tiles = (p.N + unit - 1) / unit;
   if (static_cast<int64_t>(p.M) * p.K * p.N >= (1 << 16)) {
     const int chunk = std::max(1, tiles / (parallel_threads() * 8));
     auto outputs = [&](int begin, int end) {
-      output_range<Kern>(p, begin * Kern::NR, std::min(p.N, end * Kern::NR));
+      output_range<Kern>(p, begin * unit, std::min(p.N, end * unit));
     };
     if (parallel_for(tiles, chunk, outputs)) return;
   }
@@ -491,8 +523,13 @@ void compute_with(const Problem& p) {
 bool cpu_has(Isa isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (isa == Isa::avx512) return __builtin_cpu_supports("avx512f");
-  if (isa == Isa::avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == Isa::avx512) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+  }
+  if (isa == Isa::avx2) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
 #endif
   return isa == Isa::portable;
 }
