@@ -194,8 +194,9 @@ class ModelRunner:
         self.attention_kernel = _decode_kernel(decode_attention, self.fused_attention)
         self.matmul_kernel = _matmul_kernel(decode_matmul, self.fused_attention)
         self.quantized_kernel = _quantized_kernel(decode_matmul, self.fused_attention)
-        # RMS norm and RoPE as one native op each (engine/native/row_ops.h), with the native
-        # linear kernels: "mlx" keeps MLX's own ops for all of a row's math.
+        # RMS norm, RoPE and the sampler's logsumexp as one native op each
+        # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
+        # for all of a row's math.
         self.row_ops = _row_ops(decode_matmul, self.fused_attention)
         self._rope_freqs: dict[int, tuple] = {}  # id(rope) -> (rope, _rope_freqs(rope))
         self.path = "gemm"
@@ -367,7 +368,10 @@ class ModelRunner:
     # ---- sampling ----------------------------------------------------------------------------
     def _sample(self, logits: mx.array, groups: list[RowGroup]) -> dict[str, Sample]:
         # Same arithmetic as mlx-lm's generate: log-softmax in the model's dtype, then argmax.
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.row_ops is not None and logits.dtype == mx.float32:
+            logprobs = logits - self.row_ops[2](logits)[:, None]  # mx.logsumexp's bits, faster
+        else:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1)
         chosen = []
         for i, g in enumerate(groups):
@@ -417,7 +421,8 @@ def _quantized_kernel(decode_matmul: str, fused: bool):
 
 
 def _row_ops(decode_matmul: str, fused: bool):
-    """The native (rms_norm_rows, rope_rows), or None for MLX's ops (a GPU, or "mlx")."""
+    """The native (rms_norm_rows, rope_rows, logsumexp_rows), or None for MLX's ops (a GPU,
+    or "mlx")."""
     return _native_op("decode_matmul", decode_matmul, fused, native.row_ops)
 
 

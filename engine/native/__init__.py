@@ -9,7 +9,9 @@ the CPU ops for the rows of a step:
 - `decode_quantized_linear`: the same for MLX's affine-quantized (4/8-bit) layers, dequantizing
   each packed group once for all rows, the same bits on its AVX-512, AVX2 and portable paths;
 - `rms_norm_rows` and `rope_rows`: RMS norm, and RoPE at each row's position, as one op each
-  (MLX's CPU fallbacks build several, and on a few-row step dispatch dominates).
+  (MLX's CPU fallbacks build several, and on a few-row step dispatch dominates);
+- `logsumexp_rows`: the sampled rows' log-normalizer, with mlx.core.logsumexp's bits, its exps
+  vectorized.
 
 When it is not built (no compiler, a build failure, or an MLX it was not built against), the
 engine falls back to MLX ops and says so at start; nothing else changes.
@@ -57,10 +59,10 @@ def decode_quantized_linear() -> Callable | None:
     return module.decode_quantized_linear if module else None
 
 
-def row_ops() -> tuple[Callable, Callable] | None:
-    """(rms_norm_rows, rope_rows), or None when they cannot be loaded here."""
+def row_ops() -> tuple[Callable, Callable, Callable] | None:
+    """(rms_norm_rows, rope_rows, logsumexp_rows), or None when they cannot be loaded here."""
     module = _load()
-    return (module.rms_norm_rows, module.rope_rows) if module else None
+    return (module.rms_norm_rows, module.rope_rows, module.logsumexp_rows) if module else None
 
 
 def decode_quantized_isa() -> str | None:

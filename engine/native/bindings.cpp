@@ -33,6 +33,8 @@ NB_MODULE(_kernels, m) {
   m.def("rope_rows", &batchscope::rope_rows, "x"_a, "positions"_a, "inv_freqs"_a, "dims"_a,
         "traditional"_a, "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
         "RoPE of (rows, heads, head_dim) float32 rows, each at its own position.");
+  m.def("logsumexp_rows", &batchscope::logsumexp_rows, "x"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "log(sum(exp(x))) of each float32 row of (rows, V).");
   m.def("native_threads", &batchscope::parallel_threads,
         "Threads the native ops' worker pool uses (the caller included).");
 }

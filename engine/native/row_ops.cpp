@@ -1,13 +1,19 @@
 #include "row_ops.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "workers.h"
 
-// Built with -ffp-contract=off: a * c - b * s rounds each product, as MLX's separate ops do.
+// Built with -ffp-contract=off (a * c - b * s rounds each product, as MLX's separate ops do)
+// and for this machine's CPU (the fused multiply-adds of exp_nonpositive are instructions).
 
 namespace batchscope {
 
@@ -79,6 +85,76 @@ void RmsNormRows::eval_cpu(const std::vector<mx::array>& inputs,
                for (int i = 0; i < D; ++i) o[i] = (xr[i] * scale) * ws[i];
              }
            });
+}
+
+namespace {
+
+// exp(x) for x <= 0 by the formula MLX's CPU exp uses (Cephes' exp2 polynomial on the
+// fraction of x * log2(e), with fused multiply-adds, times 2^integer part; 0 below -88), so
+// each term is the value mlx.core.exp gives and only the order of the sum differs.
+inline float exp_nonpositive(float x) {
+  const float t = x * 1.442695f;
+  const float ipart = std::floor(t + 0.5f);
+  const float f = t - ipart;
+  float p = 1.535336188319500e-4f;
+  p = std::fma(p, f, 1.339887440266574e-3f);
+  p = std::fma(p, f, 9.618437357674640e-3f);
+  p = std::fma(p, f, 5.550332471162809e-2f);
+  p = std::fma(p, f, 2.402264791363012e-1f);
+  p = std::fma(p, f, 6.931472028550421e-1f);
+  p = std::fma(p, f, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(x < -88.0f ? 0.0f : ipart) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -88.0f ? 0.0f : scale * p;
+}
+
+// As MLX's CPU logsumexp computes it: the maximum, then the exps summed one after another in
+// index order (MLX's Linux CPU build sums them so), then log of the sum plus the maximum. Only
+// the exps are vectorized, into `scratch`; the bits are mlx.core.logsumexp's.
+float logsumexp_row(const float* x, int n, std::vector<float>& scratch) {
+  float m = x[0];
+  for (int i = 1; i < n; ++i) m = std::max(m, x[i]);
+  if (std::isinf(m)) return m;
+  scratch.resize(n);
+  float* e = scratch.data();
+  for (int i = 0; i < n; ++i) e[i] = exp_nonpositive(x[i] - m);
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) sum += e[i];
+  return std::log(sum) + m;
+}
+
+}  // namespace
+
+mx::array logsumexp_rows(const mx::array& x, mx::StreamOrDevice s) {
+  check(x.ndim() == 2 && x.dtype() == mx::float32 && x.shape(1) > 0, "logsumexp_rows",
+        "x must be float32 (rows, V)");
+  auto stream = mx::to_stream(s);
+  return mx::array({x.shape(0)}, mx::float32, std::make_shared<LogSumExpRows>(stream),
+                   {mx::contiguous(x, false, stream)});
+}
+
+void LogSumExpRows::eval_cpu(const std::vector<mx::array>& inputs,
+                             std::vector<mx::array>& outputs) {
+  auto& out = allocate(outputs[0]);
+  dispatch(stream(), inputs, out,
+           [x = mx::array::unsafe_weak_copy(inputs[0]),
+            out = mx::array::unsafe_weak_copy(out)]() mutable {
+             const int rows = static_cast<int>(x.shape(0)), n = static_cast<int>(x.shape(1));
+             const float* xs = x.data<float>();
+             float* os = out.data<float>();
+             auto body = [&](int begin, int end) {
+               thread_local std::vector<float> scratch;
+               for (int r = begin; r < end; ++r) {
+                 os[r] = logsumexp_row(xs + static_cast<size_t>(r) * n, n, scratch);
+               }
+             };
+             if (!parallel_for(rows, 1, body)) body(0, rows);
+           });
+}
+
+void LogSumExpRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("logsumexp_rows runs on the CPU only");
 }
 
 void RmsNormRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

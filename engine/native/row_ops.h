@@ -23,6 +23,24 @@ mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps,
 mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::array& inv_freqs,
                     int dims, bool traditional, float scale, mx::StreamOrDevice s = {});
 
+// x: (rows, V) float32. max + log(sum(exp(x - max))) of each row, each exp the value
+// mlx.core.exp gives (the sum in another order), as mlx.core.logsumexp(x, axis=-1) computes it
+// up to float32 rounding. MLX's CPU op took a tenth of a 16-row step over a 49k vocabulary.
+mx::array logsumexp_rows(const mx::array& x, mx::StreamOrDevice s = {});
+
+class LogSumExpRows : public mx::Primitive {
+ public:
+  explicit LogSumExpRows(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "LogSumExpRows";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
 class RmsNormRows : public mx::Primitive {
  public:
   RmsNormRows(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}

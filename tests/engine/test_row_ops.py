@@ -24,7 +24,7 @@ def norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 @pytest.mark.parametrize("shape", [(1, 1, 576), (1, 7, 64), (3, 5, 48), (2, 9, 17)])
 def test_rms_norm_matches_float64_and_mlx(shape):
-    norm, _ = ops()
+    norm = ops()[0]
     x, w = random(shape, 1) * 3, random(shape[-1:], 2)
     out = norm(mx.array(x), mx.array(w), 1e-5)
     assert out.shape == shape and out.dtype == mx.float32
@@ -34,7 +34,7 @@ def test_rms_norm_matches_float64_and_mlx(shape):
 
 
 def test_rms_norm_gives_a_row_the_same_bits_alone_and_with_others():
-    norm, _ = ops()
+    norm = ops()[0]
     x, w = mx.array(random((1, 13, 96), 3)), mx.array(random((96,), 4))
     together = norm(x, w, 1e-6)
     for r in (0, 5, 12):
@@ -63,7 +63,7 @@ def default_inv_freqs(dims: int, base: float) -> mx.array:
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dims,head_dim", [(64, 64), (32, 64), (16, 24)])
 def test_rope_matches_float64_and_mlx(traditional, dims, head_dim):
-    _, rope = ops()
+    rope = ops()[1]
     x = random((5, 3, head_dim), 5)
     pos = np.array([0, 1, 37, 511, 4093], dtype=np.int32)
     inv = default_inv_freqs(dims, 10000.0)
@@ -80,7 +80,7 @@ def test_rope_matches_float64_and_mlx(traditional, dims, head_dim):
 
 
 def test_ops_refuse_bad_inputs():
-    norm, rope = ops()
+    norm, rope, _ = ops()
     x = mx.zeros((2, 8))
     with pytest.raises(ValueError, match="weight must be float32"):
         norm(x, mx.zeros((7,)), 1e-5)
@@ -133,3 +133,26 @@ def test_the_runner_takes_them_for_float32_rms_norms_and_plain_ropes():
     plain = runner_for(model, "mlx")
     assert plain.row_ops is None and plain.native_rope(nn.RoPE(16), q, k) is None
     assert mx.array_equal(plain.norm(layer.input_layernorm, x), layer.input_layernorm(x)).item()
+
+
+@pytest.mark.parametrize("shape,spread", [((16, 49152), 4.0), ((3, 1000), 30.0),
+                                          ((1, 262144), 2.0), ((5, 17), 1.0)])
+def test_logsumexp_has_mlx_logsumexp_bits(shape, spread):
+    """The sampler's normalizer: the same bits as mx.logsumexp (the exps by its formula, the
+    sum in its order), and so the same logprobs as mlx-lm's generation."""
+    lse = ops()[2]
+    x = mx.array(random(shape, 11) * spread)
+    assert mx.array_equal(lse(x), mx.logsumexp(x, axis=-1)).item()
+    x64 = np.array(x).astype(np.float64)
+    top = x64.max(1)
+    reference = top + np.log(np.exp(x64 - top[:, None]).sum(1))
+    np.testing.assert_allclose(np.array(lse(x)), reference, rtol=1e-5)
+
+
+def test_logsumexp_of_masked_rows_and_bad_input():
+    lse = ops()[2]
+    x = mx.array([[-np.inf] * 4, [0.0, -np.inf, 1.0, 2.0]], dtype=mx.float32)
+    assert mx.array_equal(lse(x), mx.logsumexp(x, axis=-1)).item()
+    for bad in (mx.zeros((4,)), mx.zeros((2, 3), dtype=mx.float16), mx.zeros((2, 0))):
+        with pytest.raises(ValueError, match="x must be float32 \\(rows, V\\)"):
+            lse(bad)
