@@ -29,8 +29,9 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                          "by scripts/setup.sh), MLX ops, or auto (native when available)",
                          NATIVE_SETTING),
     "decode_matmul": ("linear layers on the gemm path (float32 steps of up to 32 rows, 4/8-bit "
-                      "ones of any size): the native kernels (CPU backend, batch-invariant), "
-                      "MLX's matmul, or auto (native when available)", NATIVE_SETTING),
+                      "ones of any size), RMS norms, RoPE and the sampler's logsumexp: the "
+                      "native kernels (CPU backend, batch-invariant), MLX's own ops, or auto "
+                      "(native when available)", NATIVE_SETTING),
 }
 SWITCHES = {  # boolean fields: the flag flips the default
     "enable_prefix_caching": ("--no-prefix-caching", "turn prefix caching off"),

@@ -134,16 +134,18 @@ def ratio_of(row: Mapping[str, Any]) -> float | None:
     return ratio if ratio is not None else row.get("gemv_over_gemm")
 
 
-def choose_threshold(rows: Iterable[Mapping[str, Any]]) -> int:
+def choose_threshold(rows: Iterable[Mapping[str, Any]], one_row_same_call: bool = True) -> int:
     """Largest N such that GEMV >= GEMM at every measured n <= N; 0 if GEMM wins at the first.
 
-    One row is exempt: there both policies make the very same call (kernels.apply_linear), so
-    its ratio is noise around 100%.
+    One row is exempt where both policies make the very same call there (MLX's kernels,
+    kernels.apply_linear), so its ratio is noise around 100%. Where the native kernels take
+    `gemm` steps (one_row_same_call=False) a 1-row GEMV step is MLX's call and a GEMM step
+    the native one: that row is measured like the others.
     """
     threshold = 0
     for row in sorted(rows, key=lambda r: r["concurrency"]):
         n, ratio = row["concurrency"], ratio_of(row)
-        if n == 1 or (ratio is not None and ratio >= 1.0):
+        if (n == 1 and one_row_same_call) or (ratio is not None and ratio >= 1.0):
             threshold = n
         else:
             break
@@ -243,6 +245,7 @@ def calibrate(model: str = "embedded", weights: str = "auto",
     started = time.time()
     runs: dict[str, dict[int, list[dict]]] = {mode: {n: [] for n in levels} for mode in MODES}
     name = fmt = None
+    native_gemm = False
     prompt_lengths: list[int] = []
     # With repeats, each round runs every mode (in alternating order), so each mode samples the
     # machine's background load over the whole calibration, not one window of it.
@@ -255,6 +258,9 @@ def calibrate(model: str = "embedded", weights: str = "auto",
             eng.start()
             try:
                 name, fmt = eng.loaded.name, eng.loaded.weights
+                if mode == "gemm":  # does a 1-row gemm step make the gemv step's call?
+                    runner = eng.runner
+                    native_gemm = runner.native_matmul_applies or runner.native_quantized_applies
                 prompts = calibration_prompts(eng.encode, max_seqs)
                 prompt_lengths = [len(p) for p in prompts]
                 if max(prompt_lengths) > PROMPT_BOUND:
@@ -294,7 +300,9 @@ def calibrate(model: str = "embedded", weights: str = "auto",
         "measured_at": started, "elapsed_s": time.time() - started,
         "host": platform.node(), "cpu_count": os.cpu_count(),
         "max_tokens": max_tokens, "repeats": repeats, "concurrency": levels,
-        "prompt_tokens": prompt_lengths, "threshold": choose_threshold(rows),
+        "prompt_tokens": prompt_lengths,
+        "threshold": choose_threshold(rows, one_row_same_call=not native_gemm),
+        "native_gemm": native_gemm,
         "threshold_basis": THRESHOLD_BASIS, "rows": rows,
     }
     if save:
