@@ -1,0 +1,270 @@
+"""batchscope against llama.cpp on the very GGUF the embedded model loads, in one run.
+
+llama.cpp is optional: ./scripts/build-llama-cpp.sh builds llama-bench, llama-batched-bench and
+llama-server (about 12 minutes on 2 cores, cached outside the repository; BATCHSCOPE_LLAMA_CPP
+names another build). Without it this script says so and exits with code 3.
+
+    .venv/bin/python benchmarks/llama_cpp.py [--sections decode serve] [--threads 2]
+
+decode  the engine's aggregate decode tok/s (weights q4 and f32; benchmarks/engine_batching.py's
+        prompts and method: decode from the extra time of a 33-token call) at 1, 4, 8 and 16
+        sequences, against `llama-batched-bench -npp 64 -ntg 32 -npl 1,4,8,16` (its S_TG).
+serve   `batchscope serve` (its default weights: q4 where the native kernel is built),
+        `llama-server -np 8` on the GGUF, and `mlx_lm.server` on the folder `batchscope
+        export-model --weights f32` writes (its fastest format on the CPU: at q4 MLX's CPU
+        quantized matmul makes it ~20 minutes a run), one at a time, each driven twice (cold,
+        then warm: llama-server's prompt cache and batchscope's prefix cache are warm) by
+        `batchscope bench serve --num-prompts 32 --max-concurrency 8 --seed 0 --ignore-eos
+        on`: output tok/s, median TPOT, p99 TTFT.
+
+Writes llama_cpp.md and llama_cpp.json to --out-dir (benchmarks/results); a run of one section
+keeps the other's last results (each section is one run of its own). Progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# isort: off
+import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
+import engine_batching as eb  # benchmarks/engine_batching.py (the script directory is on sys.path)
+from peers import free_port, running_server, server_commands  # benchmarks/peers.py
+# isort: on
+
+from engine import native
+from engine.engine import Engine
+from engine.model_loader import embedded_gguf_path
+from engine.platform import backend_info, blas_name
+
+SEQUENCES = (1, 4, 8, 16)
+# Goals of the 4-bit kernel work: engine decode at q4 / llama-batched-bench's S_TG.
+DECODE_GOAL = {1: 0.8, 4: 1.0, 8: 1.0, 16: 1.0}
+SERVE_STREAMS = 8
+BENCH_SERVE = ["--num-prompts", "32", "--max-concurrency", str(SERVE_STREAMS), "--seed", "0",
+               "--ignore-eos", "on"]
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
+
+
+def llama_cpp_bin() -> Path | None:
+    """The folder holding the built llama.cpp tools, or None when they are not built."""
+    root = os.environ.get("BATCHSCOPE_LLAMA_CPP") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchscope" / "llama.cpp"
+    bin_dir = Path(root) / "build" / "bin"
+    return bin_dir if all((bin_dir / t).is_file() for t in TOOLS) else None
+
+
+def log(msg: str) -> None:
+    print(f"# {msg}", file=sys.stderr, flush=True)
+
+
+# ---- decode -----------------------------------------------------------------------------------
+
+
+def batched_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[int, float]:
+    """llama-batched-bench's aggregate decode tok/s (S_TG) by number of sequences."""
+    npl = ",".join(map(str, SEQUENCES))
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", "8192", "-b", "2048",
+           "-ub", "512", "-npp", "64", "-ntg", "32", "-npl", npl, "-t", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rates = {}
+    # Rows: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[0].isdigit():
+            rates[int(cells[2])] = float(cells[7])
+    if set(rates) != set(SEQUENCES):
+        raise RuntimeError(f"could not read llama-batched-bench's table:\n{out[-2000:]}")
+    return rates
+
+
+def engine_decode(weights: str, repeats: int) -> dict[int, list[float]]:
+    eng = Engine(eb.engine_config(weights, list(SEQUENCES))).start()
+    try:
+        tokenizer = eng.loaded.tokenizer
+        eb.run_engine(eng, eb.make_prompts(tokenizer, 2), 4)  # warm-up
+        out = {}
+        for n in SEQUENCES:
+            prompts = eb.make_prompts(tokenizer, n)
+            out[n] = [eb.rates(eb.measure(lambda p, k: eb.run_engine(eng, p, k), prompts, 32))
+                      ["decode_tps"] for _ in range(repeats)]
+            log(f"decode: batchscope {weights}, {n} sequences: "
+                f"{', '.join(f'{r:.1f}' for r in out[n])} tok/s")
+        return {"rates": out, "decode_matmul": eng.decode_matmul}
+    finally:
+        eng.stop()
+
+
+def section_decode(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dict:
+    # Interleaved: llama.cpp, then each engine, then llama.cpp again, so drift shows.
+    log("decode: llama-batched-bench...")
+    first = batched_bench(bin_dir, gguf, threads)
+    engines = {w: engine_decode(w, repeats) for w in ("q4", "f32")}
+    log("decode: llama-batched-bench again...")
+    second = batched_bench(bin_dir, gguf, threads)
+    rows = []
+    for n in SEQUENCES:
+        peer = (first[n] + second[n]) / 2
+        q4 = sorted(engines["q4"]["rates"][n])[len(engines["q4"]["rates"][n]) // 2]
+        f32 = sorted(engines["f32"]["rates"][n])[len(engines["f32"]["rates"][n]) // 2]
+        rows.append({"sequences": n, "llama_cpp": peer, "llama_cpp_runs": [first[n], second[n]],
+                     "q4": q4, "f32": f32, "ratio": q4 / peer, "goal": DECODE_GOAL[n],
+                     "goal_met": q4 / peer >= DECODE_GOAL[n]})
+    return {"rows": rows, "engines": engines, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# ---- serve ------------------------------------------------------------------------------------
+
+
+def llama_server_command(bin_dir: Path, gguf: Path, port: int, threads: int) -> list[str]:
+    return [str(bin_dir / "llama-server"), "-m", str(gguf), "-np", str(SERVE_STREAMS), "-c",
+            "16384", "-t", str(threads), "--host", "127.0.0.1", "--port", str(port)]
+
+
+def bench_serve(url: str, out: Path) -> dict:
+    cmd = [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())",
+           "bench", "serve", "--url", url, *BENCH_SERVE, "--no-record", "--save-result", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    s = json.loads(out.read_text())["summary"]
+    return {"output_tps": s["output_throughput"], "output_tokens": s["total_output_tokens"],
+            "tpot_median_ms": s["tpot"]["median_ms"], "ttft_p99_ms": s["ttft"]["p99_ms"],
+            "failed": s["failed"]}
+
+
+def section_serve(bin_dir: Path, gguf: Path, threads: int, workdir: Path) -> dict:
+    model_dir = workdir / "model"
+    subprocess.run([sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())",
+                    "export-model", str(model_dir), "--weights", "f32"], check=True,
+                   stdout=subprocess.DEVNULL)
+    servers = {}
+    for name in ("batchscope", "llama-server", "mlx_lm.server"):
+        port = free_port()
+        if name == "llama-server":
+            cmd = llama_server_command(bin_dir, gguf, port, threads)
+        else:
+            cmd = server_commands(name, port, "auto", model_dir, workdir / "bench.db")
+        with running_server(name, cmd, port, workdir / f"{name}.log", log) as (url, _):
+            runs = {}
+            for phase in ("cold", "warm"):
+                log(f"serve: {name}, {phase}...")
+                runs[phase] = bench_serve(url, workdir / f"{name}-{phase}.json")
+                log(f"serve: {name}, {phase}: {runs[phase]['output_tps']:.1f} output tok/s, "
+                    f"p99 TTFT {runs[phase]['ttft_p99_ms']:.0f} ms")
+        servers[name] = runs
+    ours = servers["batchscope"]
+    goals = {}
+    for phase in ("cold", "warm"):
+        peer, mlx = servers["llama-server"][phase], servers["mlx_lm.server"][phase]
+        goals[phase] = {
+            "vs_llama_server": ours[phase]["output_tps"] / peer["output_tps"],
+            "ttft_p99_lower": ours[phase]["ttft_p99_ms"] < peer["ttft_p99_ms"],
+            "vs_mlx_lm_server": ours[phase]["output_tps"] / mlx["output_tps"]}
+    return {"servers": servers, "goals": goals, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+
+def render(data: dict) -> str:
+    info = data["machine"]
+    lines = [f"# batchscope and llama.cpp on {data['gguf']}", "",
+             f"`.venv/bin/python benchmarks/llama_cpp.py`: backend {info['backend']}, "
+             f"BLAS {info['blas']}, native quantized path {info['quantized_isa']}, "
+             f"{data['threads']} llama.cpp threads, {info['cpus']} CPUs; llama.cpp from the "
+             f"llama-cpp-python {data['llama_cpp_python']} sdist.", ""]
+    if "decode" in data:
+        d = data["decode"]
+        lines += ["## Decode, aggregate tok/s", "", f"Run {d['started']}.", "",
+                  "llama.cpp: `llama-batched-bench -npp 64 -ntg 32` (S_TG, the mean of a run "
+                  "before and one after the engine's). batchscope: the engine in process, "
+                  "prompts of 20-120 tokens, decode from the extra time of a 33-token call, "
+                  f"median of {data['repeats']}. Decode matmul at q4: "
+                  f"{d['engines']['q4']['decode_matmul']}.", "",
+                  "| sequences | llama.cpp | batchscope q4 | batchscope f32 | q4 / llama.cpp "
+                  "| goal |", "|---|---|---|---|---|---|"]
+        for r in d["rows"]:
+            lines.append(f"| {r['sequences']} | {r['llama_cpp']:.1f} | {r['q4']:.1f} | "
+                         f"{r['f32']:.1f} | {r['ratio']:.2f}x | >= {r['goal']:.1f}x: "
+                         f"{'met' if r['goal_met'] else 'not met'} |")
+        lines.append("")
+    if "serve" in data:
+        s = data["serve"]
+        lines += ["## Serving, 8 streams", "", f"Run {s['started']}.", "",
+                  "`batchscope bench serve --num-prompts 32 --max-concurrency 8 --seed 0 "
+                  "--ignore-eos on` against each server in turn, twice (cold, then warm): "
+                  "batchscope on its default weights (q4), llama-server on the Q4_1 GGUF, "
+                  "mlx_lm.server on the model exported at f32 (its fastest format on the CPU).",
+                  "",
+                  "| server | run | output tok/s | output tokens | median TPOT ms | p99 TTFT ms "
+                  "| failed |", "|---|---|---|---|---|---|---|"]
+        for name, runs in s["servers"].items():
+            for phase, r in runs.items():
+                lines.append(f"| {name} | {phase} | {r['output_tps']:.1f} | "
+                             f"{r['output_tokens']} | {r['tpot_median_ms']:.0f} | "
+                             f"{r['ttft_p99_ms']:.0f} | {r['failed']} |")
+        lines += ["", "| run | batchscope / llama-server | p99 TTFT lower | batchscope / "
+                  "mlx_lm.server |", "|---|---|---|---|"]
+        for phase, g in s["goals"].items():
+            lines.append(f"| {phase} | {g['vs_llama_server']:.2f}x (goal >= 1) | "
+                         f"{'yes' if g['ttft_p99_lower'] else 'no'} | "
+                         f"{g['vs_mlx_lm_server']:.2f}x (goal >= 1.5) |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def llama_cpp_python_version(bin_dir: Path) -> str:
+    sdist = list((bin_dir.parent.parent / "sdist").glob("llama_cpp_python-*.tar.gz"))
+    m = re.search(r"llama_cpp_python-(.+)\.tar\.gz", sdist[0].name) if sdist else None
+    return m.group(1) if m else "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sections", nargs="+", default=["decode", "serve"],
+                    choices=["decode", "serve"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
+                    help="llama.cpp threads (default: all CPUs, as the engine uses)")
+    ap.add_argument("--repeats", type=int, default=3, help="engine rounds per sequence count")
+    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    bin_dir = llama_cpp_bin()
+    if bin_dir is None:
+        print("llama.cpp is not built: ./scripts/build-llama-cpp.sh builds it (about 12 "
+              "minutes on 2 cores); nothing was measured", file=sys.stderr)
+        return 3
+    gguf = embedded_gguf_path()
+    info = backend_info()
+    data = {"gguf": gguf.name, "threads": args.threads, "repeats": args.repeats,
+            "llama_cpp_python": llama_cpp_python_version(bin_dir),
+            "machine": {"backend": info["backend"], "blas": blas_name(info.get("blas")) or
+                        "bundled", "quantized_isa": native.decode_quantized_isa(),
+                        "cpus": os.cpu_count()},
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    saved = out / "llama_cpp.json"
+    if saved.is_file():  # the sections not run now keep their last results
+        previous = json.loads(saved.read_text())
+        data.update({k: previous[k] for k in ("decode", "serve") if k in previous})
+    if "decode" in args.sections:
+        data["decode"] = section_decode(bin_dir, gguf, args.threads, args.repeats)
+        saved.write_text(json.dumps(data, indent=1) + "\n")
+    if "serve" in args.sections:
+        with tempfile.TemporaryDirectory(prefix="batchscope-llama-cpp-") as tmp:
+            data["serve"] = section_serve(bin_dir, gguf, args.threads, Path(tmp))
+        saved.write_text(json.dumps(data, indent=1) + "\n")
+    text = render(data)
+    (out / "llama_cpp.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

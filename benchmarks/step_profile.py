@@ -1,0 +1,176 @@
+"""Where a decode step's time goes, at 1, 4, 8 and 16 rows.
+
+The step as the engine runs it (ModelRunner.run on decode rows at a context of ~100 tokens),
+split into building the MLX graph in Python and evaluating it; then the evaluation's parts, each
+timed alone over all layers with the step's own shapes and kernels: the linear layers (as the
+step calls them: q/k/v and gate/up stacked), the head, attention with its KV write, the RMS
+norms and RoPE. "other" is what the parts leave of the whole (residual adds, the activation,
+reshapes, the sampler). Scheduling (the engine's own bookkeeping per step, outside the model) comes
+from the step records of an engine run. Medians of --rounds.
+
+    .venv/bin/python benchmarks/step_profile.py [--weights q4] [--rows 1 4 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# isort: off
+import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
+import mlx.core as mx
+import engine_batching as eb  # benchmarks/engine_batching.py (the script directory is on sys.path)
+# isort: on
+
+from engine import native
+from engine.engine import Engine
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner, RowGroup, Step, pool_for
+from engine.models import family_for
+from engine.platform import backend_info
+from engine.sampling import SamplingParams
+
+CONTEXT = 100
+
+
+def median_ms(fn, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def decode_groups(rows: int) -> tuple[list[RowGroup], list[RowGroup]]:
+    prefill, decode, block = [], [], 0
+    blocks = -(-(CONTEXT + 1) // 16)
+    for i in range(rows):
+        table = list(range(block, block + blocks))
+        block += blocks
+        prefill.append(RowGroup(f"s{i}", [(7 * j + i) % 200 + 3 for j in range(CONTEXT)], 0,
+                                table, False))
+        decode.append(RowGroup(f"s{i}", [40 + i], CONTEXT, table, True, SamplingParams()))
+    return prefill, decode
+
+
+def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, float]:
+    prefill, decode = decode_groups(rows)
+    runner.run(prefill)
+    in_eval = [0.0]
+    real_eval = mx.eval
+
+    def timed_eval(*args):
+        t0 = time.perf_counter()
+        real_eval(*args)
+        in_eval[0] += time.perf_counter() - t0
+
+    steps, evals = [], []
+    mx.eval = timed_eval
+    try:
+        runner.run(decode)
+        for _ in range(rounds):
+            in_eval[0] = 0.0
+            t0 = time.perf_counter()
+            runner.run(decode)
+            steps.append(time.perf_counter() - t0)
+            evals.append(in_eval[0])
+    finally:
+        mx.eval = real_eval
+    step, evaluated = statistics.median(steps) * 1e3, statistics.median(evals) * 1e3
+
+    layers = family.layers
+    hidden = layers[0].mlp.down_proj.weight.shape[0]
+    inner = layers[0].mlp.gate_proj.weight.shape[0]
+    sample = Step(runner, decode)
+    x = mx.random.normal((1, rows, hidden))
+    h = mx.random.normal((1, rows, inner))
+    a0 = layers[0].self_attn
+    q = mx.random.normal((rows, a0.n_heads, hidden // a0.n_heads))
+    k = mx.random.normal((rows, a0.n_kv_heads, hidden // a0.n_heads))
+    mx.eval(x, h, q, k)
+
+    def linears():
+        outs = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            outs += sample.linears([a.q_proj, a.k_proj, a.v_proj], x)
+            outs.append(sample.linear(a.o_proj, x))
+            outs += sample.linears([m.gate_proj, m.up_proj], x)
+            outs.append(sample.linear(m.down_proj, h))
+        mx.eval(outs)
+
+    def attention():
+        mx.eval([sample.attend(i, q, k, k, 0.125) for i in range(len(layers))],
+                runner.pool.state())
+
+    def norms():
+        mx.eval([sample.norm(n, x) for layer in layers
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm)])
+
+    def rope():
+        mx.eval([r for layer in layers for r in sample.rope(layer.self_attn.rope, q, k)])
+
+    parts = {"linear layers": median_ms(linears, rounds),
+             "head": median_ms(lambda: mx.eval(family.head(sample, x)), rounds),
+             "attention + KV write": median_ms(attention, rounds),
+             "RMS norms": median_ms(norms, rounds), "RoPE": median_ms(rope, rounds)}
+    return {"step": step, "graph building": step - evaluated, "evaluation": evaluated,
+            **parts, "other": evaluated - sum(parts.values())}
+
+
+def scheduling(weights: str, rows: list[int]) -> dict[int, float]:
+    """Per step, the engine's time outside the model (scheduler, bookkeeping, records), ms."""
+    out = {}
+    eng = Engine(eb.engine_config(weights, rows)).start()
+    try:
+        for n in rows:
+            prompts = eb.make_prompts(eng.loaded.tokenizer, n)
+            first = eng.step_count + 1
+            eb.run_engine(eng, prompts, 17)
+            recs = [r for r in eng.steps.recent() if r.step >= first and not r.prefill_rows]
+            out[n] = statistics.median(r.scheduler_time for r in recs) * 1e3
+    finally:
+        eng.stop()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--weights", default="q4")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_profile.md"))
+    args = ap.parse_args()
+    loaded = load_model("embedded", args.weights)
+    family = family_for(loaded.model)
+    runner = ModelRunner(loaded.model, pool_for(family, 512, 16), "auto", "auto", family)
+    table = {}
+    for n in args.rows:
+        print(f"# {n} rows...", file=sys.stderr, flush=True)
+        table[n] = profile(runner, family, n, args.rounds)
+    sched = scheduling(args.weights, args.rows)
+    names = list(next(iter(table.values())))
+    lines = [f"A decode step of {loaded.name} ({args.weights}), context {CONTEXT}, backend "
+             f"{backend_info()['backend']}, native quantized path "
+             f"{native.decode_quantized_isa()}, {native.threads()} native threads; ms, medians "
+             f"of {args.rounds}. The parts are timed alone (see the script's docstring).", "",
+             "| ms | " + " | ".join(f"{n} rows" for n in args.rows) + " |",
+             "|---|" + "---|" * len(args.rows)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{table[n][name]:.1f}" for n in args.rows)
+                     + " |")
+    lines.append("| scheduling (engine, outside the model) | "
+                 + " | ".join(f"{sched[n]:.1f}" for n in args.rows) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
