@@ -685,7 +685,10 @@ def main(argv: list[str] | None = None) -> int:
     p = QUICK if args.quick else FULL
     log = Log()
     info = backend_info()
-    weights = resolve_weights(args.weights, info)
+    # One format for batchscope and mlx-lm alike: auto is the fastest for mlx-lm (on the CPU
+    # its quantized matmul is one row at a time, so not q4; benchmarks/llama_cpp_peer.py runs
+    # batchscope at its own default).
+    weights = resolve_weights(args.weights, info, native_quantized=False)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 

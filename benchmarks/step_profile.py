@@ -123,6 +123,36 @@ def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, fl
             **parts, "other": evaluated - sum(parts.values())}
 
 
+def copy_bandwidth(rounds: int = 5, size: int = 512 * 2**20) -> float:
+    """The machine's memory-copy bandwidth, GB/s: bytes read plus written by a numpy copy of
+    `size` bytes (one thread), the fastest of `rounds`."""
+    import numpy as np
+
+    src = np.ones(size // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size / best / 1e9
+
+
+def weight_bytes(family) -> int:
+    """Bytes of the weights a decode step reads: every linear layer's and the head's."""
+    total = 0
+    for layer in family.layers:
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                  layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                  layer.mlp.down_proj):
+            total += sum(getattr(m, k).nbytes for k in ("weight", "scales", "biases")
+                         if getattr(m, k, None) is not None)
+    head = getattr(family.model, "lm_head", None) or family.inner.embed_tokens
+    total += sum(getattr(head, k).nbytes for k in ("weight", "scales", "biases")
+                 if getattr(head, k, None) is not None)
+    return total
+
+
 def scheduling(weights: str, rows: list[int]) -> dict[int, float]:
     """Per step, the engine's time outside the model (scheduler, bookkeeping, records), ms."""
     out = {}
@@ -166,6 +196,14 @@ def main() -> int:
                      + " |")
     lines.append("| scheduling (engine, outside the model) | "
                  + " | ".join(f"{sched[n]:.1f}" for n in args.rows) + " |")
+    if 1 in table:
+        mb = weight_bytes(family) / 1e6
+        read = mb / (table[1]["linear layers"] + table[1]["head"])  # MB per ms = GB/s
+        copy = copy_bandwidth()
+        lines += ["", f"At 1 row the linear layers and the head read {mb:.0f} MB of weights in "
+                  f"{table[1]['linear layers'] + table[1]['head']:.1f} ms: {read:.1f} GB/s, "
+                  f"{read / copy:.0%} of this machine's memory-copy bandwidth ({copy:.1f} GB/s "
+                  "read + written by one thread's numpy copy of 512 MB)."]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

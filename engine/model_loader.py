@@ -122,9 +122,9 @@ def resolve_weights(requested: str, backend_info: dict | None = None,
       - Metal / CUDA: "q4". MLX has fast quantized GPU kernels, and decode is bound by
         memory bandwidth, which 4-bit weights cut ~4x against bf16.
       - CPU with the native quantized kernel built (engine/native; native_quantized, default:
-        whether it is): "q4". The engine decodes faster at q4 than at f32 at every batch size
-        measured (1.1-1.4x at 1-16 sequences), in a fifth of the memory, and every row of a
-        step gets the same bits whatever shares it; prefill runs at 0.8-1.1x f32.
+        whether it is): "q4". The engine decodes at q4 as fast as at f32 or faster (1.2-1.4x
+        at one sequence, level at 8-16), in a fifth of the memory, and every row of a step
+        gets the same bits whatever shares it; prefill runs at 0.8-1.1x f32.
       - CPU without it, with an optimized BLAS (OpenBLAS preloaded on Linux; Accelerate on
         macOS): "f32". MLX's CPU quantized matmul computes one row at a time: f32 decodes
         1.5-2.6x faster at batch 1, 4.4-7.4x at batch 4, and prefills 20-35x faster.

@@ -4,7 +4,7 @@ llama.cpp is optional: ./scripts/build-llama-cpp.sh builds llama-bench, llama-ba
 llama-server (about 12 minutes on 2 cores, cached outside the repository; BATCHSCOPE_LLAMA_CPP
 names another build). Without it this script says so and exits with code 3.
 
-    .venv/bin/python benchmarks/llama_cpp.py [--sections decode serve] [--threads 2]
+    .venv/bin/python benchmarks/llama_cpp_peer.py [--sections decode serve] [--threads 2]
 
 decode  the engine's aggregate decode tok/s (weights q4 and f32; benchmarks/engine_batching.py's
         prompts and method: decode from the extra time of a 33-token call) at 1, 4, 8 and 16
@@ -175,7 +175,7 @@ def section_serve(bin_dir: Path, gguf: Path, threads: int, workdir: Path) -> dic
 def render(data: dict) -> str:
     info = data["machine"]
     lines = [f"# batchscope and llama.cpp on {data['gguf']}", "",
-             f"`.venv/bin/python benchmarks/llama_cpp.py`: backend {info['backend']}, "
+             f"`.venv/bin/python benchmarks/llama_cpp_peer.py`: backend {info['backend']}, "
              f"BLAS {info['blas']}, native quantized path {info['quantized_isa']}, "
              f"{data['threads']} llama.cpp threads, {info['cpus']} CPUs; llama.cpp from the "
              f"llama-cpp-python {data['llama_cpp_python']} sdist.", ""]
