@@ -23,6 +23,7 @@ from pathlib import Path
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 import mlx.core as mx
 import engine_batching as eb  # benchmarks/engine_batching.py (the script directory is on sys.path)
+from decode_linear import model_layers  # benchmarks/decode_linear.py
 # isort: on
 
 from engine import native
@@ -138,19 +139,10 @@ def copy_bandwidth(rounds: int = 5, size: int = 512 * 2**20) -> float:
     return 2 * size / best / 1e9
 
 
-def weight_bytes(family) -> int:
+def weight_bytes(model) -> int:
     """Bytes of the weights a decode step reads: every linear layer's and the head's."""
-    total = 0
-    for layer in family.layers:
-        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                  layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                  layer.mlp.down_proj):
-            total += sum(getattr(m, k).nbytes for k in ("weight", "scales", "biases")
-                         if getattr(m, k, None) is not None)
-    head = getattr(family.model, "lm_head", None) or family.inner.embed_tokens
-    total += sum(getattr(head, k).nbytes for k in ("weight", "scales", "biases")
-                 if getattr(head, k, None) is not None)
-    return total
+    return sum(getattr(m, k).nbytes for m in model_layers(model)
+               for k in ("weight", "scales", "biases") if getattr(m, k, None) is not None)
 
 
 def scheduling(weights: str, rows: list[int]) -> dict[int, float]:
@@ -197,7 +189,7 @@ def main() -> int:
     lines.append("| scheduling (engine, outside the model) | "
                  + " | ".join(f"{sched[n]:.1f}" for n in args.rows) + " |")
     if 1 in table:
-        mb = weight_bytes(family) / 1e6
+        mb = weight_bytes(loaded.model) / 1e6
         read = mb / (table[1]["linear layers"] + table[1]["head"])  # MB per ms = GB/s
         copy = copy_bandwidth()
         lines += ["", f"At 1 row the linear layers and the head read {mb:.0f} MB of weights in "
