@@ -125,9 +125,10 @@ class Step:
     def rope(self, rope, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         """q: (rows, heads, dim), k: (rows, kv_heads, dim), rotated at each row's position.
 
-        Each row is its own "batch" entry so RoPE takes a per-row position. Queries and keys
-        go through one call, half the calls: RoPE rotates each head alone, so the bits are
-        those of two calls (tests/engine/test_attention.py)."""
+        On the CPU the native op rotates each at its rows' positions (engine/native/row_ops.h).
+        Otherwise each row is its own "batch" entry so MLX's RoPE takes a per-row position, and
+        queries and keys go through one call, half the calls: RoPE rotates each head alone, so
+        the bits are those of two calls (tests/engine/test_attention.py)."""
         native_rope = self.runner.native_rope(rope, q, k)
         if native_rope is not None:
             op, inv_freqs, scale = native_rope
