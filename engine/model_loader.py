@@ -121,8 +121,8 @@ def resolve_weights(requested: str, backend_info: dict | None = None,
     has the tables):
       - Metal / CUDA: "q4". MLX has fast quantized GPU kernels, and decode is bound by
         memory bandwidth, which 4-bit weights cut ~4x against bf16.
-      - CPU with the native quantized kernel built (engine/native; native_quantized, default:
-        whether it is): "q4". The engine decodes at q4 as fast as at f32 or faster (1.2-1.4x
+      - CPU with the native quantized kernel built and a vector path for it (AVX-512 or
+        AVX2; native_quantized, default: native.decode_quantized_fast()): "q4". The engine decodes at q4 as fast as at f32 or faster (1.2-1.4x
         at one sequence, level at 8-16), in a fifth of the memory, and every row of a step
         gets the same bits whatever shares it; prefill runs at 0.8-1.1x f32.
       - CPU without it, with an optimized BLAS (OpenBLAS preloaded on Linux; Accelerate on
@@ -143,7 +143,7 @@ def resolve_weights(requested: str, backend_info: dict | None = None,
     if native_quantized is None:
         from engine import native
 
-        native_quantized = native.decode_quantized_linear() is not None
+        native_quantized = native.decode_quantized_fast()
     if native_quantized:
         return "q4"
     if info.get("blas") or info.get("platform") == "darwin":

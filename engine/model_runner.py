@@ -417,7 +417,10 @@ def _matmul_kernel(decode_matmul: str, fused: bool):
 
 
 def _quantized_kernel(decode_matmul: str, fused: bool):
-    """The native quantized decode linear op to use (the same setting), or None for MLX's."""
+    """The native quantized decode linear op to use (the same setting), or None for MLX's:
+    "auto" takes it only where it runs a vector path (native.decode_quantized_fast)."""
+    if decode_matmul == "auto" and not fused and not native.decode_quantized_fast():
+        return None
     return _native_op("decode_matmul", decode_matmul, fused, native.decode_quantized_linear)
 
 

@@ -65,6 +65,14 @@ def row_ops() -> tuple[Callable, Callable, Callable] | None:
     return (module.rms_norm_rows, module.rope_rows, module.logsumexp_rows) if module else None
 
 
+def decode_quantized_fast() -> bool:
+    """Whether the quantized op runs a vector path here (AVX-512 or AVX2). Its portable path is
+    correct everywhere but slower than MLX's own quantized matmul: 0.5x at 1 row and 0.7-0.8x
+    at 4-16 rows (benchmarks/decode_linear.py --weights q4 with
+    BATCHSCOPE_QUANTIZED_ISA=portable on an x86-64 baseline build), so `auto` prefers MLX's."""
+    return decode_quantized_isa() in ("avx512", "avx2")
+
+
 def decode_quantized_isa() -> str | None:
     """The instruction set the quantized op runs: "avx512", "avx2" or "portable" (the best this
     CPU has unless BATCHSCOPE_QUANTIZED_ISA names another); None when not built."""
