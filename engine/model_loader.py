@@ -159,15 +159,16 @@ def native_takes(model: nn.Module) -> bool:
     the quantization's scales and biases (a folder with bfloat16 norms computes in bfloat16)."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+    from engine.model_runner import quantized_weight  # the kernel's own rule for a layer
+
     quantized = [m for m in model.modules()
                  if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding
                                | QuantizedSwitchLinear)]
     half = [name for name, v in tree_flatten(model.parameters())
             if v.dtype in (mx.float16, mx.bfloat16) and not name.endswith((".scales", ".biases"))]
     return bool(quantized) and not half and all(
-        not isinstance(m, QuantizedSwitchLinear) and getattr(m, "mode", "affine") == "affine"
-        and m.bits in (4, 8) and m.group_size in (32, 64, 128)
-        and getattr(m, "biases", None) is not None for m in quantized)
+        not isinstance(m, QuantizedSwitchLinear) and quantized_weight(m, type(m)) is not None
+        for m in quantized)
 
 
 # ---------------------------------------------------------------------------------------

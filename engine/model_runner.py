@@ -223,7 +223,7 @@ class ModelRunner:
     def native_quantized_applies(self) -> bool:
         """Whether gemm steps reach the native quantized kernel (affine 4/8-bit layers)."""
         return self.quantized_kernel is not None and any(
-            _quantized_weight(m, kind) is not None for m in self.model.modules()
+            quantized_weight(m, kind) is not None for m in self.model.modules()
             for kind in (nn.QuantizedLinear, nn.QuantizedEmbedding))
 
     # The one place a linear layer runs: the step's kernel path decides how. A "gemm" step of
@@ -240,7 +240,7 @@ class ModelRunner:
                     out = self.matmul_kernel(x, weight)
             if (out is None and self.quantized_kernel is not None
                     and rows <= DECODE_QUANTIZED_MAX_ROWS and x.dtype == mx.float32):
-                q = _quantized_weight(module, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
+                q = quantized_weight(module, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
                 if q is not None:
                     out = self.quantized_kernel(x, *q)
             if out is not None:
@@ -286,7 +286,7 @@ class ModelRunner:
         weights = [_float32_weight(m) for m in modules]
         if self.matmul_kernel is not None and all(w is not None for w in weights):
             return "f32", (_stack_rows(modules, ["weight"])[0],)
-        quantized = [_quantized_weight(m) for m in modules]
+        quantized = [quantized_weight(m) for m in modules]
         if (self.quantized_kernel is not None and all(q is not None for q in quantized)
                 and len({(q[3], q[4], q[1].dtype) for q in quantized}) == 1):
             w, scales, biases = _stack_rows(modules, ["weight", "scales", "biases"])
@@ -469,7 +469,7 @@ def _float32_weight(module, kind=nn.Linear) -> mx.array | None:
     return module.weight
 
 
-def _quantized_weight(module, kind=nn.QuantizedLinear) -> tuple | None:
+def quantized_weight(module, kind=nn.QuantizedLinear) -> tuple | None:
     """(weight, scales, biases, group_size, bits) the native quantized kernel can take: MLX's
     affine quantization at 4 or 8 bits in groups of 32, 64 or 128; None for anything else."""
     if (type(module) is not kind or getattr(module, "mode", "affine") != "affine"

@@ -53,3 +53,16 @@ def decode_groups(lens, first_token=40):
                                 False))
         groups.append(RowGroup(f"s{i}", [first_token + i], n, table, True, SamplingParams()))
     return prefill, groups
+
+
+def samples_by_setting(model, settings=("native", "mlx")) -> dict[str, dict]:
+    """Per decode_matmul setting: seq_id -> (token, logprob) of one decode step of four
+    sequences (after their prefill) on a fresh runner over the model."""
+    results = {}
+    for setting in settings:
+        runner = runner_for(model, setting)
+        prefill, decode = decode_groups([30, 12, 25, 3])
+        runner.run(prefill)
+        out = runner.run(decode).samples
+        results[setting] = {k: (s.token_id, s.logprob) for k, s in out.items()}
+    return results

@@ -144,7 +144,8 @@ struct Portable {
 #if defined(__x86_64__)
 
 // The scale_at values, float16 through the F16C instruction: a scale and a bias are read per
-// group per output, and a software conversion cost a third of a 1-row step at group size 32.
+// group per output, and the software conversion slowed a 1-row call at group size 32 (one
+// thread, an 8192 x 2048 layer: 9.8 against 13 Gweights/s).
 __attribute__((target("f16c"))) inline float scale_x86(const void* p, ScaleType t, size_t i) {
   switch (t) {
     case ScaleType::f16: return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);

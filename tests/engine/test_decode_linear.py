@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from native_ops import decode_groups, native_op, random, runner_for
+from native_ops import decode_groups, native_op, random, runner_for, samples_by_setting
 
 from engine.model_runner import DECODE_MATMUL_MAX_ROWS
 from engine.testing import tiny_model
@@ -158,14 +158,7 @@ def test_quantized_weights_keep_mlx_matmul():
 def test_decode_tokens_and_logprobs_follow_mlx_matmul_closely():
     """Same greedy tokens as MLX's matmul on the tiny model, logprobs within float32 noise."""
     native_linear()
-    model = tiny_model(quantize=False).model
-    results = {}
-    for setting in ("native", "mlx"):
-        runner = runner_for(model, setting)
-        prefill, decode = decode_groups([30, 12, 25, 3])
-        runner.run(prefill)
-        out = runner.run(decode).samples
-        results[setting] = {k: (s.token_id, s.logprob) for k, s in out.items()}
+    results = samples_by_setting(tiny_model(quantize=False).model)
     for seq, (token, logprob) in results["native"].items():
         mlx_token, mlx_logprob = results["mlx"][seq]
         assert token == mlx_token

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from native_ops import decode_groups, native_op, random, runner_for
+from native_ops import decode_groups, native_op, random, runner_for, samples_by_setting
 
 from engine import native
 from engine.model_runner import DECODE_QUANTIZED_MAX_ROWS
@@ -251,14 +251,9 @@ def test_the_setting_mlx_keeps_mlx_and_native_tokens_follow_it():
     """Same greedy tokens as MLX's quantized_matmul, logprobs within float32 noise."""
     kernel()
     model = tiny_model().model
-    results = {}
     for setting in ("native", "mlx"):
-        runner = runner_for(model, setting)
-        assert (runner.quantized_kernel is None) == (setting == "mlx")
-        prefill, decode = decode_groups([30, 12, 25, 3])
-        runner.run(prefill)
-        out = runner.run(decode).samples
-        results[setting] = {k: (s.token_id, s.logprob) for k, s in out.items()}
+        assert (runner_for(model, setting).quantized_kernel is None) == (setting == "mlx")
+    results = samples_by_setting(model)
     for seq, (token, logprob) in results["native"].items():
         mlx_token, mlx_logprob = results["mlx"][seq]
         assert token == mlx_token
