@@ -11,9 +11,12 @@ Two measurements, each interleaved round by round so that machine noise hits all
 2. A whole decode step of the real model at C rows: the engine's forward with the native kernel
    and with MLX ops, the same with attention left out, and mlx-lm's batched forward on a
    BatchKVCache.
+3. One layer's attention for a prefill chunk (--chunk rows, 512 by default) at the end of a
+   context of N tokens (--prefill-contexts): the native kernel against the MLX-ops path
+   (gather + masked matmuls + softmax), with the arithmetic rate each reaches.
 
     .venv/bin/python benchmarks/attention.py [--weights f32] [--concurrency 4 8 16] [--rounds 15]
-        [--layers-only]
+        [--layers-only] [--prefill-contexts 512 2048 4096 8192] [--chunk 512]
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def layer_attention(c: int, rounds: int, heads=9, kv_heads=3, dim=64, num_blocks
     def padded():
         return mx.fast.scaled_dot_product_attention(q4, kpad, vpad, scale=scale, mask=mask)
 
-    kernel = native.paged_decode_attention()
+    kernel = native.paged_attention()
     width = max(-(-n // BLOCK) for n in lens)
     table = np.zeros((c, width), np.int32)
     at = 0
@@ -107,7 +110,8 @@ def layer_attention(c: int, rounds: int, heads=9, kv_heads=3, dim=64, num_blocks
     table, ctx_lens = mx.array(table), mx.array(np.asarray(lens, np.int32))
 
     def native_path():
-        return kernel(q, *pool.layer(0), table, ctx_lens, scale, BLOCK)
+        return kernel(q, *pool.layer(0), table, ctx_lens, mx.ones(c, dtype=mx.int32), scale,
+                      BLOCK)
 
     ops = engine_path()
     deltas = {"MLX-ops path vs padded": mx.max(mx.abs(ops - padded().reshape(c, heads * dim)))}
@@ -121,6 +125,32 @@ def layer_attention(c: int, rounds: int, heads=9, kv_heads=3, dim=64, num_blocks
         deltas["native kernel vs MLX-ops path"] = mx.max(mx.abs(native_path() - ops))
         variants["engine, native paged kernel"] = lambda: mx.eval(native_path())
     return timed_rounds(variants, rounds), {k: v.item() for k, v in deltas.items()}
+
+
+def prefill_layer(ctx: int, chunk: int, rounds: int, heads=9, kv_heads=3, dim=64):
+    """One layer's attention for the last `chunk` rows of a context of ctx tokens."""
+    rng = np.random.default_rng(ctx)
+    nb = -(-ctx // BLOCK)
+    pool = KVPool(1, 2 * nb + 2, BLOCK, kv_heads, dim)
+    fill = mx.array(rng.standard_normal((pool.num_slots, kv_heads, dim)).astype(np.float32))
+    pool.write(0, mx.arange(pool.num_slots), fill, fill * 0.5)
+    blocks = [int(b) for b in rng.permutation(pool.num_blocks)[:nb]]  # fragmented
+    q = mx.array(rng.standard_normal((chunk, heads, dim)).astype(np.float32))
+    scale = dim ** -0.5
+    read = mx.array(blocks)
+    kernel = native.paged_attention()
+    variants = {"MLX ops: gather + exact attention": lambda: mx.eval(attend(
+        q, *pool.read_blocks(0, read), [Span(0, chunk, 0, ctx)], scale, fused=False))}
+    if kernel is not None:
+        table = mx.array(np.asarray([blocks], np.int32))
+        lens, qlens = mx.array([ctx], dtype=mx.int32), mx.array([chunk], dtype=mx.int32)
+        variants["native paged kernel"] = lambda: mx.eval(
+            kernel(q, *pool.layer(0), table, lens, qlens, scale, BLOCK))
+    times = timed_rounds(variants, rounds)
+    # Multiply-adds of the scores and of the values, over the causal part only.
+    pairs = chunk * (ctx - chunk) + chunk * (chunk + 1) / 2
+    flop = 2 * 2 * pairs * heads * dim
+    return times, {name: flop / min(ts) / 1e9 for name, ts in times.items()}
 
 
 def decode_step(loaded, c: int, rounds: int):
@@ -188,10 +218,12 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/attention.md")
     ap.add_argument("--layers-only", action="store_true",
                     help="only the one-layer measurements (no model, no whole steps)")
+    ap.add_argument("--prefill-contexts", type=int, nargs="*", default=[512, 2048, 4096, 8192])
+    ap.add_argument("--chunk", type=int, default=512, help="rows of the prefill chunk")
     args = ap.parse_args()
 
     loaded = None if args.layers_only else load_model("embedded", args.weights)
-    kernel = "built" if native.paged_decode_attention() else f"unavailable: {native.why_not()}"
+    kernel = "built" if native.paged_attention() else f"unavailable: {native.why_not()}"
     model = "one layer only" if loaded is None else f"Model {loaded.name}, weights {loaded.weights}"
     out = [f"{model}, backend {mx.default_device()}; "
            f"{args.rounds} interleaved rounds; contexts of 52-152 tokens; native kernel {kernel}.",
@@ -209,6 +241,18 @@ def main() -> int:
         ratio = min(step["mlx-lm batched step"]) / min(step["engine step"])
         out += table("whole decode step", step)
         out += ["", f"mlx-lm step time / engine step time (fastest rounds): {ratio:.2f}x", ""]
+    for ctx in args.prefill_contexts:
+        chunk = min(args.chunk, ctx)
+        print(f"# prefill chunk of {chunk} rows at context {ctx}...", file=sys.stderr,
+              flush=True)
+        times, rates = prefill_layer(ctx, chunk, max(3, args.rounds // 3))
+        out += [f"### A {chunk}-row prefill chunk ending a {ctx}-token context", ""]
+        out += table("one layer", times) + [""]
+        out += [f"GFLOP/s (fastest round), {name}: {r:.1f}" for name, r in rates.items()]
+        if len(rates) == 2:
+            ops, kernel = rates.values()
+            out.append(f"native kernel / MLX ops: {kernel / ops:.2f}x")
+        out.append("")
     text = "\n".join(out)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

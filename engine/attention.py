@@ -4,11 +4,14 @@ Two ways, both exact per sequence (never over a padded batch: padding changes th
 the softmax and matmul reductions, and with them the floating-point result, which would make a
 request's output depend on what shares its batch):
 
-- Decode rows on the CPU backend go through the native kernel (engine/native/): one op per
-  layer reads every row's keys and values straight from the paged pool through its block
-  table, with arithmetic that depends on the row alone. benchmarks/attention.py measures it
-  against the MLX-ops path and mlx-lm's padded fused call.
-- Everything else (prefill chunks, other backends, or the kernel not built) uses MLX ops over
+- On the CPU backend every row goes through the native kernel (engine/native/): one op per
+  layer for all of a step's sequences, decode rows and prefill chunks alike, reading keys and
+  values straight from the paged pool through each block table (no gather copy) and skipping
+  the causal upper triangle. A row's arithmetic depends on its own query, position and context
+  alone: it gets the same bits as a decode row, as a row of a prefill chunk of any length, and
+  whatever shares the step. benchmarks/attention.py measures it against the MLX-ops path and
+  mlx-lm's padded fused call.
+- Otherwise (other backends, the kernel not built or turned off, attention sinks) MLX ops over
   contexts gathered by block. On the CPU backend MLX's fused scaled_dot_product_attention falls
   back to a composition of matmul + softmax; writing that composition here over the head-major
   pool is bit-identical to it (tests/engine/test_attention.py), at three ops per sequence and
@@ -21,13 +24,14 @@ kernel starts W positions back. This is mlx-lm's own rule (create_causal_mask's 
 a row at position p sees keys (p - W, p].
 
 The native kernel rounds where MLX's ops round for float16/bfloat16 but sums in its own order,
-so in float32 it differs from the MLX-ops path by ~1e-7 (tests/engine/test_attention.py).
+so in float32 it differs from the MLX-ops path by ~1e-7 (tests/engine/test_attention.py). It
+keeps no rows x context score tensor: a thread holds the scores of 16 rows of one head.
 
 Attention sinks (gpt_oss): a learned logit per query head that joins each row's softmax as an
 extra column and takes its share of the probability mass, with no value. The MLX-ops path puts
 it first, as MLX's own fallback does (bit-identical to it, tests/engine/test_attention_sinks.py);
-the fused path passes it to MLX. The native kernel has none, so such layers plan their decode
-rows on MLX ops.
+the fused path passes it to MLX. The native kernel has none, so such layers plan their rows on
+MLX ops.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, spans: list[Span], sca
     heads * dim)."""
     rows, heads, dim = q.shape
     kv_heads = keys.shape[0]
+    if keys.dtype != q.dtype:  # a pool narrower than the model (kv_dtype): widened to q's
+        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
     if fused:
         outs = []
         for s, qs, ks, vs in zip(spans, _cut(q, spans, 0, "row"), _cut(keys, spans, 1, "ctx"),
@@ -139,46 +145,41 @@ def _cut(x: mx.array, spans: list[Span], axis: int, kind: str) -> list[mx.array]
 
 @dataclass
 class StepAttention:
-    """How one step's rows attend, worked out once per step and used by every layer.
-
-    Rows [0, native_rows) of the reordered q go through the native kernel; the rest are
-    `spans` over the blocks `read` gathers. `order` reorders q so (None: already in order),
-    `inverse` puts the output rows back."""
+    """How one step's rows attend, worked out once per step and used by every layer: through
+    the native kernel (`tables`, `lens`, `query_lens` for every sequence) or as MLX ops
+    (`spans` over the blocks `read` gathers)."""
 
     spans: list[Span]
     read: mx.array | None  # block ids gathered for the spans
-    native_rows: int
-    tables: mx.array | None  # (native_rows, max_blocks) int32
-    lens: mx.array | None  # (native_rows,) int32
-    order: mx.array | None
-    inverse: mx.array | None
+    tables: mx.array | None  # (seqs, max_blocks) int32
+    lens: mx.array | None  # (seqs,) int32 context lengths
+    query_lens: mx.array | None  # (seqs,) int32 rows per sequence
     window: int | None = None  # a sliding-window layer's W: rows see their last W positions
+
+    @property
+    def native(self) -> bool:
+        return self.tables is not None
 
 
 def plan_step(contexts: list[tuple[int, int, list[int]]], block_size: int,
               native: bool, window: int | None = None) -> StepAttention:
     """contexts: per sequence, in row order, (rows, context length, block table). With
-    `native`, single-row (decode) sequences go to the native kernel. With a window, each span
-    gathers only the blocks that hold its rows' last `window` positions."""
-    to_native = [native and rows == 1 for rows, _, _ in contexts]
-    starts = np.cumsum([0] + [rows for rows, _, _ in contexts])
-    order = ([int(starts[i]) for i, n in enumerate(to_native) if n]
-             + [r for i, n in enumerate(to_native) if not n
-                for r in range(starts[i], starts[i + 1])])
-    tables = lens = None
-    natives = [c for c, n in zip(contexts, to_native, strict=True) if n]
-    if natives:
-        width = max(-(-ctx // block_size) for _, ctx, _ in natives)
-        table = np.zeros((len(natives), width), dtype=np.int32)
-        for i, (_, ctx, blocks) in enumerate(natives):
+    `native`, every sequence goes to the native kernel, which reads the pool through the
+    tables. Otherwise each span gathers its context's blocks (with a window, only those that
+    hold its rows' last `window` positions)."""
+    if native:
+        width = max(-(-ctx // block_size) for _, ctx, _ in contexts)
+        table = np.zeros((len(contexts), width), dtype=np.int32)
+        for i, (_, ctx, blocks) in enumerate(contexts):
             n_blocks = -(-ctx // block_size)
             table[i, :n_blocks] = blocks[:n_blocks]
-        tables = mx.array(table)
-        lens = mx.array(np.asarray([ctx for _, ctx, _ in natives], dtype=np.int32))
-    spans, read, row, ctx_at = [], [], len(natives), 0
-    for (rows, ctx, blocks), n in zip(contexts, to_native, strict=True):
-        if n:
-            continue
+        return StepAttention(
+            spans=[], read=None, tables=mx.array(table),
+            lens=mx.array(np.asarray([ctx for _, ctx, _ in contexts], dtype=np.int32)),
+            query_lens=mx.array(np.asarray([rows for rows, _, _ in contexts], dtype=np.int32)),
+            window=window)
+    spans, read, row, ctx_at = [], [], 0, 0
+    for rows, ctx, blocks in contexts:
         # Contexts are gathered by whole blocks (cheaper than slot by slot); each starts at a
         # block boundary of the gathered array and its span ignores the tail padding.
         n_blocks = -(-ctx // block_size)
@@ -189,12 +190,8 @@ def plan_step(contexts: list[tuple[int, int, list[int]]], block_size: int,
         spans.append(Span(row, rows, ctx_at, ctx - first * block_size))
         row += rows
         ctx_at += (n_blocks - first) * block_size
-    identity = order == list(range(len(order)))
-    return StepAttention(
-        spans=spans, read=mx.array(np.asarray(read, dtype=np.int64)) if read else None,
-        native_rows=len(natives), tables=tables, lens=lens,
-        order=None if identity else mx.array(order),
-        inverse=None if identity else mx.array(np.argsort(order)), window=window)
+    return StepAttention(spans=spans, read=mx.array(np.asarray(read, dtype=np.int64)),
+                         tables=None, lens=None, query_lens=None, window=window)
 
 
 def attend_step(q: mx.array, plan: StepAttention, pool: KVPool, layer: int, scale: float,
@@ -203,19 +200,11 @@ def attend_step(q: mx.array, plan: StepAttention, pool: KVPool, layer: int, scal
     """One layer's attention for a planned step. q: (rows, heads, dim); the pool already holds
     the step's writes for this layer; sinks: (heads,) or None. Returns (rows, heads * dim) in
     the step's row order."""
-    if sinks is not None and plan.native_rows:
-        raise ValueError("the native decode kernel has no attention sinks: plan with "
-                         "native=False")
-    if plan.order is not None:
-        q = q[plan.order]
-    outs = []
-    if plan.native_rows:
-        outs.append(kernel(q[:plan.native_rows], *pool.layer(layer), plan.tables, plan.lens,
-                           scale, pool.block_size, plan.window or 0))
-    if plan.spans:
-        keys, values = pool.read_blocks(layer, plan.read)
-        rest = q[plan.native_rows:] if plan.native_rows else q
-        spans = [Span(s.row - plan.native_rows, s.rows, s.ctx, s.ctx_len) for s in plan.spans]
-        outs.append(attend(rest, keys, values, spans, scale, fused, plan.window, sinks))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-    return out if plan.inverse is None else out[plan.inverse]
+    if plan.native:
+        if sinks is not None:
+            raise ValueError("the native attention kernel has no attention sinks: plan with "
+                             "native=False")
+        return kernel(q, *pool.layer(layer), plan.tables, plan.lens, plan.query_lens, scale,
+                      pool.block_size, plan.window or 0)
+    keys, values = pool.read_blocks(layer, plan.read)
+    return attend(q, keys, values, plan.spans, scale, fused, plan.window, sinks)

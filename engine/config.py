@@ -32,7 +32,11 @@ class KernelPolicy:
 
 
 WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
-# The native-kernel settings, decode_attention (engine/attention.py) and decode_matmul
+# The KV pool's storage: "auto" is the dtype the model computes in (what mlx-lm's cache holds);
+# a narrower one halves the bytes attention reads per position and doubles the positions a
+# pool of a given size holds (docs/engine.md, "KV dtype").
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The native-kernel settings, attention (engine/attention.py) and decode_matmul
 # (engine/model_runner.py, float32 steps of up to DECODE_MATMUL_MAX_ROWS rows on the "gemm"
 # path): "auto" is the native op on the CPU backend when it is built, else MLX's own;
 # "native" requires the native op; "mlx" never uses it.
@@ -48,6 +52,7 @@ def check_native_setting(name: str, value: str) -> None:
 class EngineConfig:
     model: str = "embedded"  # "embedded" or a local mlx-lm model folder
     weights: str = "auto"
+    kv_dtype: str = "auto"
     max_num_seqs: int = 16  # requests that may share one step
     max_num_batched_tokens: int = 512  # rows (token positions) one step may hold
     block_size: int = 16  # tokens per KV block
@@ -63,19 +68,22 @@ class EngineConfig:
     # exactly `invariant_tile` rows (padded), whatever the step holds. Overrides kernel_policy.
     batch_invariant: bool = False
     invariant_tile: int = 16
-    decode_attention: str = "auto"
+    attention: str = "auto"
     decode_matmul: str = "auto"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(
                 f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                      "step_history", "invariant_tile"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        check_native_setting("decode_attention", self.decode_attention)
+        check_native_setting("attention", self.attention)
         check_native_setting("decode_matmul", self.decode_matmul)
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values

@@ -212,14 +212,14 @@ class Engine:
                 "max_tokens" if n < capacity else "prompt", "context_length_exceeded")
 
     @property
-    def decode_attention(self) -> str:
-        """Which attention decode rows use, in words (logged at start, shown by the CLI)."""
+    def attention(self) -> str:
+        """Which attention the step's rows use, in words (logged at start, shown by the CLI)."""
         if self.runner.attention_kernel is not None:
             return "native paged kernel"
         if self.runner.fused_attention:
             return "MLX fused attention per sequence"
 
-        why = native.why_not() if self.config.decode_attention == "auto" else None
+        why = native.why_not() if self.config.attention == "auto" else None
         return "MLX ops per sequence" + (f" (native kernel {why})" if why else "")
 
     @property
@@ -300,8 +300,9 @@ class Engine:
                                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         family = family_for(self.loaded.model, self.loaded.config)
-        self.pool = pool_for(family, cfg.num_kv_blocks, cfg.block_size)
-        self.runner = ModelRunner(self.loaded.model, self.pool, cfg.decode_attention,
+        kv_dtype = None if cfg.kv_dtype == "auto" else getattr(mx, cfg.kv_dtype)
+        self.pool = pool_for(family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
+        self.runner = ModelRunner(self.loaded.model, self.pool, cfg.attention,
                                   cfg.decode_matmul, family)
         self.runner.tile = cfg.invariant_tile
         threshold, self.kernel_threshold_source = resolve_threshold(
@@ -316,10 +317,10 @@ class Engine:
                  self.pool.dtype, time.perf_counter() - t0)
         info = backend_info()
         log.info("model %s (%s family, %s weights) on %s, BLAS %s; KV pool %d blocks x %d "
-                 "tokens; context %d; decode attention: %s; decode matmul: %s",
+                 "tokens; context %d; attention: %s; decode matmul: %s",
                  self.loaded.name, family.name, self.loaded.weights, info["backend"],
                  info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
-                 self.max_model_len, self.decode_attention, self.decode_matmul)
+                 self.max_model_len, self.attention, self.decode_matmul)
         for line in family.describe_layers():
             log.info("layers: %s", line)
 

@@ -17,14 +17,18 @@ import mlx.core as mx
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
-                 num_kv_heads: int | list[int], head_dim: int | list[int]):
-        """num_kv_heads and head_dim: one number for every layer, or a list with one per layer."""
+                 num_kv_heads: int | list[int], head_dim: int | list[int],
+                 dtype: mx.Dtype | None = None):
+        """num_kv_heads and head_dim: one number for every layer, or a list with one per layer.
+        dtype: the storage (None: the dtype of the first keys written, the model's)."""
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_heads = _per_layer(num_kv_heads, num_layers, "num_kv_heads")
         self.head_dims = _per_layer(head_dim, num_layers, "head_dim")
-        # Allocated at the first write, in the dtype the model produces (matches mlx-lm's cache).
+        # Allocated at the first write, in the dtype the model produces (matches mlx-lm's cache)
+        # unless another was asked for.
+        self.storage_dtype = dtype
         self._keys: list[mx.array] | None = None
         self._values: list[mx.array] | None = None
 
@@ -54,9 +58,17 @@ class KVPool:
         mx.eval(self._keys, self._values)
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store rows (rows, kv_heads, head_dim) at the given slots of one layer."""
+        """Store rows (rows, kv_heads, head_dim) at the given slots of one layer (rounded to the
+        pool's dtype when it is narrower than the model's)."""
         if self._keys is None:
-            self._allocate(keys.dtype)
+            dtype = self.storage_dtype or keys.dtype
+            if dtype.size > keys.dtype.size:
+                raise ValueError(f"a {dtype} KV cache is wider than the model's {keys.dtype} "
+                                 "keys and values: use kv_dtype auto or a narrower one")
+            self._allocate(dtype)
+        dtype = self._keys[layer].dtype
+        if keys.dtype != dtype:
+            keys, values = keys.astype(dtype), values.astype(dtype)
         self._keys[layer][:, slots] = keys.swapaxes(0, 1)
         self._values[layer][:, slots] = values.swapaxes(0, 1)
 

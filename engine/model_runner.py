@@ -83,12 +83,13 @@ class StepTrace:
     logits: np.ndarray | None  # (vocab,) float32 at the sampled row, or None (no sample)
 
 
-def pool_for(family: Family, num_blocks: int, block_size: int) -> KVPool:
+def pool_for(family: Family, num_blocks: int, block_size: int,
+             dtype: mx.Dtype | None = None) -> KVPool:
     """The paged pool a family's layers need: one pool layer per layer that writes keys and
-    values, each with that layer's kv_heads and head_dim."""
+    values, each with that layer's kv_heads and head_dim; dtype None: the model's."""
     writers = sorted({kv.pool_layer: kv for kv in family.layer_kv() if kv.writes}.items())
     return KVPool(len(writers), num_blocks, block_size, [kv.kv_heads for _, kv in writers],
-                  [kv.head_dim for _, kv in writers])
+                  [kv.head_dim for _, kv in writers], dtype)
 
 
 class Step:
@@ -178,7 +179,7 @@ class Step:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, decode_attention: str = "auto",
+    def __init__(self, model, pool: KVPool, attention: str = "auto",
                  decode_matmul: str = "auto", family: Family | None = None):
         """model: a loaded mlx-lm model; its family adapter is looked up by model_type
         (engine/models/) unless given. Raises UnsupportedModelError for one it cannot run."""
@@ -192,7 +193,7 @@ class ModelRunner:
         if pool.num_layers != pool_layers:
             raise ValueError(f"the pool has {pool.num_layers} layers, the model {pool_layers}")
         self.fused_attention = use_fused_attention()
-        self.attention_kernel = _decode_kernel(decode_attention, self.fused_attention)
+        self.attention_kernel = _attention_kernel(attention, self.fused_attention)
         self.matmul_kernel = _matmul_kernel(decode_matmul, self.fused_attention)
         self.quantized_kernel = _quantized_kernel(decode_matmul, self.fused_attention)
         # RMS norm, RoPE and the sampler's logsumexp as one native op each
@@ -406,9 +407,9 @@ class ModelRunner:
         return out
 
 
-def _decode_kernel(decode_attention: str, fused: bool):
-    """The native decode-attention op to use, or None for MLX ops (see engine/attention.py)."""
-    return _native_op("decode_attention", decode_attention, fused, native.paged_decode_attention)
+def _attention_kernel(attention: str, fused: bool):
+    """The native attention op to use, or None for MLX ops (see engine/attention.py)."""
+    return _native_op("attention", attention, fused, native.paged_attention)
 
 
 def _matmul_kernel(decode_matmul: str, fused: bool):

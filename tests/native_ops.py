@@ -13,7 +13,7 @@ import pytest
 
 
 def native_op(name: str):
-    """engine.native's op `name` ("paged_decode_attention", "decode_linear")."""
+    """engine.native's op `name` ("paged_attention", "decode_linear")."""
     from engine import native
 
     op = getattr(native, name)()

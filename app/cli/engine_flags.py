@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import NATIVE_SETTING, POLICIES, WEIGHT_FORMATS, EngineConfig
+from engine.config import KV_DTYPES, NATIVE_SETTING, POLICIES, WEIGHT_FORMATS, EngineConfig
 
 # EngineConfig field -> (help, choices). Defaults come from EngineConfig itself.
 FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
@@ -14,6 +14,9 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
               "model folder (batchscope models lists the supported families)", None),
     "weights": ("weight format: as shipped (q4) or dequantized at load; auto picks the fastest "
                 "on this backend (see docs/weights.md)", WEIGHT_FORMATS),
+    "kv_dtype": ("the KV cache's storage: auto is the model's compute dtype (as mlx-lm's cache); "
+                 "float16/bfloat16 halve its bytes under a float32 model (see docs/engine.md)",
+                 KV_DTYPES),
     "max_num_seqs": ("requests sharing one step", None),
     "max_num_batched_tokens": ("rows (token positions) one step may hold; longer prompts are "
                                "chunked", None),
@@ -25,9 +28,9 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "kernel_threshold": ("for --kernel-policy auto: row-wise at or below this many rows "
                          "(default: measured by `batchscope calibrate`, else 1)", None),
     "invariant_tile": ("rows per linear call in --batch-invariant mode", None),
-    "decode_attention": ("decode rows' attention: the native paged kernel (CPU backend, built "
-                         "by scripts/setup.sh), MLX ops, or auto (native when available)",
-                         NATIVE_SETTING),
+    "attention": ("attention of decode rows and prefill chunks: the native paged kernel "
+                  "(CPU backend, built by scripts/setup.sh), MLX ops, or auto (native when "
+                  "available)", NATIVE_SETTING),
     "decode_matmul": ("linear layers on the gemm path (float32 steps of up to 32 rows, 4/8-bit "
                       "ones of any size), RMS norms, RoPE and the sampler's logsumexp: the "
                       "native kernels (CPU backend, batch-invariant), MLX's own ops, or auto "
@@ -46,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     for name, (help_text, choices) in FLAGS.items():
         default = fields[name].default
-        kind = str if name in ("model", "weights", "kernel_policy", "decode_attention",
+        kind = str if name in ("model", "weights", "kv_dtype", "kernel_policy", "attention",
                                "decode_matmul") else int
         shown = f" (default: {default})" if default is not None and choices is None else ""
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=default,

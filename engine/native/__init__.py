@@ -3,7 +3,8 @@
 `python -m engine.native.build` (run by scripts/setup.sh) compiles `_kernels`, which holds
 the CPU ops for the rows of a step:
 
-- `paged_decode_attention`: attention that reads keys and values straight from the paged pool;
+- `paged_attention`: attention for all of a step's rows (decode rows and prefill chunks) that
+  reads keys and values straight from the paged pool, each row's bits its own;
 - `decode_linear`: a float32 linear layer for a few rows that reads each weight row once for all
   of them, with a row's arithmetic independent of the others (batch-invariant);
 - `decode_quantized_linear`: the same for MLX's affine-quantized (4/8-bit) layers, dequantizing
@@ -41,10 +42,10 @@ def _load():
     return _module
 
 
-def paged_decode_attention() -> Callable | None:
+def paged_attention() -> Callable | None:
     """The native attention op, or None when it cannot be loaded here (see why_not())."""
     module = _load()
-    return module.paged_decode_attention if module else None
+    return module.paged_attention if module else None
 
 
 def decode_linear() -> Callable | None:

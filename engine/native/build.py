@@ -59,7 +59,7 @@ def main() -> int:
     # Import it in a fresh interpreter: a module built against another MLX fails here, not
     # in the middle of a forward pass.
     check = subprocess.run([sys.executable, "-c", "import engine.native as n, sys; "
-                            "sys.exit(0 if n.paged_decode_attention() else n.why_not())"],
+                            "sys.exit(0 if n.paged_attention() else n.why_not())"],
                            cwd=HERE.parent.parent, capture_output=True, text=True)
     if check.returncode != 0:
         print(f"native build: built, but it does not load: {check.stderr.strip()}",

@@ -2,130 +2,518 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "vector_math.h"
 #include "workers.h"
+
+// The arithmetic of one row (a query head at one position), the same on every path:
+//   q' = round_R(q * scale); the score of key t is round_R(dot(q', k_t)), where dot is 8
+//   partial sums (lane j takes d = j, j + 8, ... in increasing d, one fma each, from 0) and
+//   then the tree (j + 4, then j + 2, then j + 1); m = the maximum score; e_t = exp(s_t - m)
+//   by MLX's exp formula (vector_math.h); sum = the e_t added one after another in t order;
+//   p_t = round_R(e_t * (1 / sum)); out[d] = the fmas p_t * v_t[d] in t order, from 0.
+// round_R rounds to q's dtype, where MLX's own attention keeps its intermediates (a no-op for
+// float32). Decode rows (one per sequence) run it with the dot across dim, one key at a time;
+// runs of rows (prefill chunks) 16 rows at a time with the dot across rows, one 16-lane
+// vector per partial sum: the same operations on the same numbers, so the same bits. Rows
+// outside a key's range take exact zeros (probability 0 adds nothing to a sum). The file is
+// built with -ffp-contract=off: no fma but the written ones.
 
 namespace batchscope {
 
 namespace {
 
 void check(bool ok, const std::string& message) {
-  if (!ok) {
-    throw std::invalid_argument("paged_decode_attention: " + message);
+  if (!ok) throw std::invalid_argument("paged_attention: " + message);
+}
+
+constexpr int LANES = 16;  // rows per tile of a run, floats per vector of the value loops
+
+// A vector of 16 floats and the few operations the kernel needs.
+#if defined(__AVX512F__)
+struct V {
+  __m512 v;
+  static V zero() { return {_mm512_setzero_ps()}; }
+  static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V bcast(float x) { return {_mm512_set1_ps(x)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+inline V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V sub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V mul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+// exp_nonpositive (vector_math.h) on each lane, with the same operations.
+inline V exp_lanes(V x) {
+  const __m512 t = _mm512_mul_ps(x.v, _mm512_set1_ps(1.442695f));
+  const __m512 ipart = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)),
+                                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, ipart);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __mmask16 small = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-88.0f), _CMP_LT_OQ);
+  const __m512 ip = _mm512_mask_blend_ps(small, ipart, _mm512_setzero_ps());
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(ip), _mm512_set1_epi32(127)), 23);
+  const __m512 r = _mm512_mul_ps(_mm512_castsi512_ps(bits), p);
+  return {_mm512_mask_blend_ps(small, r, _mm512_setzero_ps())};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V {
+  __m256 lo, hi;
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static V bcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+};
+inline V fma(V a, V b, V c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V max(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline __m256 exp_half(__m256 x) {
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.442695f));
+  const __m256 ipart = _mm256_round_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)),
+                                       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-88.0f), _CMP_LT_OQ);
+  const __m256 ip = _mm256_blendv_ps(ipart, _mm256_setzero_ps(), small);
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(ip), _mm256_set1_epi32(127)), 23);
+  const __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(bits), p);
+  return _mm256_blendv_ps(r, _mm256_setzero_ps(), small);
+}
+// exp_nonpositive (vector_math.h) on each lane, with the same operations.
+inline V exp_lanes(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
+#else
+struct V {
+  float x[LANES];
+  static V zero() { return {}; }
+  static V load(const float* p) {
+    V r;
+    std::memcpy(r.x, p, sizeof(r.x));
+    return r;
+  }
+  static V bcast(float s) {
+    V r;
+    std::fill(r.x, r.x + LANES, s);
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, x, sizeof(x)); }
+};
+inline V fma(V a, V b, V c) {
+  for (int l = 0; l < LANES; ++l) c.x[l] = std::fma(a.x[l], b.x[l], c.x[l]);
+  return c;
+}
+inline V add(V a, V b) {
+  for (int l = 0; l < LANES; ++l) a.x[l] += b.x[l];
+  return a;
+}
+inline V sub(V a, V b) {
+  for (int l = 0; l < LANES; ++l) a.x[l] -= b.x[l];
+  return a;
+}
+inline V mul(V a, V b) {
+  for (int l = 0; l < LANES; ++l) a.x[l] *= b.x[l];
+  return a;
+}
+inline V max(V a, V b) {
+  for (int l = 0; l < LANES; ++l) a.x[l] = b.x[l] > a.x[l] ? b.x[l] : a.x[l];
+  return a;
+}
+inline V exp_lanes(V x) {
+  for (int l = 0; l < LANES; ++l) x.x[l] = batchscope::exp_nonpositive(x.x[l]);
+  return x;
+}
+#endif
+
+// dot(q, k) over dim_pad (a multiple of 8, zero-padded): 8 partial sums, then the tree.
+inline float dot8(const float* q, const float* k, int dim_pad) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (int d = 0; d < dim_pad; d += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+  }
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+#else
+  float acc[8] = {};
+  for (int d = 0; d < dim_pad; d += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] = std::fma(q[d + j], k[d + j], acc[j]);
+  }
+  for (int w = 4; w >= 1; w /= 2) {
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  }
+  return acc[0];
+#endif
+}
+
+template <typename R>
+inline float round_to(float x) {
+  if constexpr (std::is_same_v<R, float>) {
+    return x;
+  } else {
+    return static_cast<float>(static_cast<R>(x));
   }
 }
 
-// Dot product over dim with 8 independent float accumulators: the compiler can keep them in
-// one vector register without reassociating anything, and the order of additions is fixed by
-// the code, so every row gets the same arithmetic whatever else is in the step.
-template <typename T>
-inline float dot(const float* q, const T* k, int dim) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int d = 0;
-  for (; d + 8 <= dim; d += 8) {
-    for (int j = 0; j < 8; ++j) {
-      acc[j] += q[d + j] * static_cast<float>(k[d + j]);
-    }
-  }
-  for (; d < dim; ++d) {
-    acc[d % 8] += q[d] * static_cast<float>(k[d]);
-  }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+// Exact conversions of the pool's storage to float32.
+inline float to_float(float x) { return x; }
+inline float to_float(mx::float16_t x) {
+#if defined(__F16C__)
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(x);
+#endif
+}
+inline float to_float(mx::bfloat16_t x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
 }
 
 struct Shapes {
-  int rows, heads, kv_heads, dim, slots, max_blocks, block_size, window;
+  int rows, seqs, heads, kv_heads, dim, slots, max_blocks, block_size, window;
+  int dim8, dim16;  // dim rounded up to 8 (the dot's partial sums) and to 16 (value vectors)
   float scale;
 };
 
-// Round to T and back: for float16/bfloat16, keep the intermediate precision of MLX's own
-// attention (scaled queries, scores and probabilities are arrays of the model's dtype there).
+// One piece of work: kv head g of sequence seq, its rows [row_begin, row_begin + rows) (a
+// tile of up to 16 rows of a run, or a decode row).
+struct Unit {
+  int seq, g, row_begin, rows;
+  double cost;
+};
+
+// Per-thread scratch.
+struct Scratch {
+  std::vector<float> q, scores, keys, values, acc;
+  std::vector<const float*> krow, vrow, probs;
+};
+
+// Where key/value rows [lo, hi] of kv head g live as float32 rows of dim16 readable floats
+// (zero beyond dim): straight in the pool when it is float32 with dim a multiple of 16, else
+// converted once into scratch.
 template <typename T>
-inline float in(float x) {
-  return static_cast<float>(static_cast<T>(x));
+void locate_rows(const T* pool, int g, const int32_t* table, int lo, int hi, const Shapes& s,
+                 std::vector<float>& buf, std::vector<const float*>& rows) {
+  const int n = hi - lo + 1;
+  rows.resize(n);
+  const T* base = pool + static_cast<size_t>(g) * s.slots * s.dim;
+  auto slot = [&](int p) {
+    return static_cast<size_t>(table[p / s.block_size]) * s.block_size + p % s.block_size;
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    if (s.dim == s.dim16) {
+      for (int i = 0; i < n; ++i) rows[i] = base + slot(lo + i) * s.dim;
+      return;
+    }
+  }
+  buf.assign(static_cast<size_t>(n) * s.dim16, 0.0f);
+  for (int i = 0; i < n; ++i) {
+    const T* src = base + slot(lo + i) * s.dim;
+    float* dst = buf.data() + static_cast<size_t>(i) * s.dim16;
+    for (int d = 0; d < s.dim; ++d) dst[d] = to_float(src[d]);
+    rows[i] = dst;
+  }
 }
 
-// One (row, kv head) at a time: the row's `rep` query heads that share this kv head read each
-// cached key and value once. Scores are kept, then a max, exp and sum pass, then the values.
-// Each row's arithmetic depends on its own query and context only, so a request gets the
-// same bits whatever else shares the step.
-template <typename T>
-void decode_attention(const T* q, const T* k_pool, const T* v_pool, const int32_t* tables,
-                      const int32_t* lens, T* out, Shapes s, int unit_begin, int unit_end) {
+// Softmax of one row's scores in place, as the header describes: p_t = round_R(e_t / sum).
+template <typename R>
+void softmax_row(float* s, int n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < n; ++t) m = std::max(m, s[t]);
+  const V mv = V::bcast(m);
+  int t = 0;
+  for (; t + LANES <= n; t += LANES) exp_lanes(sub(V::load(s + t), mv)).store(s + t);
+  for (; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
+  float sum = 0.0f;
+  for (t = 0; t < n; ++t) sum += s[t];
+  const float inv = 1.0f / sum;
+  for (t = 0; t < n; ++t) s[t] = round_to<R>(s[t] * inv);
+}
+
+// The same, for 16 rows at once: s is key-major (n, 16), lane l one row. Entries outside a
+// row's range must be -inf (they become exact zeros).
+template <typename R>
+void softmax_lanes(float* s, int n) {
+  V m = V::bcast(-std::numeric_limits<float>::infinity()), sum = V::zero();
+  for (int t = 0; t < n; ++t) m = max(V::load(s + static_cast<size_t>(t) * LANES), m);
+  for (int t = 0; t < n; ++t) {
+    float* row = s + static_cast<size_t>(t) * LANES;
+    const V e = exp_lanes(sub(V::load(row), m));
+    e.store(row);
+    sum = add(sum, e);
+  }
+  alignas(64) float inv[LANES];
+  sum.store(inv);
+  for (int l = 0; l < LANES; ++l) inv[l] = 1.0f / inv[l];
+  const V iv = V::load(inv);
+  for (int t = 0; t < n; ++t) {
+    float* row = s + static_cast<size_t>(t) * LANES;
+    if constexpr (std::is_same_v<R, float>) {
+      mul(V::load(row), iv).store(row);
+    } else {
+      for (int l = 0; l < LANES; ++l) row[l] = round_to<R>(row[l] * inv[l]);
+    }
+  }
+}
+
+// acc[g] (dim16 floats each, for G rows) += p_g(t) * v_t for t in [t0, t1), in t order,
+// continuing the sums acc holds; row g's probability for key t at probs[g][t * stride].
+template <int NV, int G>
+void values_fixed(const float* const* probs, int stride, const float* const* vrow, int t0,
+                  int t1, float* acc, int dim16) {
+  V a[G][NV];
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < NV; ++j) a[g][j] = V::load(acc + static_cast<size_t>(g) * dim16 + j * LANES);
+  }
+  for (int t = t0; t < t1; ++t) {
+    const float* v = vrow[t];
+    V vt[NV];
+    for (int j = 0; j < NV; ++j) vt[j] = V::load(v + j * LANES);
+    for (int g = 0; g < G; ++g) {
+      const V p = V::bcast(probs[g][static_cast<size_t>(t) * stride]);
+      for (int j = 0; j < NV; ++j) a[g][j] = fma(p, vt[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < NV; ++j) a[g][j].store(acc + static_cast<size_t>(g) * dim16 + j * LANES);
+  }
+}
+
+void values_any(const float* const* probs, int stride, const float* const* vrow, int t0, int t1,
+                float* acc, int dim16) {
+  for (int t = t0; t < t1; ++t) {
+    const V p = V::bcast(probs[0][static_cast<size_t>(t) * stride]);
+    for (int j = 0; j < dim16; j += LANES) fma(p, V::load(vrow[t] + j), V::load(acc + j)).store(acc + j);
+  }
+}
+
+// Rows in register-sized groups: with AVX-512's 32 registers, 16 vectors of accumulators at a
+// time; elsewhere a row at a time.
+#if defined(__AVX512F__)
+constexpr bool MANY_REGISTERS = true;
+#else
+constexpr bool MANY_REGISTERS = false;
+#endif
+
+void values(const float* const* probs, int stride, const float* const* vrow, int t0, int t1,
+            float* acc, int rows, int dim16) {
+  const int nv = dim16 / LANES;
+  for (int g = 0; g < rows;) {
+    const float* const* p = probs + g;
+    float* a = acc + static_cast<size_t>(g) * dim16;
+    if (MANY_REGISTERS && nv == 4 && rows - g >= 4) {
+      values_fixed<4, 4>(p, stride, vrow, t0, t1, a, dim16), g += 4;
+    } else if (nv == 4) {
+      values_fixed<4, 1>(p, stride, vrow, t0, t1, a, dim16), g += 1;
+    } else if (MANY_REGISTERS && nv == 8 && rows - g >= 2) {
+      values_fixed<8, 2>(p, stride, vrow, t0, t1, a, dim16), g += 2;
+    } else if (nv == 8) {
+      values_fixed<8, 1>(p, stride, vrow, t0, t1, a, dim16), g += 1;
+    } else if (MANY_REGISTERS && nv == 16) {
+      values_fixed<16, 1>(p, stride, vrow, t0, t1, a, dim16), g += 1;
+    } else {
+      values_any(p, stride, vrow, t0, t1, a, dim16), g += 1;
+    }
+  }
+}
+
+template <typename R>
+void write_out(const float* acc, R* out, int dim) {
+  for (int d = 0; d < dim; ++d) out[d] = static_cast<R>(acc[d]);
+}
+
+// A decode row: its rep query heads over the keys of its range, one key at a time.
+template <typename R, typename T>
+void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
+                 const int32_t* table, int ctx, R* out, const Shapes& s, Scratch& w) {
   const int rep = s.heads / s.kv_heads;
-  const int dim = s.dim;
-  std::vector<float> qf(rep * dim), scores, acc(rep * dim), sums(rep);
-  for (int unit = unit_begin; unit < unit_end; ++unit) {
-    const int r = unit / s.kv_heads;
-    const int g = unit % s.kv_heads;
-    // A sliding-window layer reads positions [first, context) only.
-    const int first = s.window > 0 ? std::max(0, lens[r] - s.window) : 0;
-    const int len = lens[r] - first;
-    const int32_t* table = tables + static_cast<size_t>(r) * s.max_blocks;
-    scores.resize(static_cast<size_t>(rep) * len);
-    {
-      for (int i = 0; i < rep * dim; ++i) {
-        qf[i] = in<T>(static_cast<float>(q[(static_cast<size_t>(r) * s.heads + g * rep) * dim + i]) *
-                      s.scale);
-      }
-      const T* kg = k_pool + static_cast<size_t>(g) * s.slots * dim;
-      const T* vg = v_pool + static_cast<size_t>(g) * s.slots * dim;
-      for (int t = 0; t < len; ++t) {
-        const int p = first + t;
-        size_t slot = static_cast<size_t>(table[p / s.block_size]) * s.block_size +
-                      p % s.block_size;
-        const T* key = kg + slot * dim;
-        for (int h = 0; h < rep; ++h) {
-          scores[static_cast<size_t>(h) * len + t] = in<T>(dot(qf.data() + h * dim, key, dim));
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(sums.begin(), sums.end(), 0.0f);
-      for (int h = 0; h < rep; ++h) {
-        float* sc = scores.data() + static_cast<size_t>(h) * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int t = 0; t < len; ++t) m = std::max(m, sc[t]);
-        float sum = 0.0f;
-        for (int t = 0; t < len; ++t) {
-          sc[t] = std::exp(sc[t] - m);
-          sum += sc[t];
-        }
-        sums[h] = sum;
-        const float inv = 1.0f / sum;
-        for (int t = 0; t < len; ++t) sc[t] = in<T>(sc[t] * inv);
-      }
-      for (int t = 0; t < len; ++t) {
-        const int p = first + t;
-        size_t slot = static_cast<size_t>(table[p / s.block_size]) * s.block_size +
-                      p % s.block_size;
-        const T* value = vg + slot * dim;
-        for (int h = 0; h < rep; ++h) {
-          const float p = scores[static_cast<size_t>(h) * len + t];
-          float* a = acc.data() + h * dim;
-          for (int d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
-        }
-      }
-      for (int h = 0; h < rep; ++h) {
-        T* o = out + (static_cast<size_t>(r) * s.heads + g * rep + h) * dim;
-        for (int d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[h * dim + d]);
+  const int first = s.window > 0 ? std::max(0, ctx - s.window) : 0;
+  const int n = ctx - first;
+  w.q.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
+  const R* qr = q + (static_cast<size_t>(u.row_begin) * s.heads + u.g * rep) * s.dim;
+  for (int h = 0; h < rep; ++h) {
+    for (int d = 0; d < s.dim; ++d) {
+      w.q[h * s.dim16 + d] = round_to<R>(static_cast<float>(qr[h * s.dim + d]) * s.scale);
+    }
+  }
+  locate_rows(k_pool, u.g, table, first, ctx - 1, s, w.keys, w.krow);
+  w.scores.resize(static_cast<size_t>(rep) * n);
+  for (int t = 0; t < n; ++t) {
+    for (int h = 0; h < rep; ++h) {
+      w.scores[static_cast<size_t>(h) * n + t] =
+          round_to<R>(dot8(w.q.data() + h * s.dim16, w.krow[t], s.dim8));
+    }
+  }
+  std::vector<const float*>& probs = w.probs;
+  probs.resize(rep);
+  for (int h = 0; h < rep; ++h) {
+    softmax_row<R>(w.scores.data() + static_cast<size_t>(h) * n, n);
+    probs[h] = w.scores.data() + static_cast<size_t>(h) * n;
+  }
+  locate_rows(v_pool, u.g, table, first, ctx - 1, s, w.values, w.vrow);
+  w.acc.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
+  values(probs.data(), 1, w.vrow.data(), 0, n, w.acc.data(), rep, s.dim16);
+  R* o = out + (static_cast<size_t>(u.row_begin) * s.heads + u.g * rep) * s.dim;
+  for (int h = 0; h < rep; ++h) write_out(w.acc.data() + h * s.dim16, o + h * s.dim, s.dim);
+}
+
+// The scores of 16 rows (lanes) against key k: 8 partial-sum vectors over d, then the tree.
+inline V scores_across_rows(const float* qt, const float* k, int dim8) {
+  V a[8];
+  for (int j = 0; j < 8; ++j) a[j] = V::zero();
+  for (int d = 0; d < dim8; d += 8) {
+    for (int j = 0; j < 8; ++j) {
+      a[j] = fma(V::load(qt + static_cast<size_t>(d + j) * LANES), V::bcast(k[d + j]), a[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) a[j] = add(a[j], a[j + 4]);
+  for (int j = 0; j < 2; ++j) a[j] = add(a[j], a[j + 2]);
+  return add(a[0], a[1]);
+}
+
+// Keys are taken in blocks of this many, each block used by all of a unit's heads while it is
+// in the L1 cache (64 rows of a 64-dim head: 16 KiB).
+constexpr int KEY_BLOCK = 64;
+
+// Up to 16 consecutive rows of a run (positions p0, p0 + 1, ...): all query heads of kv head
+// g over the keys of the tile's range, 16 rows at a time.
+template <typename R, typename T>
+void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_pool,
+               const int32_t* table, int ctx, int qlen, R* out, const Shapes& s, Scratch& w) {
+  const int rep = s.heads / s.kv_heads;
+  const int p0 = ctx - qlen + u.row_begin;  // the tile's first position
+  const int last = p0 + u.rows - 1;
+  auto first_of = [&](int p) { return s.window > 0 ? std::max(0, p - s.window + 1) : 0; };
+  const int lo = first_of(p0);
+  const int n = last - lo + 1;
+  // Keys every row of the tile sees (lanes past u.rows are padding; their values are unused).
+  const int all_from = first_of(last) - lo, all_to = p0 - lo;
+  locate_rows(k_pool, u.g, table, lo, last, s, w.keys, w.krow);
+  locate_rows(v_pool, u.g, table, lo, last, s, w.values, w.vrow);
+  const size_t q_size = static_cast<size_t>(s.dim8) * LANES, s_size = static_cast<size_t>(n) * LANES;
+  // The queries, dim-major: q[h][d][l] is row l's q'[d] (zero for padding rows and d >= dim).
+  w.q.assign(rep * q_size, 0.0f);
+  for (int h = 0; h < rep; ++h) {
+    for (int l = 0; l < u.rows; ++l) {
+      const R* qr = q + (static_cast<size_t>(row0 + u.row_begin + l) * s.heads + u.g * rep + h) *
+                            s.dim;
+      for (int d = 0; d < s.dim; ++d) {
+        w.q[h * q_size + static_cast<size_t>(d) * LANES + l] =
+            round_to<R>(static_cast<float>(qr[d]) * s.scale);
       }
     }
   }
+  w.scores.resize(rep * s_size);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int t0 = 0; t0 < n; t0 += KEY_BLOCK) {
+    const int t1 = std::min(n, t0 + KEY_BLOCK);
+    for (int h = 0; h < rep; ++h) {
+      for (int t = t0; t < t1; ++t) {
+        float* st = w.scores.data() + h * s_size + static_cast<size_t>(t) * LANES;
+        scores_across_rows(w.q.data() + h * q_size, w.krow[t], s.dim8).store(st);
+        if (t >= all_from && t <= all_to) {
+          if constexpr (!std::is_same_v<R, float>) {
+            for (int l = 0; l < LANES; ++l) st[l] = round_to<R>(st[l]);
+          }
+          continue;
+        }
+        const int p = lo + t;
+        for (int l = 0; l < LANES; ++l) {
+          const bool seen = l < u.rows && p <= p0 + l && p >= first_of(p0 + l);
+          st[l] = seen ? round_to<R>(st[l]) : -inf;
+        }
+      }
+    }
+  }
+  w.probs.resize(static_cast<size_t>(rep) * u.rows);
+  for (int h = 0; h < rep; ++h) {
+    softmax_lanes<R>(w.scores.data() + h * s_size, n);
+    for (int l = 0; l < u.rows; ++l) w.probs[h * u.rows + l] = w.scores.data() + h * s_size + l;
+  }
+  const int combos = rep * u.rows;
+  w.acc.assign(static_cast<size_t>(combos) * s.dim16, 0.0f);
+  for (int t0 = 0; t0 < n; t0 += KEY_BLOCK) {
+    values(w.probs.data(), LANES, w.vrow.data(), t0, std::min(n, t0 + KEY_BLOCK), w.acc.data(),
+           combos, s.dim16);
+  }
+  for (int h = 0; h < rep; ++h) {
+    for (int l = 0; l < u.rows; ++l) {
+      R* o = out + (static_cast<size_t>(row0 + u.row_begin + l) * s.heads + u.g * rep + h) *
+                       s.dim;
+      write_out(w.acc.data() + static_cast<size_t>(h * u.rows + l) * s.dim16, o, s.dim);
+    }
+  }
+}
+
+template <typename R, typename T>
+void run_units(const std::vector<Unit>& units, const std::vector<int>& row0s, const R* q,
+               const T* k, const T* v, const int32_t* tables, const int32_t* ctx_lens,
+               const int32_t* q_lens, R* out, const Shapes& s) {
+  auto part = [&](int begin, int end) {
+    thread_local Scratch w;
+    for (int i = begin; i < end; ++i) {
+      const Unit& u = units[i];
+      const int32_t* table = tables + static_cast<size_t>(u.seq) * s.max_blocks;
+      if (q_lens[u.seq] == 1) {
+        Unit d = u;
+        d.row_begin = row0s[u.seq];
+        decode_unit<R, T>(d, q, k, v, table, ctx_lens[u.seq], out, s, w);
+      } else {
+        tile_unit<R, T>(u, row0s[u.seq], q, k, v, table, ctx_lens[u.seq], q_lens[u.seq], out,
+                        s, w);
+      }
+    }
+  };
+  const int count = static_cast<int>(units.size());
+  if (!parallel_for(count, 1, part)) part(0, count);
 }
 
 }  // namespace
 
-mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool,
-                                 const mx::array& v_pool, const mx::array& block_tables,
-                                 const mx::array& context_lens, float scale, int block_size,
-                                 int window, mx::StreamOrDevice s) {
+mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                          const mx::array& block_tables, const mx::array& context_lens,
+                          const mx::array& query_lens, float scale, int block_size, int window,
+                          mx::StreamOrDevice s) {
   check(q.ndim() == 3, "q must be (rows, heads, dim)");
   check(k_pool.ndim() == 3 && v_pool.shape() == k_pool.shape(),
         "k_pool and v_pool must both be (kv_heads, slots, dim)");
@@ -133,101 +521,127 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& k_pool,
   check(q.shape(1) % k_pool.shape(0) == 0, "heads must be a multiple of kv_heads");
   check(block_size > 0 && k_pool.shape(1) % block_size == 0,
         "the pool's slots must be whole blocks");
-  check(block_tables.ndim() == 2 && block_tables.shape(0) == q.shape(0),
-        "block_tables must be (rows, max_blocks)");
-  check(context_lens.ndim() == 1 && context_lens.shape(0) == q.shape(0),
-        "context_lens must be (rows,)");
+  check(block_tables.ndim() == 2, "block_tables must be (seqs, max_blocks)");
+  check(context_lens.ndim() == 1 && context_lens.shape(0) == block_tables.shape(0) &&
+            query_lens.ndim() == 1 && query_lens.shape(0) == block_tables.shape(0),
+        "block_tables must be (seqs, max_blocks), context_lens and query_lens (seqs,)");
   check(window >= 0, "window must be >= 0 (0: the whole context)");
-  check(q.dtype() == k_pool.dtype() && q.dtype() == v_pool.dtype(),
-        "q and the pool must have one dtype");
-  check(q.dtype() == mx::float32 || q.dtype() == mx::float16 || q.dtype() == mx::bfloat16,
-        "only float32, float16 and bfloat16 are supported");
+  auto floating = [](mx::Dtype t) {
+    return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+  };
+  check(floating(q.dtype()), "q must be float32, float16 or bfloat16");
+  check(k_pool.dtype() == v_pool.dtype() && floating(k_pool.dtype()),
+        "the pool must be float32, float16 or bfloat16, keys and values alike");
+  check(k_pool.dtype() == q.dtype() || q.dtype() == mx::float32,
+        "a pool of another dtype than q needs float32 q (q and the pool must have one dtype "
+        "otherwise)");
   auto stream = mx::to_stream(s);
+  auto int32 = [&](const mx::array& a) {
+    return mx::contiguous(mx::astype(a, mx::int32, stream), false, stream);
+  };
   std::vector<mx::array> inputs = {
       mx::contiguous(q, false, stream), mx::contiguous(k_pool, false, stream),
-      mx::contiguous(v_pool, false, stream),
-      mx::contiguous(mx::astype(block_tables, mx::int32, stream), false, stream),
-      mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream)};
+      mx::contiguous(v_pool, false, stream), int32(block_tables), int32(context_lens),
+      int32(query_lens)};
   return mx::array({q.shape(0), q.shape(1) * q.shape(2)}, q.dtype(),
-                   std::make_shared<PagedDecodeAttention>(stream, scale, block_size, window),
+                   std::make_shared<PagedAttention>(stream, scale, block_size, window),
                    std::move(inputs));
 }
 
-void PagedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs,
-                                    std::vector<mx::array>& outputs) {
-  const auto& q = inputs[0];
-  const auto& k = inputs[1];
-  const auto& v = inputs[2];
-  const auto& tables = inputs[3];
-  const auto& lens = inputs[4];
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
+                              std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-
-  Shapes shapes{static_cast<int>(q.shape(0)), static_cast<int>(q.shape(1)),
-                static_cast<int>(k.shape(0)), static_cast<int>(q.shape(2)),
-                static_cast<int>(k.shape(1)), static_cast<int>(tables.shape(1)), block_size_,
-                window_, scale_};
+  const auto& q = inputs[0];
+  const auto& k = inputs[1];
+  const int dim = static_cast<int>(q.shape(2));
+  Shapes shapes{static_cast<int>(q.shape(0)),    static_cast<int>(inputs[3].shape(0)),
+                static_cast<int>(q.shape(1)),    static_cast<int>(k.shape(0)),
+                dim,                             static_cast<int>(k.shape(1)),
+                static_cast<int>(inputs[3].shape(1)), block_size_,
+                window_,                         (dim + 7) / 8 * 8,
+                (dim + 15) / 16 * 16,            scale_};
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(q);
-  encoder.set_input_array(k);
-  encoder.set_input_array(v);
-  encoder.set_input_array(tables);
-  encoder.set_input_array(lens);
+  for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.dispatch([q = mx::array::unsafe_weak_copy(q), k = mx::array::unsafe_weak_copy(k),
-                    v = mx::array::unsafe_weak_copy(v),
-                    tables = mx::array::unsafe_weak_copy(tables),
-                    lens = mx::array::unsafe_weak_copy(lens),
-                    out = mx::array::unsafe_weak_copy(out), shapes]() mutable {
+                    v = mx::array::unsafe_weak_copy(inputs[2]),
+                    tables = mx::array::unsafe_weak_copy(inputs[3]),
+                    lens = mx::array::unsafe_weak_copy(inputs[4]),
+                    qlens = mx::array::unsafe_weak_copy(inputs[5]),
+                    out = mx::array::unsafe_weak_copy(out), s = shapes]() mutable {
     const int32_t* table_ptr = tables.data<int32_t>();
     const int32_t* len_ptr = lens.data<int32_t>();
-    // Bad tables would read outside the pool: check before touching it.
-    const int blocks = shapes.slots / shapes.block_size;
-    for (int r = 0; r < shapes.rows; ++r) {
-      const int len = len_ptr[r];
-      if (len < 1 || (len + shapes.block_size - 1) / shapes.block_size > shapes.max_blocks) {
-        throw std::invalid_argument("paged_decode_attention: a context length is out of range");
+    const int32_t* qlen_ptr = qlens.data<int32_t>();
+    // Bad tables would read outside the pool: check everything before touching it.
+    const int blocks = s.slots / s.block_size;
+    long total_rows = 0;
+    std::vector<int> row0s(s.seqs);
+    std::vector<Unit> units;
+    const int rep = s.heads / s.kv_heads;
+    for (int i = 0; i < s.seqs; ++i) {
+      const int len = len_ptr[i], qlen = qlen_ptr[i];
+      if (len < 1 || (len + s.block_size - 1) / s.block_size > s.max_blocks) {
+        throw std::invalid_argument("paged_attention: a context length is out of range");
       }
-      for (int b = 0; b < (len + shapes.block_size - 1) / shapes.block_size; ++b) {
-        int id = table_ptr[static_cast<size_t>(r) * shapes.max_blocks + b];
+      if (qlen < 1 || qlen > len) {
+        throw std::invalid_argument(
+            "paged_attention: a query length is out of range (1 to its context length)");
+      }
+      for (int b = 0; b < (len + s.block_size - 1) / s.block_size; ++b) {
+        const int id = table_ptr[static_cast<size_t>(i) * s.max_blocks + b];
         if (id < 0 || id >= blocks) {
-          throw std::invalid_argument("paged_decode_attention: a block id is out of range");
+          throw std::invalid_argument("paged_attention: a block id is out of range");
+        }
+      }
+      row0s[i] = static_cast<int>(total_rows);
+      total_rows += qlen;
+      for (int g = 0; g < s.kv_heads; ++g) {
+        for (int r = 0; r < qlen; r += LANES) {
+          const int rows = std::min(LANES, qlen - r);
+          const int last = len - qlen + r + rows;  // keys up to here
+          const int span = s.window > 0 ? std::min(last, s.window + rows) : last;
+          units.push_back({i, g, r, rows, static_cast<double>(span) * (qlen == 1 ? 1 : rep)});
         }
       }
     }
-    // The (row, kv head) units are shared by the threads (batchscope::parallel_for); a unit's
-    // arithmetic does not depend on which thread runs it.
-    const int units = shapes.rows * shapes.kv_heads;
-    auto run = [&](auto* type_tag) {
-      using T = std::remove_pointer_t<decltype(type_tag)>;
-      auto part = [&](int begin, int end) {
-        decode_attention(q.data<T>(), k.data<T>(), v.data<T>(), table_ptr, len_ptr,
-                         out.data<T>(), shapes, begin, end);
-      };
-      if (!parallel_for(units, 1, part)) part(0, units);
+    if (total_rows != s.rows) {
+      throw std::invalid_argument("paged_attention: query_lens must add up to q's rows");
+    }
+    // The longest first, so the threads finish together; a unit's bits do not depend on
+    // which thread runs it, or when.
+    std::stable_sort(units.begin(), units.end(),
+                     [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+    auto run = [&](auto* r_tag, auto* t_tag) {
+      using R = std::remove_pointer_t<decltype(r_tag)>;
+      using T = std::remove_pointer_t<decltype(t_tag)>;
+      run_units<R, T>(units, row0s, q.data<R>(), k.data<T>(), v.data<T>(), table_ptr, len_ptr,
+                      qlen_ptr, out.data<R>(), s);
     };
-    switch (out.dtype()) {
-      case mx::float32:
-        run(static_cast<float*>(nullptr));
-        break;
-      case mx::float16:
-        run(static_cast<mx::float16_t*>(nullptr));
-        break;
-      default:
-        run(static_cast<mx::bfloat16_t*>(nullptr));
-        break;
+    auto pool_is = [&](auto* r_tag) {
+      switch (k.dtype()) {
+        case mx::float32: return run(r_tag, static_cast<float*>(nullptr));
+        case mx::float16: return run(r_tag, static_cast<mx::float16_t*>(nullptr));
+        default: return run(r_tag, static_cast<mx::bfloat16_t*>(nullptr));
+      }
+    };
+    switch (q.dtype()) {
+      case mx::float32: return pool_is(static_cast<float*>(nullptr));
+      case mx::float16: return run(static_cast<mx::float16_t*>(nullptr),
+                                   static_cast<mx::float16_t*>(nullptr));
+      default: return run(static_cast<mx::bfloat16_t*>(nullptr),
+                          static_cast<mx::bfloat16_t*>(nullptr));
     }
   });
 }
 
-void PagedDecodeAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error(
-      "paged_decode_attention runs on the CPU only; on a GPU the engine uses MLX's fused "
-      "attention");
+      "paged_attention runs on the CPU only; on a GPU the engine uses MLX's fused attention");
 }
 
-bool PagedDecodeAttention::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const PagedDecodeAttention&>(other);
+bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PagedAttention&>(other);
   return scale_ == o.scale_ && block_size_ == o.block_size_ && window_ == o.window_;
 }
 

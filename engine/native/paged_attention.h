@@ -1,5 +1,10 @@
-// Decode attention read straight from the paged KV pool: one MLX op for all of a step's
-// decode rows, whatever their context lengths, instead of a few small ops per sequence.
+// Attention read straight from the paged KV pool, for all of a step's sequences in one MLX
+// op: decode rows, prefill chunks and any other run of consecutive positions, each over its
+// own context through its block table (no gather copy).
+//
+// A row's arithmetic depends on its query, its position and its context alone: the same bits
+// whether it is a decode row, one row of a prefill chunk of any length, or shares the step
+// with anything else (tests/engine/test_attention.py checks this).
 #pragma once
 
 #include "mlx/ops.h"
@@ -9,34 +14,40 @@ namespace batchscope {
 
 namespace mx = mlx::core;
 
-// q: (rows, heads, dim), one query row per sequence.
-// k_pool, v_pool: (kv_heads, num_blocks * block_size, dim), as engine/kv_cache.py lays them out.
-// block_tables: (rows, max_blocks) int32, each row's blocks in order (padding is never read).
-// context_lens: (rows,) int32, how many positions each row's context holds (>= 1).
-// window: a sliding-window layer attends only to the last `window` positions of the context
-// (0: all of them).
+// q: (rows, heads, dim), the step's rows, sequence after sequence.
+// k_pool, v_pool: (kv_heads, num_blocks * block_size, dim), as engine/kv_cache.py lays them
+// out; float32, float16 or bfloat16: q's dtype, or any of them when q is float32 (a pool
+// stored narrower than the model computes).
+// block_tables: (seqs, max_blocks) int32, each sequence's blocks in order (padding is never
+// read).
+// context_lens: (seqs,) int32, how many positions each sequence's context holds, its rows
+// included.
+// query_lens: (seqs,) int32, how many rows of q each sequence has (1 <= n <= its context):
+// its last positions, row i at position context_len - n + i, seeing positions up to its own.
+// window: a sliding-window layer's row at position p sees only (p - window, p] (0: all).
 // Returns (rows, heads * dim) in q's dtype.
-mx::array paged_decode_attention(
+mx::array paged_attention(
     const mx::array& q,
     const mx::array& k_pool,
     const mx::array& v_pool,
     const mx::array& block_tables,
     const mx::array& context_lens,
+    const mx::array& query_lens,
     float scale,
     int block_size,
     int window = 0,
     mx::StreamOrDevice s = {});
 
-class PagedDecodeAttention : public mx::Primitive {
+class PagedAttention : public mx::Primitive {
  public:
-  PagedDecodeAttention(mx::Stream stream, float scale, int block_size, int window)
+  PagedAttention(mx::Stream stream, float scale, int block_size, int window)
       : mx::Primitive(stream), scale_(scale), block_size_(block_size), window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
-    return "PagedDecodeAttention";
+    return "PagedAttention";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
 

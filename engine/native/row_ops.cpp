@@ -10,6 +10,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "vector_math.h"
 #include "workers.h"
 
 // Built with -ffp-contract=off (a * c - b * s rounds each product, as MLX's separate ops do)
@@ -88,26 +89,6 @@ void RmsNormRows::eval_cpu(const std::vector<mx::array>& inputs,
 }
 
 namespace {
-
-// exp(x) for x <= 0 by the formula MLX's CPU exp uses (Cephes' exp2 polynomial on the
-// fraction of x * log2(e), with fused multiply-adds, times 2^integer part; 0 below -88), so
-// each term is the value mlx.core.exp gives and only the order of the sum differs.
-inline float exp_nonpositive(float x) {
-  const float t = x * 1.442695f;
-  const float ipart = std::floor(t + 0.5f);
-  const float f = t - ipart;
-  float p = 1.535336188319500e-4f;
-  p = std::fma(p, f, 1.339887440266574e-3f);
-  p = std::fma(p, f, 9.618437357674640e-3f);
-  p = std::fma(p, f, 5.550332471162809e-2f);
-  p = std::fma(p, f, 2.402264791363012e-1f);
-  p = std::fma(p, f, 6.931472028550421e-1f);
-  p = std::fma(p, f, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(x < -88.0f ? 0.0f : ipart) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -88.0f ? 0.0f : scale * p;
-}
 
 // As MLX's CPU logsumexp computes it: the maximum, then the exps summed one after another in
 // index order (MLX's Linux CPU build sums them so), then log of the sum plus the maximum. Only

@@ -61,7 +61,7 @@ def test_causal_rows_do_not_see_later_positions():
 # ---- the native paged kernel (engine/native/) ----------------------------------------------
 
 def native_kernel():
-    return native_op("paged_decode_attention")
+    return native_op("paged_attention")
 
 
 def fragmented_pool(lens, dtype, block_size=16, kv_heads=3, dim=64, seed=0):
@@ -107,6 +107,19 @@ def numpy_reference(q, keys, values, lens, tables, scale, block_size):
     return out.reshape(rows, heads * dim)
 
 
+def run_reference(q, keys, values, lens, tables, scale, block_size, rows_of, window=0):
+    """Float64 attention of each sequence's rows (its last rows_of positions) over its slots:
+    an independent reference for the kernel. Row i of a run at position p sees (p - window, p]
+    (window 0: all of [0, p])."""
+    return windowed_reference(q, keys, values, lens, tables, scale, block_size,
+                              window or max(lens), rows_of)
+
+
+def kernel_call(kernel, q, pool, tables, lens, rows_of, window=0, width=None):
+    return kernel(q, *pool.layer(0), table_array(tables, width), mx.array(lens),
+                  mx.array(rows_of), 0.125, 16, window)
+
+
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-6), (mx.float16, 4e-3),
                                        (mx.bfloat16, 3e-2)])
 def test_native_kernel_matches_float64_attention_over_fragmented_blocks(dtype, tol):
@@ -114,68 +127,93 @@ def test_native_kernel_matches_float64_attention_over_fragmented_blocks(dtype, t
     lens = [1, 15, 16, 17, 40, 129, 300]
     pool, tables = fragmented_pool(lens, dtype)
     q = mx.random.normal((len(lens), 9, 64), key=mx.random.key(1)).astype(dtype)
-    out = kernel(q, *pool.layer(0), table_array(tables), mx.array(lens), 0.125, 16)
+    out = kernel_call(kernel, q, pool, tables, lens, [1] * len(lens))
     assert out.shape == (len(lens), 9 * 64) and out.dtype == dtype
     ref = numpy_reference(q, *pool.layer(0), lens, tables, 0.125, 16)
     assert np.max(np.abs(np.array(out.astype(mx.float32)) - ref)) < tol
 
 
+# Runs of rows (prefill chunks) with starts inside blocks and on block edges, whole prompts,
+# runs longer than one 16-row tile and a 1-row run, next to decode rows.
+RUNS = [(1, 40), (12, 52), (33, 33), (1, 7), (16, 80), (47, 200), (5, 5), (17, 17)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128),
+                                                (4, 1, 80), (2, 1, 256), (6, 2, 40)])
+@pytest.mark.parametrize("window", [0, 20])
+def test_native_kernel_runs_of_rows_match_float64(heads, kv_heads, dim, window):
+    """GQA ratios from 1 to 4 and the head dims the families use (80 and 40: not a multiple of
+    the vector width), with and without a sliding window."""
+    kernel = native_kernel()
+    rows_of, lens = [r for r, _ in RUNS], [c for _, c in RUNS]
+    pool, tables = fragmented_pool(lens, mx.float32, kv_heads=kv_heads, dim=dim, seed=11)
+    q = mx.random.normal((sum(rows_of), heads, dim), key=mx.random.key(5))
+    out = kernel_call(kernel, q, pool, tables, lens, rows_of, window)
+    ref = run_reference(q, *pool.layer(0), lens, tables, 0.125, 16, rows_of, window)
+    assert np.max(np.abs(np.array(out) - ref)) < 2e-6
+
+
+@pytest.mark.parametrize("pool_dtype,tol", [(mx.float16, 4e-3), (mx.bfloat16, 3e-2)])
+def test_native_kernel_reads_a_narrower_pool_with_float32_queries(pool_dtype, tol):
+    """--kv-dtype: a float16/bfloat16 pool under a float32 model; the float64 reference reads
+    the same stored (rounded) keys and values, so only the arithmetic is compared."""
+    kernel = native_kernel()
+    rows_of, lens = [r for r, _ in RUNS], [c for _, c in RUNS]
+    pool, tables = fragmented_pool(lens, pool_dtype, seed=12)
+    q = mx.random.normal((sum(rows_of), 9, 64), key=mx.random.key(6))
+    out = kernel_call(kernel, q, pool, tables, lens, rows_of)
+    assert out.dtype == mx.float32
+    ref = run_reference(q, *pool.layer(0), lens, tables, 0.125, 16, rows_of)
+    assert np.max(np.abs(np.array(out) - ref)) < 2e-6
+    # The queries kept in float32: better than rounding them to the pool's dtype.
+    rounded = kernel_call(kernel, q.astype(pool_dtype), pool, tables, lens, rows_of)
+    assert np.max(np.abs(np.array(rounded.astype(mx.float32)) - ref)) < tol
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_native_kernel_is_close_to_the_mlx_ops_path(dtype):
     kernel = native_kernel()
-    lens = [5, 33, 64, 200]
+    rows_of, lens = [r for r, _ in RUNS], [c for _, c in RUNS]
     pool, tables = fragmented_pool(lens, dtype, seed=3)
-    q = mx.random.normal((len(lens), 9, 64), key=mx.random.key(2)).astype(dtype)
-    plan_native = plan_step([(1, n, t) for n, t in zip(lens, tables, strict=True)], 16, True)
-    plan_ops = plan_step([(1, n, t) for n, t in zip(lens, tables, strict=True)], 16, False)
-    assert plan_native.native_rows == 4 and plan_ops.native_rows == 0
+    q = mx.random.normal((sum(rows_of), 9, 64), key=mx.random.key(2)).astype(dtype)
+    contexts = list(zip(rows_of, lens, tables, strict=True))
+    plan_native, plan_ops = plan_step(contexts, 16, True), plan_step(contexts, 16, False)
+    assert plan_native.native and not plan_ops.native
 
     def run(plan, k):
         return attend_step(q, plan, pool, 0, 0.125, False, k)
 
     a, b = run(plan_native, kernel), run(plan_ops, None)
     delta = mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
-    # Two different computations: close (in float16 the rounding to the dtype hides the
-    # different order of the sums altogether here)
+    # Two different computations: close (in float16 the rounding to the dtype hides most of
+    # the different order of the sums)
     assert delta < (1e-6 if dtype == mx.float32 else 2e-3)
 
 
-def test_native_kernel_gives_a_row_the_same_bits_alone_and_with_any_company():
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("window", [0, 20])
+def test_native_kernel_gives_a_row_the_same_bits_alone_and_with_any_company(dtype, window):
+    """A row of a run equals the same row computed as a decode row (its context cut at its
+    position), a run equals itself alone, and a wider table (a longer batch-mate) changes
+    nothing."""
     kernel = native_kernel()
-    lens = [3, 300, 17, 64, 129, 1, 48]
-    pool, tables = fragmented_pool(lens, mx.float32, seed=5)
-    q = mx.random.normal((len(lens), 9, 64), key=mx.random.key(3))
-    k, v = pool.layer(0)
-    together = kernel(q, k, v, table_array(tables), mx.array(lens), 0.125, 16)
-    for i, n in enumerate(lens):
-        alone = kernel(q[i:i + 1], k, v, table_array([tables[i]]), mx.array([n]), 0.125, 16)
-        # a wider table than the row needs (a longer batch-mate) must not matter either
-        wide = kernel(q[i:i + 1], k, v, table_array([tables[i]], 40), mx.array([n]), 0.125, 16)
-        assert mx.array_equal(alone, together[i:i + 1]).item()
-        assert mx.array_equal(wide, alone).item()
-
-
-def test_a_mixed_step_puts_native_decode_rows_and_prefill_spans_back_in_row_order():
-    kernel = native_kernel()
-    # (rows, context): decode, prefill chunk, decode, prefill of a whole prompt, decode
-    shape = [(1, 40), (12, 52), (1, 7), (5, 5), (1, 129)]
-    pool, tables = fragmented_pool([c for _, c in shape], mx.float32, seed=7)
-    rows = sum(r for r, _ in shape)
-    q = mx.random.normal((rows, 9, 64), key=mx.random.key(4))
-    contexts = [(r, c, t) for (r, c), t in zip(shape, tables, strict=True)]
-    plan = plan_step(contexts, 16, native=True)
-    assert plan.native_rows == 3 and len(plan.spans) == 2 and plan.order is not None
-    out = attend_step(q, plan, pool, 0, 0.125, False, kernel)
+    rows_of, lens = [r for r, _ in RUNS], [c for _, c in RUNS]
+    pool, tables = fragmented_pool(lens, dtype, seed=5)
+    q = mx.random.normal((sum(rows_of), 9, 64), key=mx.random.key(3)).astype(dtype)
+    together = kernel_call(kernel, q, pool, tables, lens, rows_of, window)
     row = 0
-    for (r, c), t in zip(shape, tables, strict=True):
-        if r == 1:
-            alone = kernel(q[row:row + 1], *pool.layer(0), table_array([t]), mx.array([c]),
-                           0.125, 16)
-        else:
-            keys, values = pool.read_blocks(0, mx.array(t))
-            alone = attend(q[row:row + r], keys, values, [Span(0, r, 0, c)], 0.125, fused=False)
-        assert mx.array_equal(out[row:row + r], alone).item()
-        row += r
+    for rows, n, table in zip(rows_of, lens, tables, strict=True):
+        mine = together[row:row + rows]
+        alone = kernel_call(kernel, q[row:row + rows], pool, [table], [n], [rows], window, 40)
+        assert mx.array_equal(alone, mine).item()
+        for i in range(rows):
+            decoded = kernel_call(kernel, q[row + i:row + i + 1], pool, [table],
+                                  [n - rows + i + 1], [1], window)
+            assert mx.array_equal(decoded, mine[i:i + 1]).item(), (rows, n, i)
+        row += rows
+    # The check can fail: a row attended over one position fewer has other bits.
+    short = kernel_call(kernel, q[0:1], pool, [tables[0]], [lens[0] - 1], [1], window)
+    assert not mx.array_equal(short, together[0:1]).item()
 
 
 def test_native_kernel_refuses_bad_tables_and_shapes_with_errors():
@@ -183,26 +221,37 @@ def test_native_kernel_refuses_bad_tables_and_shapes_with_errors():
     pool, tables = fragmented_pool([20], mx.float32)
     k, v = pool.layer(0)
     q = mx.zeros((1, 9, 64))
+    one = mx.array([1])
+
+    def call(q, table, lens, qlens, k=k, v=v):
+        return kernel(q, k, v, table, mx.array(lens), mx.array(qlens), 0.1, 16)
+
     with pytest.raises(RuntimeError, match="block id is out of range"):
-        mx.eval(kernel(q, k, v, mx.array([[0, 10**6]], dtype=mx.int32), mx.array([20]), 0.1, 16))
+        mx.eval(call(q, mx.array([[0, 10**6]], dtype=mx.int32), [20], [1]))
     with pytest.raises(RuntimeError, match="context length is out of range"):
-        mx.eval(kernel(q, k, v, table_array(tables), mx.array([0]), 0.1, 16))
+        mx.eval(call(q, table_array(tables), [0], [1]))
+    with pytest.raises(RuntimeError, match="query length is out of range"):
+        mx.eval(call(mx.zeros((21, 9, 64)), table_array(tables), [20], [21]))
+    with pytest.raises(RuntimeError, match="add up to q's rows"):
+        mx.eval(call(mx.zeros((3, 9, 64)), table_array(tables), [20], [2]))
     with pytest.raises(ValueError, match="block_tables must be"):
-        kernel(q, k, v, table_array(tables + tables), mx.array([20]), 0.1, 16)
+        kernel(q, k, v, table_array(tables + tables), mx.array([20]), one, 0.1, 16)
     with pytest.raises(ValueError, match="one dtype"):
-        kernel(q.astype(mx.float16), k, v, table_array(tables), mx.array([20]), 0.1, 16)
+        call(q.astype(mx.float16), table_array(tables), [20], [1])
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        call(q, table_array(tables), [20], [1], k.astype(mx.int32), v.astype(mx.int32))
 
 
-def test_decode_attention_setting_is_checked():
+def test_attention_setting_is_checked():
     from engine.config import EngineConfig
-    from engine.model_runner import _decode_kernel
+    from engine.model_runner import _attention_kernel
 
-    with pytest.raises(ValueError, match="decode_attention must be one of"):
-        EngineConfig(decode_attention="fast")
-    assert _decode_kernel("mlx", fused=False) is None
-    assert _decode_kernel("auto", fused=True) is None  # GPU: MLX's fused attention
+    with pytest.raises(ValueError, match="attention must be one of"):
+        EngineConfig(attention="fast")
+    assert _attention_kernel("mlx", fused=False) is None
+    assert _attention_kernel("auto", fused=True) is None  # GPU: MLX's fused attention
     with pytest.raises(ValueError, match="CPU backend only"):
-        _decode_kernel("native", fused=True)
+        _attention_kernel("native", fused=True)
 
 
 def test_one_rope_call_over_queries_and_keys_equals_two():
@@ -252,9 +301,9 @@ def test_sliding_window_rows_see_only_their_last_window_positions(native):
     q = mx.random.normal((sum(rows_of), 9, 64), key=mx.random.key(4))
     contexts = list(zip(rows_of, lens, tables, strict=True))
     plan, unwindowed = plan_step(contexts, 16, native, window), plan_step(contexts, 16, native)
-    assert plan.native_rows == (6 if native else 0)
-    # The spans gather only the blocks their windows reach.
-    assert plan.read.size < unwindowed.read.size
+    assert plan.native == native
+    if not native:  # the spans gather only the blocks their windows reach
+        assert plan.read.size < unwindowed.read.size
     out = attend_step(q, plan, pool, 0, 0.125, False, kernel)
     ref = windowed_reference(q, *pool.layer(0), lens, tables, 0.125, 16, window, rows_of)
     assert np.max(np.abs(np.array(out) - ref)) < 2e-6

@@ -102,7 +102,7 @@ def test_a_planned_step_with_sinks_keeps_decode_rows_off_the_native_kernel():
     with pytest.raises(ValueError, match="no attention sinks"):
         attend_step(q, plan_step(contexts, bs, True), pool, 0, 0.2, False, never, sinks)
     plan = plan_step(contexts, bs, False)
-    assert plan.native_rows == 0
+    assert not plan.native
     out = attend_step(q, plan, pool, 0, 0.2, False, never, sinks)
     at = 0
     for r, n, table in contexts:  # each sequence alone, its context read slot by slot
