@@ -1,6 +1,6 @@
 # make serve: set up (first time) and start the server with the embedded model
 # make test:  set up (first time) and run the whole test suite, slow end-to-end tests included
-.PHONY: setup serve generate test test-fast bench peers lint
+.PHONY: setup serve generate test test-fast bench bench-context peers lint
 
 setup:
 	./scripts/setup.sh
@@ -21,6 +21,11 @@ test-fast: setup
 
 bench: setup
 	.venv/bin/python benchmarks/engine_batching.py --repeats 5
+
+# TTFT and decode tok/s at prompts of 512-8192 tokens, batchscope against llama-bench when
+# llama.cpp is built (./scripts/build-llama-cpp.sh); batchscope only without it
+bench-context: setup
+	.venv/bin/python benchmarks/context_length.py
 
 # batchscope vs mlx-lm batch_generate and mlx_lm.server, static vs continuous batching, and the
 # max_num_seqs sweep, in one run (~30 min on 2 cores; QUICK=1 for a smoke test)
