@@ -398,18 +398,38 @@ void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
 }
 
 // The scores of 16 rows (lanes) against key k: 8 partial-sum vectors over d, then the tree.
-inline V scores_across_rows(const float* qt, const float* k, int dim8) {
-  V a[8];
-  for (int j = 0; j < 8; ++j) a[j] = V::zero();
+// The scores of 16 rows (lanes) against C keys at once (each query load feeds C keys), each key
+// its 8 partial-sum vectors over d, then the tree, into out[c * LANES].
+template <int C>
+inline void scores_across_rows(const float* qt, const float* const* k, int dim8, float* out) {
+  V a[C][8];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[c][j] = V::zero();
+  }
   for (int d = 0; d < dim8; d += 8) {
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      a[j] = fma(V::load(qt + static_cast<size_t>(d + j) * LANES), V::bcast(k[d + j]), a[j]);
+      const V qv = V::load(qt + static_cast<size_t>(d + j) * LANES);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a[c][j] = fma(qv, V::bcast(k[c][d + j]), a[c][j]);
     }
   }
-  for (int j = 0; j < 4; ++j) a[j] = add(a[j], a[j + 4]);
-  for (int j = 0; j < 2; ++j) a[j] = add(a[j], a[j + 2]);
-  return add(a[0], a[1]);
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    for (int j = 0; j < 4; ++j) a[c][j] = add(a[c][j], a[c][j + 4]);
+    for (int j = 0; j < 2; ++j) a[c][j] = add(a[c][j], a[c][j + 2]);
+    add(a[c][0], a[c][1]).store(out + c * LANES);
+  }
 }
+
+// Keys per pass of scores_across_rows: its accumulators fill most of AVX-512's 32 registers.
+#if defined(__AVX512F__)
+constexpr int KEYS_AT_ONCE = 3;
+#else
+constexpr int KEYS_AT_ONCE = 1;
+#endif
 
 // Keys are taken in blocks of this many, each block used by all of a unit's heads while it is
 // in the L1 cache (64 rows of a 64-dim head: 16 KiB).
@@ -448,9 +468,18 @@ void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_
   for (int t0 = 0; t0 < n; t0 += KEY_BLOCK) {
     const int t1 = std::min(n, t0 + KEY_BLOCK);
     for (int h = 0; h < rep; ++h) {
-      for (int t = t0; t < t1; ++t) {
+      const float* qh = w.q.data() + h * q_size;
+      int t = t0;
+      for (; t + KEYS_AT_ONCE <= t1; t += KEYS_AT_ONCE) {
+        scores_across_rows<KEYS_AT_ONCE>(qh, w.krow.data() + t, s.dim8,
+                                         w.scores.data() + h * s_size + static_cast<size_t>(t) * LANES);
+      }
+      for (; t < t1; ++t) {
+        scores_across_rows<1>(qh, w.krow.data() + t, s.dim8,
+                              w.scores.data() + h * s_size + static_cast<size_t>(t) * LANES);
+      }
+      for (t = t0; t < t1; ++t) {
         float* st = w.scores.data() + h * s_size + static_cast<size_t>(t) * LANES;
-        scores_across_rows(w.q.data() + h * q_size, w.krow[t], s.dim8).store(st);
         if (t >= all_from && t <= all_to) {
           if constexpr (!std::is_same_v<R, float>) {
             for (int l = 0; l < LANES; ++l) st[l] = round_to<R>(st[l]);

@@ -36,9 +36,9 @@ MAX_TOKENS = 64
 LOGPROB_BOUND = 1e-3
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """Greedy ids from mlx-lm's generate_step on the folder `batchscope export-model` wrote."""
+def mlx_lm_reference(weights: str):
+    """Greedy ids from mlx-lm's generate_step on the folder `batchscope export-model --weights
+    WEIGHTS` wrote."""
     import tempfile
 
     from mlx_lm import load
@@ -47,7 +47,7 @@ def reference():
     from app.cli import main
 
     with tempfile.TemporaryDirectory() as tmp:
-        assert main(["export-model", tmp]) == 0
+        assert main(["export-model", tmp, "--weights", weights]) == 0
         model, tokenizer = load(tmp)
 
     def generate(prompt_ids: list[int], max_tokens: int = MAX_TOKENS):
@@ -57,6 +57,18 @@ def reference():
                 [np.array(logprobs.astype(mx.float32)) for _, logprobs in steps])
 
     return tokenizer, generate
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return mlx_lm_reference("q4")
+
+
+@pytest.fixture(scope="module")
+def reference_f32():
+    """mlx-lm on float32 weights: its CPU quantized matmul takes one row at a time, minutes for
+    a long prompt's prefill, while float32 goes through BLAS."""
+    return mlx_lm_reference("f32")
 
 
 def assert_follows_reference(ours: list[int], logprobs: list[float], expected, what=""):
@@ -130,3 +142,25 @@ def test_batched_engine_equals_mlx_lm_per_prompt(reference):
         logprobs = [e.logprob for e in evs if isinstance(e, TokenEvent)]
         assert_follows_reference(result.token_ids, logprobs,
                                  generate(tokenizer.encode(prompt), 24), prompt)
+
+
+def test_a_long_prompt_in_several_chunks_equals_mlx_lm(reference_f32):
+    """A 1700-token prompt prefilled in four chunks of 512 rows, every chunk attending over
+    the context the earlier ones left in the pool (the native attention kernel on the CPU),
+    on float32 weights (see reference_f32)."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.events import TokenEvent
+    from engine.sampling import SamplingParams
+
+    tokenizer, generate = reference_f32
+    ids = tokenizer.encode(" ".join(PROMPTS * 40))[:1700]
+    params = SamplingParams(max_tokens=32, ignore_eos=True, logprobs=1)
+    config = EngineConfig(weights="f32", max_num_batched_tokens=512, num_kv_blocks=128)
+    with Engine(config).start() as engine:
+        handle = engine.submit(ids, params)
+        logprobs = [e.logprob for e in handle if isinstance(e, TokenEvent)]
+        result = handle.result()
+        prefill_steps = [r for r in engine.steps.recent() if r.prefill_rows]
+    assert len(prefill_steps) == 4
+    assert_follows_reference(result.token_ids, logprobs, generate(ids, 32), "long prompt")
