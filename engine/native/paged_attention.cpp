@@ -180,6 +180,34 @@ inline float dot8(const float* q, const float* k, int dim_pad) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// dot8 of q against 8 keys at once, into out[0..8) in key order: the same fmas per key, and the
+// same tree (the halves, then lanes j and j + 2, then j and j + 1) done for 8 keys together.
+inline void dot8_keys8(const float* q, const float* const* k, int dim8, float* out) {
+  __m256 a[8];
+  for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+  for (int d = 0; d < dim8; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[c] + d), a[c]);
+  }
+  __m256 x[4];  // x[i] = [keys 2i: lanes j + (j + 4) | key 2i + 1: the same]
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  }
+  __m256 y[2];  // lanes j + (j + 2), two per key
+  for (int i = 0; i < 2; ++i) {
+    y[i] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  }
+  // keys in the lanes as 0, 2, 4, 6 | 1, 3, 5, 7
+  const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], 0x88),
+                                 _mm256_shuffle_ps(y[0], y[1], 0xDD));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
 template <typename R>
 inline float round_to(float x) {
   if constexpr (std::is_same_v<R, float>) {
@@ -187,6 +215,11 @@ inline float round_to(float x) {
   } else {
     return static_cast<float>(static_cast<R>(x));
   }
+}
+
+// Asks for a row of floats (from the pool or scratch) ahead of its use.
+inline void prefetch_row(const float* row, int dim) {
+  for (int d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
 }
 
 // Exact conversions of the pool's storage to float32.
@@ -209,6 +242,35 @@ inline float to_float(mx::bfloat16_t x) {
   return out;
 }
 
+// Widens the leading multiple of 16 of n 16-bit floats to float32 with vector instructions
+// (exact, as to_float); returns how many it did.
+template <typename T>
+inline int widen16(const T* src, float* dst, int n) {
+  int d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= n; d += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    if constexpr (std::is_same_v<T, mx::float16_t>) {
+      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(h));
+    } else {
+      _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(h), 16)));
+    }
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (; d + 8 <= n; d += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    if constexpr (std::is_same_v<T, mx::float16_t>) {
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(h));
+    } else {
+      _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                    _mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+#endif
+  return d;
+}
+
 struct Shapes {
   int rows, seqs, heads, kv_heads, dim, slots, max_blocks, block_size, window;
   int dim8, dim16;  // dim rounded up to 8 (the dot's partial sums) and to 16 (value vectors)
@@ -216,9 +278,9 @@ struct Shapes {
 };
 
 // One piece of work: kv head g of sequence seq, its rows [row_begin, row_begin + rows) (a
-// tile of up to 16 rows of a run, or a decode row).
+// tile of up to 16 rows of a run, or a decode row), query heads [h0, h0 + heads) of the group.
 struct Unit {
-  int seq, g, row_begin, rows;
+  int seq, g, row_begin, rows, h0, heads;
   double cost;
 };
 
@@ -250,7 +312,9 @@ void locate_rows(const T* pool, int g, const int32_t* table, int lo, int hi, con
   for (int i = 0; i < n; ++i) {
     const T* src = base + slot(lo + i) * s.dim;
     float* dst = buf.data() + static_cast<size_t>(i) * s.dim16;
-    for (int d = 0; d < s.dim; ++d) dst[d] = to_float(src[d]);
+    int d = 0;
+    if constexpr (!std::is_same_v<T, float>) d = widen16(src, dst, s.dim);
+    for (; d < s.dim; ++d) dst[d] = to_float(src[d]);
     rows[i] = dst;
   }
 }
@@ -307,6 +371,7 @@ void values_fixed(const float* const* probs, int stride, const float* const* vro
   }
   for (int t = t0; t < t1; ++t) {
     const float* v = vrow[t];
+    if (t + 8 < t1) prefetch_row(vrow[t + 8], NV * LANES);
     V vt[NV];
     for (int j = 0; j < NV; ++j) vt[j] = V::load(v + j * LANES);
     for (int g = 0; g < G; ++g) {
@@ -341,11 +406,16 @@ void values(const float* const* probs, int stride, const float* const* vrow, int
   for (int g = 0; g < rows;) {
     const float* const* p = probs + g;
     float* a = acc + static_cast<size_t>(g) * dim16;
-    if (MANY_REGISTERS && nv == 4 && rows - g >= 4) {
+    const int left = rows - g;
+    if (MANY_REGISTERS && nv == 4 && left >= 4) {
       values_fixed<4, 4>(p, stride, vrow, t0, t1, a, dim16), g += 4;
+    } else if (MANY_REGISTERS && nv == 4 && left == 3) {
+      values_fixed<4, 3>(p, stride, vrow, t0, t1, a, dim16), g += 3;
+    } else if (MANY_REGISTERS && nv == 4 && left == 2) {
+      values_fixed<4, 2>(p, stride, vrow, t0, t1, a, dim16), g += 2;
     } else if (nv == 4) {
       values_fixed<4, 1>(p, stride, vrow, t0, t1, a, dim16), g += 1;
-    } else if (MANY_REGISTERS && nv == 8 && rows - g >= 2) {
+    } else if (MANY_REGISTERS && nv == 8 && left >= 2) {
       values_fixed<8, 2>(p, stride, vrow, t0, t1, a, dim16), g += 2;
     } else if (nv == 8) {
       values_fixed<8, 1>(p, stride, vrow, t0, t1, a, dim16), g += 1;
@@ -362,15 +432,16 @@ void write_out(const float* acc, R* out, int dim) {
   for (int d = 0; d < dim; ++d) out[d] = static_cast<R>(acc[d]);
 }
 
-// A decode row: its rep query heads over the keys of its range, one key at a time.
+// A decode row: the unit's query heads over the keys of its range, one key at a time.
 template <typename R, typename T>
 void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
                  const int32_t* table, int ctx, R* out, const Shapes& s, Scratch& w) {
-  const int rep = s.heads / s.kv_heads;
+  const int rep = u.heads;
   const int first = s.window > 0 ? std::max(0, ctx - s.window) : 0;
   const int n = ctx - first;
   w.q.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
-  const R* qr = q + (static_cast<size_t>(u.row_begin) * s.heads + u.g * rep) * s.dim;
+  const int head0 = u.g * (s.heads / s.kv_heads) + u.h0;
+  const R* qr = q + (static_cast<size_t>(u.row_begin) * s.heads + head0) * s.dim;
   for (int h = 0; h < rep; ++h) {
     for (int d = 0; d < s.dim; ++d) {
       w.q[h * s.dim16 + d] = round_to<R>(static_cast<float>(qr[h * s.dim + d]) * s.scale);
@@ -378,7 +449,20 @@ void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
   }
   locate_rows(k_pool, u.g, table, first, ctx - 1, s, w.keys, w.krow);
   w.scores.resize(static_cast<size_t>(rep) * n);
-  for (int t = 0; t < n; ++t) {
+  int t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; t + 8 <= n; t += 8) {
+    for (int c = 8; c < 16 && t + c < n; ++c) prefetch_row(w.krow[t + c], s.dim);
+    for (int h = 0; h < rep; ++h) {
+      float* out = w.scores.data() + static_cast<size_t>(h) * n + t;
+      dot8_keys8(w.q.data() + h * s.dim16, w.krow.data() + t, s.dim8, out);
+      if constexpr (!std::is_same_v<R, float>) {
+        for (int c = 0; c < 8; ++c) out[c] = round_to<R>(out[c]);
+      }
+    }
+  }
+#endif
+  for (; t < n; ++t) {
     for (int h = 0; h < rep; ++h) {
       w.scores[static_cast<size_t>(h) * n + t] =
           round_to<R>(dot8(w.q.data() + h * s.dim16, w.krow[t], s.dim8));
@@ -393,11 +477,10 @@ void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
   locate_rows(v_pool, u.g, table, first, ctx - 1, s, w.values, w.vrow);
   w.acc.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
   values(probs.data(), 1, w.vrow.data(), 0, n, w.acc.data(), rep, s.dim16);
-  R* o = out + (static_cast<size_t>(u.row_begin) * s.heads + u.g * rep) * s.dim;
+  R* o = out + (static_cast<size_t>(u.row_begin) * s.heads + head0) * s.dim;
   for (int h = 0; h < rep; ++h) write_out(w.acc.data() + h * s.dim16, o + h * s.dim, s.dim);
 }
 
-// The scores of 16 rows (lanes) against key k: 8 partial-sum vectors over d, then the tree.
 // The scores of 16 rows (lanes) against C keys at once (each query load feeds C keys), each key
 // its 8 partial-sum vectors over d, then the tree, into out[c * LANES].
 template <int C>
@@ -626,11 +709,16 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
       row0s[i] = static_cast<int>(total_rows);
       total_rows += qlen;
       for (int g = 0; g < s.kv_heads; ++g) {
+        if (qlen == 1) {  // its query heads together: they read each key and value once
+          const int span = s.window > 0 ? std::min(len, s.window) : len;
+          units.push_back({i, g, 0, 1, 0, rep, static_cast<double>(span) * rep / LANES});
+          continue;
+        }
         for (int r = 0; r < qlen; r += LANES) {
           const int rows = std::min(LANES, qlen - r);
           const int last = len - qlen + r + rows;  // keys up to here
           const int span = s.window > 0 ? std::min(last, s.window + rows) : last;
-          units.push_back({i, g, r, rows, static_cast<double>(span) * (qlen == 1 ? 1 : rep)});
+          units.push_back({i, g, r, rows, 0, rep, static_cast<double>(span) * rep});
         }
       }
     }
