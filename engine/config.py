@@ -54,7 +54,12 @@ class EngineConfig:
     weights: str = "auto"
     kv_dtype: str = "auto"
     max_num_seqs: int = 16  # requests that may share one step
-    max_num_batched_tokens: int = 512  # rows (token positions) one step may hold
+    # Rows (token positions) one step may hold: a long prompt's prefill chunk. Decode rows go
+    # first, so a chunk is how long running streams wait for their next token while a prompt
+    # prefills: benchmarks/chunk_size.py measured the same TTFT for a 4096-token prompt with
+    # chunks of 128 to 1024 rows, and streams' longest wait growing with the chunk (0.8, 1.4,
+    # 2.8 and 5.5 s at q4 on 2 cores).
+    max_num_batched_tokens: int = 256
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 1024  # blocks in the pool (x block_size = KV capacity in tokens)
     enable_prefix_caching: bool = True
