@@ -40,6 +40,8 @@ from llama_cpp_peer import (  # benchmarks/llama_cpp_peer.py
     embedded_gguf_path, llama_cpp_bin, llama_cpp_python_version, log)
 # isort: on
 
+from mlx.utils import tree_flatten
+
 from app.charts import INK, PALETTE, Panel, Point, Series, Svg, extent
 from engine import native
 from engine.config import KV_DTYPES, EngineConfig
@@ -107,6 +109,15 @@ def engine_config(args, lengths: list[int]) -> EngineConfig:
                         enable_prefix_caching=False, kv_dtype=args.kv_dtype)
 
 
+def kv_bytes(eng: Engine, depth: int) -> int:
+    """Bytes of keys and values one decode row reads at this depth: every pool layer's
+    positions (a sliding-window layer's last `window` only)."""
+    pool = eng.pool
+    windows = {kv.pool_layer: kv.window for kv in eng.runner.layer_kv if kv.writes}
+    return sum(2 * pool.kv_heads[i] * pool.head_dims[i] * pool.dtype.size
+               * min(depth, windows.get(i) or depth) for i in range(pool.num_layers))
+
+
 def engine_at(eng: Engine, ids: list[int], decode_tokens: int, repeats: int) -> dict:
     """One request of 1 + D tokens per round, timed by the engine's own events: TTFT from
     arrival to the first token, decode tok/s from the first token to the last."""
@@ -165,16 +176,19 @@ def render(data: dict) -> str:
         f"native quantized path {m['quantized_isa']}, {m['cpus']} CPUs; batchscope weights "
         f"{data['weights']} (asked: {data['weights_asked']}){kv}, prefill chunks of "
         f"{data['max_num_batched_tokens']} tokens{paths}; {peer} on {data['gguf']}.", "",
-        f"batchscope: TTFT is the wall time of a greedy max_tokens=1 request; decode tok/s at "
-        f"depth from the extra time of a max_tokens={data['decode_tokens'] + 1} request "
-        f"(ignore-eos), median of {data['repeats']}. llama.cpp: `llama-bench -p N -n 0` "
-        f"(TTFT = N / its tok/s) and `llama-bench -p 0 -n {data['decode_tokens']} -d N`. "
-        "Ratios above 1 favour batchscope.", "",
+        f"batchscope: one greedy request of max_tokens={data['decode_tokens'] + 1} "
+        "(ignore-eos) per round, timed by the engine's events: TTFT from arrival to the first "
+        "token, decode tok/s from the first token to the last; median of "
+        f"{data['repeats']}. Bytes per decoded token: the weights a step reads plus the "
+        "context's keys and values at that depth; GB/s is that times the decode rate. "
+        "llama.cpp: `llama-bench -p N -n 0` (TTFT = N / its tok/s) and `llama-bench -p 0 -n "
+        f"{data['decode_tokens']} -d N`. Ratios above 1 favour batchscope.", "",
         "| prompt tokens | batchscope TTFT s | prefill tok/s | llama.cpp pp tok/s "
         "| TTFT ratio (llama.cpp time / ours) | decode tok/s at depth | llama.cpp tg at depth "
-        "| decode ratio (ours / llama.cpp) |",
-        "|---|---|---|---|---|---|---|---|"]
+        "| decode ratio (ours / llama.cpp) | MB read per token (weights + KV) | GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
+        mb = r["bytes_per_token"] / 1e6 if r.get("bytes_per_token") else None
         n = str(r["prompt_tokens"])
         if r["prompt_tokens"] != r["requested"]:
             n += f" (asked {r['requested']})"
@@ -182,7 +196,8 @@ def render(data: dict) -> str:
             f"| {n} | {r['ttft_s']:.3f} | {r['prefill_tps']:.0f} | "
             f"{_f(r.get('llama_pp_tps'), '.0f')} | {_f(r.get('ttft_ratio'), '.2f', 'x')} | "
             f"{r['decode_tps']:.1f} | {_f(r.get('llama_tg_tps'), '.1f')} | "
-            f"{_f(r.get('decode_ratio'), '.2f', 'x')} |")
+            f"{_f(r.get('decode_ratio'), '.2f', 'x')} | {_f(mb, '.0f')} | "
+            f"{_f(mb and mb * r['decode_tps'] / 1e3, '.1f')} |")
     g = data.get("goals") or []
     if g:
         lines.append("")
@@ -288,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_n = min(cap, max(args.lengths), args.max_num_batched_tokens + 64)
         warm = make_prompt(tokenizer, warm_n, "warm-up")
         eb.run_engine(eng, [warm], 4)
+        weight_bytes = sum(a.nbytes for _, a in tree_flatten(eng.loaded.model.parameters()))
         seen = set()
         for requested in args.lengths:
             n = min(requested, cap)
@@ -310,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{n} tokens: batchscope...")
             ids = make_prompt(tokenizer, n, f"{n} tokens, asked for {requested}")
             row |= engine_at(eng, ids, D, args.repeats)
+            row["bytes_per_token"] = weight_bytes + kv_bytes(eng, n + D // 2)
             if bin_dir is not None:
                 row["ttft_ratio"] = row["llama_ttft_s"] / row["ttft_s"]
                 row["decode_ratio"] = row["decode_tps"] / row["llama_tg_tps"]
@@ -317,9 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"tok/s), decode at depth {row['decode_tps']:.1f} tok/s")
             rows.append(row)
         weights = eng.loaded.weights
-        # The kernel paths the engine chose ("attention" was "decode_attention" before).
-        paths = {k: getattr(eng, k) for k in ("attention", "decode_attention", "decode_matmul")
-                 if isinstance(getattr(type(eng), k, None), property)}
+        paths = {"attention": eng.attention, "decode_matmul": eng.decode_matmul}
     finally:
         eng.stop()
 
