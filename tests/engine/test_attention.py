@@ -154,13 +154,14 @@ def test_native_kernel_runs_of_rows_match_float64(heads, kv_heads, dim, window):
 
 
 @pytest.mark.parametrize("pool_dtype,tol", [(mx.float16, 4e-3), (mx.bfloat16, 3e-2)])
-def test_native_kernel_reads_a_narrower_pool_with_float32_queries(pool_dtype, tol):
+@pytest.mark.parametrize("dim", [64, 40])
+def test_native_kernel_reads_a_narrower_pool_with_float32_queries(pool_dtype, tol, dim):
     """--kv-dtype: a float16/bfloat16 pool under a float32 model; the float64 reference reads
     the same stored (rounded) keys and values, so only the arithmetic is compared."""
     kernel = native_kernel()
     rows_of, lens = [r for r, _ in RUNS], [c for _, c in RUNS]
-    pool, tables = fragmented_pool(lens, pool_dtype, seed=12)
-    q = mx.random.normal((sum(rows_of), 9, 64), key=mx.random.key(6))
+    pool, tables = fragmented_pool(lens, pool_dtype, dim=dim, seed=12)
+    q = mx.random.normal((sum(rows_of), 9, dim), key=mx.random.key(6))
     out = kernel_call(kernel, q, pool, tables, lens, rows_of)
     assert out.dtype == mx.float32
     ref = run_reference(q, *pool.layer(0), lens, tables, 0.125, 16, rows_of)
@@ -190,16 +191,20 @@ def test_native_kernel_is_close_to_the_mlx_ops_path(dtype):
     assert delta < (1e-6 if dtype == mx.float32 else 2e-3)
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dtype,pool_dtype,dim", [
+    (mx.float32, mx.float32, 64), (mx.float32, mx.float32, 40), (mx.bfloat16, mx.bfloat16, 64),
+    (mx.float32, mx.float16, 64), (mx.float32, mx.bfloat16, 40)])
 @pytest.mark.parametrize("window", [0, 20])
-def test_native_kernel_gives_a_row_the_same_bits_alone_and_with_any_company(dtype, window):
+def test_native_kernel_gives_a_row_the_same_bits_alone_and_with_any_company(dtype, pool_dtype,
+                                                                            dim, window):
     """A row of a run equals the same row computed as a decode row (its context cut at its
     position), a run equals itself alone, and a wider table (a longer batch-mate) changes
-    nothing."""
+    nothing: for the model's dtype, a narrower pool, and a head dim the vectors do not
+    divide."""
     kernel = native_kernel()
     rows_of, lens = [r for r, _ in RUNS], [c for _, c in RUNS]
-    pool, tables = fragmented_pool(lens, dtype, seed=5)
-    q = mx.random.normal((sum(rows_of), 9, 64), key=mx.random.key(3)).astype(dtype)
+    pool, tables = fragmented_pool(lens, pool_dtype, dim=dim, seed=5)
+    q = mx.random.normal((sum(rows_of), 9, dim), key=mx.random.key(3)).astype(dtype)
     together = kernel_call(kernel, q, pool, tables, lens, rows_of, window)
     row = 0
     for rows, n, table in zip(rows_of, lens, tables, strict=True):
