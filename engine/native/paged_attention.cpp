@@ -26,9 +26,9 @@
 //   by MLX's exp formula (vector_math.h); sum = the e_t added one after another in t order;
 //   p_t = round_R(e_t * (1 / sum)); out[d] = the fmas p_t * v_t[d] in t order, from 0.
 // round_R rounds to q's dtype, where MLX's own attention keeps its intermediates (a no-op for
-// float32). Decode rows (one per sequence) run it with the dot across dim, one key at a time;
-// runs of rows (prefill chunks) 16 rows at a time with the dot across rows, one 16-lane
-// vector per partial sum: the same operations on the same numbers, so the same bits. Rows
+// float32). Decode rows (one per sequence) run it with the dot across dim (8 keys' trees done
+// together); runs of rows (prefill chunks) 16 rows at a time with the dot across rows, one
+// 16-lane vector per partial sum: the same operations on the same numbers, so the same bits. Rows
 // outside a key's range take exact zeros (probability 0 adds nothing to a sum). The file is
 // built with -ffp-contract=off: no fma but the written ones.
 
@@ -278,9 +278,10 @@ struct Shapes {
 };
 
 // One piece of work: kv head g of sequence seq, its rows [row_begin, row_begin + rows) (a
-// tile of up to 16 rows of a run, or a decode row), query heads [h0, h0 + heads) of the group.
+// tile of up to 16 rows of a run, or a decode row), all the query heads of the group (they
+// read each key and value once).
 struct Unit {
-  int seq, g, row_begin, rows, h0, heads;
+  int seq, g, row_begin, rows;
   double cost;
 };
 
@@ -432,15 +433,15 @@ void write_out(const float* acc, R* out, int dim) {
   for (int d = 0; d < dim; ++d) out[d] = static_cast<R>(acc[d]);
 }
 
-// A decode row: the unit's query heads over the keys of its range, one key at a time.
+// A decode row: its query heads of kv head g over the keys of its range.
 template <typename R, typename T>
 void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
                  const int32_t* table, int ctx, R* out, const Shapes& s, Scratch& w) {
-  const int rep = u.heads;
+  const int rep = s.heads / s.kv_heads;
   const int first = s.window > 0 ? std::max(0, ctx - s.window) : 0;
   const int n = ctx - first;
   w.q.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
-  const int head0 = u.g * (s.heads / s.kv_heads) + u.h0;
+  const int head0 = u.g * rep;
   const R* qr = q + (static_cast<size_t>(u.row_begin) * s.heads + head0) * s.dim;
   for (int h = 0; h < rep; ++h) {
     for (int d = 0; d < s.dim; ++d) {
@@ -709,16 +710,16 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
       row0s[i] = static_cast<int>(total_rows);
       total_rows += qlen;
       for (int g = 0; g < s.kv_heads; ++g) {
-        if (qlen == 1) {  // its query heads together: they read each key and value once
+        if (qlen == 1) {
           const int span = s.window > 0 ? std::min(len, s.window) : len;
-          units.push_back({i, g, 0, 1, 0, rep, static_cast<double>(span) * rep / LANES});
+          units.push_back({i, g, 0, 1, static_cast<double>(span) * rep / LANES});
           continue;
         }
         for (int r = 0; r < qlen; r += LANES) {
           const int rows = std::min(LANES, qlen - r);
           const int last = len - qlen + r + rows;  // keys up to here
           const int span = s.window > 0 ? std::min(last, s.window + rows) : last;
-          units.push_back({i, g, r, rows, 0, rep, static_cast<double>(span) * rep});
+          units.push_back({i, g, r, rows, static_cast<double>(span) * rep});
         }
       }
     }
