@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/kv_dtype.py [--weights f32] [--max-tokens 64]
 
 For each KV dtype (auto = the model's float32, float16, bfloat16), the engine's greedy ids and
-logprobs on the reference prompts of tests/e2e/test_reference.py plus one 1700-token prompt
+logprobs on the reference prompts (engine.testing.REFERENCE_PROMPTS) plus one 1700-token prompt
 (four prefill chunks), against mlx-lm's own generate_step on the folder `batchscope
 export-model --weights W` writes (its cache holds the model's dtype). Per dtype: the prompts
 whose ids equal mlx-lm's, the first differing token of the others, and the largest |logprob
@@ -20,29 +20,19 @@ import argparse
 import json
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 # isort: off
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
-import mlx.core as mx
-import numpy as np
 # isort: on
 
-from app.cli import main as cli
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams
+from engine.testing import REFERENCE_PROMPTS, embedded_tokenizer, mlx_lm_greedy
 
-PROMPTS = [  # tests/e2e/test_reference.py's
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "List three colors: 1.",
-    "Water boils at 100 degrees Celsius, which is",
-]
 DTYPES = ("auto", "float16", "bfloat16")
 
 
@@ -51,18 +41,8 @@ def log(msg: str) -> None:
 
 
 def mlx_lm_runs(weights: str, prompts: list[list[int]], max_tokens: int) -> list[tuple]:
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-
-    with tempfile.TemporaryDirectory() as tmp:
-        assert cli(["export-model", tmp, "--weights", weights]) == 0
-        model, _ = load(tmp)
-    out = []
-    for ids in prompts:
-        steps = list(generate_step(mx.array(ids), model, max_tokens=max_tokens))
-        out.append(([int(t) for t, _ in steps],
-                    [np.array(lp.astype(mx.float32)) for _, lp in steps]))
-    return out
+    _, generate = mlx_lm_greedy(weights)
+    return [generate(ids, max_tokens) for ids in prompts]
 
 
 def engine_runs(weights: str, kv_dtype: str, prompts: list[list[int]], max_tokens: int):
@@ -113,10 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
-    from engine.testing import embedded_tokenizer
-
     tok = embedded_tokenizer()
-    prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode(" ".join(PROMPTS * 40))[:1700]]
+    prompts = ([tok.encode(p) for p in REFERENCE_PROMPTS]
+               + [tok.encode(" ".join(REFERENCE_PROMPTS * 40))[:1700]])
     log(f"mlx-lm on the exported {args.weights} folder...")
     ref = mlx_lm_runs(args.weights, prompts, args.max_tokens)
     rows = []

@@ -94,6 +94,41 @@ def tiny_model_saying(text: str):
 FAMILY_VOCAB = 49152
 
 
+# Prompts whose greedy continuations tests/e2e/test_reference.py and benchmarks/kv_dtype.py
+# compare with mlx-lm's.
+REFERENCE_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three colors: 1.",
+    "Water boils at 100 degrees Celsius, which is",
+]
+
+
+def mlx_lm_greedy(weights: str):
+    """An independent reference: mlx-lm's own generate_step on the embedded model exported as
+    an mlx-lm folder at `weights` (engine.model_loader.export_model, as `batchscope
+    export-model`). Returns (tokenizer, generate), generate(prompt_ids, max_tokens) giving
+    mlx-lm's greedy ids and, per step, its logprobs over the vocabulary."""
+    import tempfile
+
+    import numpy as np
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from engine.model_loader import export_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tokenizer = load(str(export_model(tmp, weights=weights)))
+
+    def generate(prompt_ids: list[int], max_tokens: int):
+        steps = list(generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens))
+        return ([int(token) for token, _ in steps],
+                [np.array(logprobs.astype(mx.float32)) for _, logprobs in steps])
+
+    return tokenizer, generate
+
+
 @cache
 def embedded_tokenizer():
     from engine.model_loader import load_embedded_tokenizer

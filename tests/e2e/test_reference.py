@@ -18,45 +18,23 @@ import io
 import json
 import warnings
 
-import mlx.core as mx
-import numpy as np
 import pytest
+
+from engine.testing import REFERENCE_PROMPTS, mlx_lm_greedy
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "List three colors: 1.",
-    "Water boils at 100 degrees Celsius, which is",
-]
+PROMPTS = REFERENCE_PROMPTS
 MAX_TOKENS = 64
 # A token's logprob, batchscope's against mlx-lm's, on the same context (measured: <= 3e-5).
 LOGPROB_BOUND = 1e-3
 
 
 def mlx_lm_reference(weights: str):
-    """Greedy ids from mlx-lm's generate_step on the folder `batchscope export-model --weights
-    WEIGHTS` wrote."""
-    import tempfile
-
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-
-    from app.cli import main
-
-    with tempfile.TemporaryDirectory() as tmp:
-        assert main(["export-model", tmp, "--weights", weights]) == 0
-        model, tokenizer = load(tmp)
-
-    def generate(prompt_ids: list[int], max_tokens: int = MAX_TOKENS):
-        """mlx-lm's greedy ids and, per step, its logprobs over the vocabulary."""
-        steps = list(generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens))
-        return ([int(token) for token, _ in steps],
-                [np.array(logprobs.astype(mx.float32)) for _, logprobs in steps])
-
-    return tokenizer, generate
+    """mlx-lm's greedy ids and logprobs on the exported folder (engine.testing.mlx_lm_greedy),
+    MAX_TOKENS unless told."""
+    tokenizer, generate = mlx_lm_greedy(weights)
+    return tokenizer, lambda ids, max_tokens=MAX_TOKENS: generate(ids, max_tokens)
 
 
 @pytest.fixture(scope="module")
