@@ -29,6 +29,7 @@ from pathlib import Path
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 import engine_batching as eb  # benchmarks/engine_batching.py (the script directory is on sys.path)
 from context_length import make_prompt  # benchmarks/context_length.py
+from llama_cpp_peer import log  # benchmarks/llama_cpp_peer.py
 # isort: on
 
 from engine.config import EngineConfig
@@ -38,10 +39,6 @@ from engine.platform import backend_info, blas_name
 from engine.sampling import SamplingParams
 
 BLOCK_SIZE = 16
-
-
-def log(msg: str) -> None:
-    print(f"# {msg}", file=sys.stderr, flush=True)
 
 
 def percentile(xs: list[float], q: float) -> float:

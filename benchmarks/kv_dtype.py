@@ -25,6 +25,7 @@ from pathlib import Path
 
 # isort: off
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
+from llama_cpp_peer import log  # benchmarks/llama_cpp_peer.py
 # isort: on
 
 from engine.config import EngineConfig
@@ -34,10 +35,6 @@ from engine.sampling import SamplingParams
 from engine.testing import REFERENCE_PROMPTS, embedded_tokenizer, mlx_lm_greedy
 
 DTYPES = ("auto", "float16", "bfloat16")
-
-
-def log(msg: str) -> None:
-    print(f"# {msg}", file=sys.stderr, flush=True)
 
 
 def mlx_lm_runs(weights: str, prompts: list[list[int]], max_tokens: int) -> list[tuple]:

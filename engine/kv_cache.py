@@ -5,9 +5,10 @@ head_dim): slot = block_id * block_size + offset. Layers may differ in kv_heads 
 (Gemma 4's sliding and global layers do), and a model whose layers share keys and values has
 fewer pool layers than decoder layers (engine/models/ maps one to the other). Head-major, so
 that a gathered context is already in the (kv_heads, ctx, head_dim) layout attention
-multiplies with. A step writes its new rows with one scatter and reads all its sequences'
-contexts with one gather per layer. The list holds the only reference to each array, so MLX
-can update it in place instead of copying the pool.
+multiplies with. A step writes its new rows with one scatter; the native attention kernel
+reads the contexts in place through the block tables, other paths with one gather per layer.
+The list holds the only reference to each array, so MLX can update it in place instead of
+copying the pool.
 """
 
 from __future__ import annotations

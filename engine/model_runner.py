@@ -3,7 +3,7 @@
 All of a step's token positions (prefill chunks and decode rows) are packed into one
 (1, rows, hidden) input, so each linear layer sees exactly the step's rows. Attention is done
 per sequence, reading its keys and values from the paged pool through its block table with its
-own causal offset (engine/attention.py: the native kernel for decode rows on the CPU, MLX ops
+own causal offset (engine/attention.py: the native kernel for all rows on the CPU, MLX ops
 otherwise). What the layers compute is the model family's (engine/models/, which reuse
 mlx-lm's modules and weights); this file only routes rows. Logits are computed only for the
 rows that are sampled.

@@ -87,7 +87,7 @@ class GptOss(Family):
         n, top_k = len(self.layers), self.layers[0].mlp.num_experts_per_tok
         experts = sorted(set(self.expert_layers().values()))
         return super().describe_layers() + [
-            f"{n} of {n} layers with attention sinks: their decode rows take MLX ops (the "
-            "native decode kernel has no sinks)",
+            f"{n} of {n} layers with attention sinks: their rows take MLX ops (the native "
+            "attention kernel has no sinks)",
             f"{n} of {n} layers route each token to {top_k} of "
             f"{'/'.join(map(str, experts))} experts"]

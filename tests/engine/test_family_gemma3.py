@@ -73,7 +73,7 @@ def test_greedy_equals_mlx_lm_q4(folders):
 @pytest.mark.slow
 def test_greedy_equals_mlx_lm_f16_with_clipped_residuals(folders):
     """The folder's own float16 ("q4" = as shipped), bit for bit. On MLX's attention ops: the
-    native decode kernel rounds float16 differently from mlx-lm's attention (within tolerance,
+    native attention kernel rounds float16 differently from mlx-lm's attention (within tolerance,
     tests/engine/test_attention.py)."""
     check_cli_equals_mlx_lm(folders["f16"], "q4", 40, "--attention", "mlx")
 
