@@ -157,6 +157,24 @@ class BlockManager:
         seq.table.extend(new)
         return new
 
+    def trim(self, seq_id: str, num_tokens: int) -> list[int]:
+        """Shrink the table to the blocks `num_tokens` tokens need (rejected drafts' rows give
+        their blocks back); returns the freed ids. Only blocks past every registered one go:
+        they hold no computed token worth keeping."""
+        seq = self._seqs[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        if keep < seq.num_hashed:
+            raise ValueError(f"cannot trim {seq_id} below its {seq.num_hashed} cached blocks")
+        freed = seq.table[keep:]
+        del seq.table[keep:]
+        for block_id in reversed(freed):
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.block_hash is not None:
+                raise RuntimeError(f"block {block_id} is shared or cached: not a draft's")
+            block.ref_count = 0
+            self._free.append(block_id)
+        return freed
+
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks (finish, cancel, error or preemption). Idempotent."""
         seq = self._seqs.pop(seq_id, None)

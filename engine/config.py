@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.speculative import SpeculativeConfig
+
 POLICIES = ("gemm", "gemv", "auto")
 TILED = "tiled"  # the batch-invariant path: every call has exactly `tile` rows
 
@@ -75,6 +77,14 @@ class EngineConfig:
     invariant_tile: int = 16
     attention: str = "auto"
     decode_matmul: str = "auto"
+    # Speculative decoding (engine/speculative.py): "off" or "ngram" (prompt lookup); drafts
+    # per request per step; the n-gram sizes matched; and the most running requests at which
+    # a step still speculates.
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -92,5 +102,12 @@ class EngineConfig:
         check_native_setting("decode_matmul", self.decode_matmul)
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
+        _ = self.speculation  # raises on bad values
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
+
+    @property
+    def speculation(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.speculative, self.num_speculative_tokens,
+                                 self.prompt_lookup_min, self.prompt_lookup_max,
+                                 self.speculative_max_batch)

@@ -40,6 +40,7 @@ from engine.platform import backend_info
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative import Proposer, proposer_for
 from engine.telemetry import StepEntry, StepLog, StepRecord
 from engine.thresholds import ThresholdTable, resolve_threshold
 from engine.token_bytes import TokenBytes
@@ -77,9 +78,10 @@ class Engine:
     """Continuous-batching engine. `loader` runs on the engine thread and returns a LoadedModel."""
 
     def __init__(self, config: EngineConfig, loader: Callable[[], object] | None = None,
-                 thresholds: ThresholdTable | None = None):
+                 thresholds: ThresholdTable | None = None, proposer: Proposer | None = None):
         """thresholds: the calibrated kernel thresholds (engine/thresholds.py); none given,
-        --kernel-policy auto uses --kernel-threshold or the default."""
+        --kernel-policy auto uses --kernel-threshold or the default. proposer: where drafts
+        come from when config.speculative is on (default: the method's own)."""
         self.config = config
         self._thresholds = thresholds
         self._loader = loader or self._default_loader
@@ -93,6 +95,8 @@ class Engine:
         self.pool = None
         self.steps = StepLog(config.step_history)
         self.kernel_policy = KernelPolicy(config.kernel_policy, config.kernel_threshold or 1)
+        self.speculation = config.speculation
+        self.proposer = proposer or proposer_for(self.speculation)
         self.kernel_threshold_source = "flag" if config.kernel_threshold is not None else "default"
         self.step_count = 0
         self._inbox: queue.Queue[tuple] = queue.Queue()
@@ -323,6 +327,8 @@ class Engine:
                  self.max_model_len, self.attention, self.decode_matmul)
         for line in family.describe_layers():
             log.info("layers: %s", line)
+        if self.speculation.enabled:
+            log.info("speculative decoding: %s", self.speculation.describe())
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -374,12 +380,14 @@ class Engine:
             req.handle.push(event)
 
     def _run_step(self, started_at: float, t0: float) -> None:
-        plan = self.scheduler.schedule()
+        drafts, speculation = self._proposals()
+        plan = self.scheduler.schedule(drafts)
         self.step_count += 1
         step = self.step_count
-        groups = [RowGroup(g.seq.seq_id, g.seq.token_ids[g.start:g.start + g.num_rows], g.start,
+        groups = [RowGroup(g.seq.seq_id, g.token_ids, g.start,
                            self.block_manager.block_table(g.seq.seq_id), g.sample,
-                           g.seq.params, len(g.seq.output_ids), self._traced(g.seq.seq_id))
+                           g.seq.params, len(g.seq.output_ids), self._traced(g.seq.seq_id),
+                           verify=g.phase == "verify")
                   for g in plan.groups]
         path = TILED if self.config.batch_invariant else self.kernel_policy.path_for(plan.num_rows)
         t1 = time.perf_counter()
@@ -405,6 +413,7 @@ class Engine:
         kv_used, kv_free, kv_cached = bm.num_used_blocks, bm.num_empty_blocks, bm.num_cached_blocks
 
         entries = []
+        accepted_tokens = 0
         for g in plan.groups:
             req = self._requests.get(g.seq.seq_id)
             if req is None:
@@ -417,17 +426,29 @@ class Engine:
                 entries.append(self._entry(g, sampled=False))
                 self._finish(req, "error", error=error)
                 continue
-            g.seq.num_computed += g.num_rows
-            self.block_manager.register_full_blocks(g.seq.seq_id, g.seq.token_ids,
-                                                    g.seq.num_computed)
-            entries.append(self._entry(g, sampled=g.sample))
+            emitted = samples.get(g.seq.seq_id, [])
+            # A verify group keeps the KV of its last token and of the drafts accepted; the
+            # rejected rows' blocks go back now (their slots are rewritten before being read).
+            accepted = len(emitted) - 1 if g.phase == "verify" else 0
+            accepted_tokens += accepted
+            kept = g.num_rows - len(g.drafts) + accepted
+            g.seq.num_computed += kept
+            if g.phase == "verify":
+                self.block_manager.trim(g.seq.seq_id, g.seq.num_computed + 1)
+            self.block_manager.register_full_blocks(
+                g.seq.seq_id, g.seq.token_ids + g.drafts[:accepted], g.seq.num_computed)
+            entries.append(self._entry(g, sampled=g.sample, accepted=accepted))
             if req.trace is not None and g.seq.seq_id in traces:
                 t = traces[g.seq.seq_id]
+                logits = t.logits[:accepted + 1] if g.phase == "verify" else t.logits
                 req.trace.append({"step": step, "path": path, "step_rows": plan.num_rows,
                                   "phase": g.phase, "start": g.start, "rows": g.num_rows,
-                                  "kv": t.kv, "logits": t.logits})
-            if g.sample:
-                self._accept(req, samples[g.seq.seq_id], step)
+                                  "drafted": len(g.drafts), "accepted": accepted,
+                                  "kv": t.kv, "logits": logits})
+            for sample in emitted:
+                self._accept(req, sample, step)
+                if g.seq.is_finished:
+                    break
         if error is not None:
             self._recover_pool()
 
@@ -436,6 +457,9 @@ class Engine:
             scheduler_time=0.0, entries=entries, total_rows=plan.num_rows,
             prefill_rows=sum(g.num_rows for g in plan.groups if g.phase == "prefill"),
             decode_rows=sum(g.num_rows for g in plan.groups if g.phase == "decode"),
+            verify_rows=sum(g.num_rows for g in plan.groups if g.phase == "verify"),
+            draft_tokens=sum(len(g.drafts) for g in plan.groups),
+            accepted_tokens=accepted_tokens, speculation=speculation,
             kv_blocks_total=bm.num_blocks, kv_blocks_used=kv_used, kv_blocks_free=kv_free,
             kv_blocks_cached=kv_cached,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -470,9 +494,32 @@ class Engine:
         req = self._requests.get(seq_id)
         return req is not None and req.trace is not None
 
-    def _entry(self, g, sampled: bool) -> StepEntry:
+    def _entry(self, g, sampled: bool, accepted: int = 0) -> StepEntry:
         return StepEntry(g.seq.seq_id, g.phase, g.num_rows, g.seq.num_computed,
-                         len(self.block_manager.block_table(g.seq.seq_id)), sampled)
+                         len(self.block_manager.block_table(g.seq.seq_id)), sampled,
+                         drafted=len(g.drafts), accepted=accepted)
+
+    def _proposals(self) -> tuple[dict[str, list[int]], str]:
+        """Drafts for the running requests in decode, and the step's speculation state (see
+        StepRecord.speculation): past `speculative_max_batch` running requests, none."""
+        spec = self.speculation
+        if not spec.enabled:
+            return {}, ""
+        running = self.scheduler.running
+        if len(running) > spec.max_batch:
+            return {}, f"off: {len(running)} running > {spec.max_batch}"
+        wanted = []
+        for seq in running:
+            if not seq.in_decode or not seq.params.speculative:
+                continue
+            # Never draft past max_tokens or the context: the target's own token comes last.
+            room = min(spec.num_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room >= 1:
+                wanted.append((seq.seq_id, seq.token_ids, room))
+        drafts = self.proposer.propose(wanted) if wanted else {}
+        rooms = {seq_id: room for seq_id, _, room in wanted}
+        return {s: d[:rooms[s]] for s, d in drafts.items() if d and s in rooms}, "on"
 
     def _accept(self, req: _Request, sample, step: int) -> None:
         seq = req.seq
@@ -487,7 +534,7 @@ class Engine:
         self._release_held(seq.seq_id, len(seq.output_ids))
         text, stopped = req.output.add(sample.token_id)
         self._emit(req, TokenEvent(seq.seq_id, len(seq.output_ids) - 1, sample.token_id, text,
-                                   sample.logprob, sample.top, now, step))
+                                   sample.logprob, sample.top, now, step, sample.drafted))
         if stopped:
             self._finish(req, "stop")
         elif len(seq.output_ids) >= seq.params.max_tokens:

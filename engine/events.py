@@ -23,6 +23,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]]
     time: float  # epoch seconds
     step: int  # engine step that produced it
+    drafted: bool = False  # proposed by speculation and accepted by the target
 
 
 @dataclass

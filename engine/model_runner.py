@@ -26,6 +26,7 @@ from engine.kernels import apply_experts, apply_linear
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
 from engine.sampling import SamplingParams
+from engine.speculative import accepted_prefix
 
 NEG_INF = float("-inf")
 # Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: in
@@ -53,6 +54,14 @@ class RowGroup:
     params: SamplingParams | None = None
     output_index: int = 0  # index of the token to be sampled (seeds the per-request RNG)
     trace: bool = False  # return this group's written KV rows and its logits (divergence view)
+    # token_ids[1:] are drafted tokens to verify (engine/speculative.py): every row is sampled
+    # and the longest agreeing prefix is kept.
+    verify: bool = False
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows whose logits the step needs: all of a verify group's, else the last one."""
+        return self.num_rows if self.verify else int(self.sample)
 
     @property
     def num_rows(self) -> int:
@@ -64,11 +73,14 @@ class Sample:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # best alternatives
+    drafted: bool = False  # a drafted token the target accepted
 
 
 @dataclass
 class StepOutput:
-    samples: dict[str, Sample]  # seq_id -> sampled token, for groups with sample=True
+    # seq_id -> the tokens the group emits, for groups with sample=True: one, or for a verify
+    # group its accepted drafts and then the target's own next token
+    samples: dict[str, list[Sample]]
     model_time: float  # seconds: forward + sampling, evaluated
     traces: dict[str, StepTrace] = field(default_factory=dict)  # seq_id -> what it wrote
     # Mixture-of-experts layers: layer index -> rows each expert received (the router's choice)
@@ -80,7 +92,8 @@ class StepTrace:
     """What one traced sequence's rows produced in a step, copied out of MLX."""
 
     kv: np.ndarray  # (layers, 2 [keys, values], kv_heads, rows, head_dim), float32
-    logits: np.ndarray | None  # (vocab,) float32 at the sampled row, or None (no sample)
+    # (vocab,) float32 at the sampled row, or None (no sample); a verify group: (rows, vocab)
+    logits: np.ndarray | None
 
 
 def pool_for(family: Family, num_blocks: int, block_size: int,
@@ -343,7 +356,9 @@ class ModelRunner:
             kv = mx.stack(layers)
             logits = None
             if g.sample:
-                logits = np.array(logits_rows[sampled.index(g)].astype(mx.float32))
+                at = sum(s.sampled_rows for s in sampled[:sampled.index(g)])
+                rows = logits_rows[at:at + g.sampled_rows].astype(mx.float32)
+                logits = np.array(rows if g.verify else rows[0])
             out[g.seq_id] = StepTrace(np.array(kv.astype(mx.float32)), logits)
         return out
 
@@ -359,51 +374,83 @@ class ModelRunner:
         if not sampled:
             mx.eval(self.pool.state())
             return None, []
-        last_rows, r = [], 0
+        rows, r = [], 0
         for g in groups:
             r += g.num_rows
-            if g.sample:
-                last_rows.append(r - 1)
-        logits = family.head(step, x[:, mx.array(last_rows)])  # (1, sampled, vocab)
+            rows.extend(range(r - g.sampled_rows, r))
+        logits = family.head(step, x[:, mx.array(rows)])  # (1, sampled rows, vocab)
         return logits[0], sampled
 
     # ---- sampling ----------------------------------------------------------------------------
-    def _sample(self, logits: mx.array, groups: list[RowGroup]) -> dict[str, Sample]:
+    def _sample(self, logits: mx.array, groups: list[RowGroup]) -> dict[str, list[Sample]]:
         # Same arithmetic as mlx-lm's generate: log-softmax in the model's dtype, then argmax.
         if self.row_ops is not None and logits.dtype == mx.float32:
             logprobs = logits - self.row_ops[2](logits)[:, None]  # mx.logsumexp's bits, faster
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1)
-        chosen = []
-        for i, g in enumerate(groups):
-            p = g.params
+        # Per sampled row: the target's choice there, and the drafted token that follows it
+        # (the choice itself where nothing is drafted). A sampling verify group also gets, per
+        # draft, the target's probability of it and a uniform draw (speculative sampling).
+        chosen, drafted, checks, at = [], [], [], 0
+        for g in groups:
+            p, n = g.params, g.sampled_rows
+            drafts = g.token_ids[1:] if g.verify else []
             if p is None or p.greedy:
-                chosen.append(greedy[i])
+                chosen.extend(greedy[at + j] for j in range(n))
             else:
-                chosen.append(_sample_row(logprobs[i], p, g.output_index))
+                for j, d in enumerate(drafts):
+                    accept_prob, u, residual = _verify_row(logprobs[at + j], p,
+                                                           g.output_index + j, d)
+                    chosen.append(residual)
+                    checks.append(mx.stack([accept_prob, u]))
+                chosen.append(_sample_row(logprobs[at + n - 1], p, g.output_index + n - 1))
+            drafted.extend(mx.array(d) for d in drafts)
+            drafted.append(chosen[-1])
+            at += n
         token_ids = mx.stack(chosen)
+        draft_ids = mx.stack(drafted)
         token_lp = mx.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+        draft_lp = mx.take_along_axis(logprobs, draft_ids[:, None], axis=-1)[:, 0]
+        checks = mx.stack(checks) if checks else None
         k = max((g.params.logprobs if g.params else 0) for g in groups)
         top_ids = top_lp = None
+        wanted = [token_ids, token_lp, draft_lp, self.pool.state()]
         if k:
             top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
             top_lp = mx.take_along_axis(logprobs, top_ids, axis=-1)
-            mx.eval(token_ids, token_lp, top_ids, top_lp, self.pool.state())
-        else:
-            mx.eval(token_ids, token_lp, self.pool.state())
+            wanted += [top_ids, top_lp]
+        mx.eval(*wanted, *([checks] if checks is not None else []))
         ids_list = token_ids.tolist()
         lp_list = token_lp.astype(mx.float32).tolist()
+        draft_lp_list = draft_lp.astype(mx.float32).tolist()
+        checks_list = checks.astype(mx.float32).tolist() if checks is not None else []
         top_ids_l = top_ids.tolist() if k else None
         top_lp_l = top_lp.astype(mx.float32).tolist() if k else None
-        out = {}
-        for i, g in enumerate(groups):
-            top: list[tuple[int, float]] = []
+
+        def top(row: int, want: int) -> list[tuple[int, float]]:
+            if not want:
+                return []
+            pairs = sorted(zip(top_ids_l[row], top_lp_l[row], strict=True), key=lambda t: -t[1])
+            return pairs[:want]
+
+        out, at, check = {}, 0, 0
+        for g in groups:
             want = g.params.logprobs if g.params else 0
-            if want:
-                pairs = sorted(zip(top_ids_l[i], top_lp_l[i], strict=True), key=lambda t: -t[1])
-                top = pairs[:want]
-            out[g.seq_id] = Sample(ids_list[i], lp_list[i], top)
+            drafts = g.token_ids[1:] if g.verify else []
+            if g.params is None or g.params.greedy:
+                accepted = accepted_prefix(drafts, ids_list[at:at + len(drafts)])
+            else:
+                accepted = next((j for j, (prob, u) in
+                                 enumerate(checks_list[check:check + len(drafts)])
+                                 if u >= prob), len(drafts))
+                check += len(drafts)
+            emitted = [Sample(drafts[j], draft_lp_list[at + j], top(at + j, want), drafted=True)
+                       for j in range(accepted)]
+            last = at + accepted
+            emitted.append(Sample(ids_list[last], lp_list[last], top(last, want)))
+            out[g.seq_id] = emitted
+            at += g.sampled_rows
         return out
 
 
@@ -495,7 +542,9 @@ def _stack_rows(modules: list, names: list[str]) -> list[mx.array]:
     return stacked
 
 
-def _sample_row(logprobs: mx.array, p: SamplingParams, output_index: int) -> mx.array:
+def _target_scores(logprobs: mx.array, p: SamplingParams) -> mx.array:
+    """(1, vocab) scores whose softmax is the distribution a request samples from: top-p and
+    top-k cuts, then temperature."""
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
     x = logprobs[None]
@@ -503,12 +552,34 @@ def _sample_row(logprobs: mx.array, p: SamplingParams, output_index: int) -> mx.
         x = apply_top_p(x, p.top_p)
     if 0 < p.top_k < x.shape[-1]:
         x = apply_top_k(x, p.top_k)
+    return x * (1.0 / p.temperature)
+
+
+def _key(p: SamplingParams, output_index: int) -> mx.array | None:
     # A key per (seed, token index): the same request samples the same tokens whatever
     # shares its batch, and a preempted request resumes on the same random stream.
-    key = None
-    if p.seed is not None:
-        key = mx.random.key((p.seed * 1_000_003 + output_index) % (2**63))
-    return mx.random.categorical(x * (1.0 / p.temperature), key=key)[0]
+    if p.seed is None:
+        return None
+    return mx.random.key((p.seed * 1_000_003 + output_index) % (2**63))
+
+
+def _sample_row(logprobs: mx.array, p: SamplingParams, output_index: int) -> mx.array:
+    return mx.random.categorical(_target_scores(logprobs, p), key=_key(p, output_index))[0]
+
+
+def _verify_row(logprobs: mx.array, p: SamplingParams, output_index: int,
+                draft: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Speculative sampling of one drafted token (a point proposal, as prompt lookup makes):
+    accept it when u < p(draft), otherwise emit a sample of p with the draft taken out. Each
+    emitted token is then distributed exactly as p (tests/engine/test_speculative.py).
+    Returns (p(draft), u, the residual sample)."""
+    scores = _target_scores(logprobs, p)[0]
+    probs = mx.softmax(scores, axis=-1)
+    key = _key(p, output_index)
+    accept_key, residual_key = mx.random.split(key) if key is not None else (None, None)
+    u = mx.random.uniform(key=accept_key)
+    residual = mx.where(mx.arange(scores.shape[-1]) == draft, NEG_INF, scores)
+    return probs[draft], u, mx.random.categorical(residual, key=residual_key)
 
 
 def _slots(block_table: list[int], num_tokens: int, block_size: int) -> np.ndarray:

@@ -17,6 +17,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int = 0  # how many top alternatives to return with each token
     ignore_eos: bool = False
+    # This request may take drafted tokens when the engine speculates (engine/speculative.py).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -32,6 +34,8 @@ class SamplingParams:
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, "
                              f"got {self.logprobs!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a list of non-empty strings")

@@ -5,6 +5,10 @@ behind a long prompt), then the next chunks of prompts already being prefilled, 
 requests from the waiting queue, all within `max_num_seqs` and the step's token budget
 `max_num_batched_tokens`. When the KV pool runs out of blocks the newest running sequence is
 preempted by recompute: its blocks are freed and it goes back to the head of the queue.
+
+A decode row may carry drafted tokens (engine/speculative.py): the group becomes a "verify"
+group of 1 + k rows. Drafts are cut to the budget left and to the blocks free without
+preempting anyone: speculation never costs another request its place.
 """
 
 from __future__ import annotations
@@ -21,11 +25,18 @@ class ScheduledGroup:
     seq: Sequence
     start: int  # first position computed this step
     num_rows: int
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode" or "verify"
+    drafts: list[int] = field(default_factory=list)  # verify: the proposed tokens
 
     @property
     def sample(self) -> bool:
-        return self.start + self.num_rows == self.seq.num_tokens
+        return self.phase == "verify" or self.start + self.num_rows == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens at the group's rows: the sequence's own, then any drafts."""
+        own = self.seq.token_ids[self.start:self.start + self.num_rows - len(self.drafts)]
+        return own + self.drafts
 
 
 @dataclass
@@ -54,7 +65,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """drafts: seq_id -> proposed tokens for running sequences in decode (speculation)."""
+        drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -71,10 +84,13 @@ class Scheduler:
                 rows = 1 if decode_pass else min(seq.num_uncomputed, budget)
                 if not self._reserve(seq, rows, scheduled, out):
                     continue  # seq itself was preempted
-                out.groups.append(ScheduledGroup(seq, seq.num_computed, rows,
-                                                 "decode" if decode_pass else "prefill"))
+                group = ScheduledGroup(seq, seq.num_computed, rows,
+                                       "decode" if decode_pass else "prefill")
+                if decode_pass and drafts.get(seq.seq_id):
+                    self._add_drafts(group, drafts[seq.seq_id], budget)
+                out.groups.append(group)
                 scheduled.add(seq.seq_id)
-                budget -= rows
+                budget -= group.num_rows
 
         # 3. Admit waiting sequences while there is room (not in a step that had to preempt:
         # the preempted would only take back the blocks just freed).
@@ -97,6 +113,23 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= rows
         return out
+
+    def _add_drafts(self, group: ScheduledGroup, proposed: list[int], budget: int) -> None:
+        """Turn a decode group into a verify group with as many drafts as the budget and the
+        free blocks allow (no preemption for a draft)."""
+        seq = group.seq
+        k = min(len(proposed), budget - group.num_rows)
+        while k > 0:
+            needed = self.bm.blocks_needed(seq.seq_id, seq.num_computed + 1 + k)
+            if self.bm.can_allocate(needed):
+                break
+            k -= 1
+        if k <= 0:
+            return
+        self.bm.allocate(seq.seq_id, seq.num_computed + 1 + k)
+        group.drafts = list(proposed[:k])
+        group.num_rows = 1 + k
+        group.phase = "verify"
 
     def _reserve(self, seq: Sequence, rows: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Make room for `rows` more tokens of `seq`, preempting newer sequences if needed."""

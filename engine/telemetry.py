@@ -11,11 +11,13 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class StepEntry:
     request_id: str
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode" or "verify" (a decode row with drafted tokens)
     rows: int  # token positions this request contributed to the step
     context_len: int  # tokens with KV in the cache after the step
     blocks_held: int
     sampled: bool  # the step produced a token for this request
+    drafted: int = 0  # verify: tokens proposed (rows - 1)
+    accepted: int = 0  # verify: of them, kept (the step emits accepted + 1 tokens)
 
 
 @dataclass
@@ -36,6 +38,13 @@ class StepRecord:
     num_running: int
     num_waiting: int
     preempted: list[str] = field(default_factory=list)
+    # Speculative decoding: rows of verify groups (each request's last token and its drafts),
+    # drafts proposed and accepted in the step, and whether the step speculated: "" when the
+    # engine has no speculation, "on", or why it was off ("off: 9 running > 4").
+    verify_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    speculation: str = ""
     # "gemm": one batched call per linear layer; "gemv": one per row; "tiled": calls of a
     # fixed number of rows (batch-invariant mode)
     kernel_path: str = "gemm"

@@ -64,5 +64,5 @@ def samples_by_setting(model, settings=("native", "mlx")) -> dict[str, dict]:
         prefill, decode = decode_groups([30, 12, 25, 3])
         runner.run(prefill)
         out = runner.run(decode).samples
-        results[setting] = {k: (s.token_id, s.logprob) for k, s in out.items()}
+        results[setting] = {k: (s[0].token_id, s[0].logprob) for k, s in out.items()}
     return results

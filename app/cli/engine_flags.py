@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 from engine.config import KV_DTYPES, NATIVE_SETTING, POLICIES, WEIGHT_FORMATS, EngineConfig
+from engine.speculative import METHODS as SPECULATIVE_METHODS
 
 # EngineConfig field -> (help, choices). Defaults come from EngineConfig itself.
 FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
@@ -35,6 +36,14 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                       "ones of any size), RMS norms, RoPE and the sampler's logsumexp: the "
                       "native kernels (CPU backend, batch-invariant), MLX's own ops, or auto "
                       "(native when available)", NATIVE_SETTING),
+    "speculative": ("speculative decoding: drafted tokens verified inside the shared step; "
+                    "ngram proposes what followed the request's last tokens earlier in its own "
+                    "prompt and output (see docs/engine.md)", SPECULATIVE_METHODS),
+    "num_speculative_tokens": ("drafts per request per step", None),
+    "prompt_lookup_min": ("--speculative ngram: the shortest n-gram matched", None),
+    "prompt_lookup_max": ("--speculative ngram: the longest n-gram matched (tried first)", None),
+    "speculative_max_batch": ("speculate only while at most this many requests run (past it "
+                              "the verify rows cost more than they save)", None),
 }
 SWITCHES = {  # boolean fields: the flag flips the default
     "enable_prefix_caching": ("--no-prefix-caching", "turn prefix caching off"),
@@ -50,7 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (help_text, choices) in FLAGS.items():
         default = fields[name].default
         kind = str if name in ("model", "weights", "kv_dtype", "kernel_policy", "attention",
-                               "decode_matmul") else int
+                               "decode_matmul", "speculative") else int
         shown = f" (default: {default})" if default is not None and choices is None else ""
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=default,
                            type=kind, choices=choices, help=help_text + shown)

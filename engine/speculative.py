@@ -1,0 +1,103 @@
+"""Speculative decoding inside the continuous batch: who proposes drafts, and which of them a
+step keeps.
+
+A speculating request brings 1 + k rows to a normal step: its last token and k drafted tokens.
+They are attended like decode rows, each at its own position, so a verified token carries the
+bits a decoded one would (engine/attention.py, engine/native/paged_attention.h). The sampler
+(engine/model_runner.py) then keeps the longest prefix of drafts the target agrees with, plus
+the target's own next token; the engine trims the blocks the rejected rows took.
+
+Proposers are pure Python (no MLX): prompt lookup matches the last n tokens of a request
+against its own earlier tokens, as vLLM's "ngram" method does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+METHODS = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"
+    num_tokens: int = 4  # drafts per step per request (k)
+    lookup_min: int = 2  # shortest n-gram matched (prompt lookup)
+    lookup_max: int = 4  # longest n-gram matched, tried first
+    # Speculate only while at most this many requests run: past it the verify rows cost more
+    # than they save (benchmarks/speculative.py).
+    max_batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_tokens", "lookup_min", "lookup_max", "max_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.lookup_min > self.lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.lookup_min}) is more than "
+                             f"prompt_lookup_max ({self.lookup_max})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "off"
+        return (f"{self.method}, k={self.num_tokens}, n-gram {self.lookup_min}-{self.lookup_max}"
+                f", up to {self.max_batch} running requests")
+
+
+class Proposer(Protocol):
+    def propose(self, wanted: Seq[tuple[str, list[int], int]]) -> dict[str, list[int]]:
+        """wanted: (seq_id, its tokens so far, most drafts it may take) for every request that
+        speculates this step; returns seq_id -> drafts (absent or [] for none)."""
+
+
+class NgramProposer:
+    """Prompt lookup (--speculative ngram)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, wanted: Seq[tuple[str, list[int], int]]) -> dict[str, list[int]]:
+        c = self.config
+        return {seq_id: propose_ngram(tokens, k, c.lookup_min, c.lookup_max)
+                for seq_id, tokens, k in wanted}
+
+
+def proposer_for(config: SpeculativeConfig) -> Proposer | None:
+    return NgramProposer(config) if config.method == "ngram" else None
+
+
+def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: for n from n_max down to n_min, find the latest earlier occurrence of the
+    last n tokens and return (up to) the k tokens that followed it; [] when none matches."""
+    if k < 1 or len(tokens) < n_min + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        pattern = arr[-n:]
+        # Windows that start before the suffix itself and leave at least one token after them.
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start:start + k].tolist()
+    return []
+
+
+def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
+    """Greedy verification: how many leading drafts equal the target's choices (targets[i] is
+    what the target picks after drafts[:i])."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return a
