@@ -6,7 +6,8 @@ one process do not collide. Three sources fill it:
     live state, read at scrape time   requests running / waiting, KV usage
     step records (engine thread)      tokens, preemptions, prefix cache, steps by kernel path,
                                       rows per step, inter-token latency (from step end times,
-                                      as vLLM measures it: per engine iteration)
+                                      as vLLM measures it: per engine iteration), speculative
+                                      decoding's drafts and accepted tokens (verify entries)
     finished requests (event loop)    finish reasons, TTFT, end-to-end, queue time, TPOT
 
 Step callbacks only bump counters (prometheus-client is thread-safe), so they stay cheap.
@@ -28,7 +29,7 @@ from starlette.routing import Route
 
 from engine.config import POLICIES, TILED
 from engine.events import FinishEvent
-from engine.telemetry import StepRecord
+from engine.telemetry import StepEntry, StepRecord
 
 log = logging.getLogger("batchscope.metrics")
 
@@ -77,10 +78,26 @@ class EngineMetrics:
                                    "cache.")
         self.steps = counter("steps", "Engine steps, by the kernel path their linear layers "
                              "took.", ("kernel_path",))
+        # Speculative decoding, as vLLM counts it: one draft per verify group (a request's
+        # drafts checked in one step), its tokens, those the target kept, and per draft
+        # position i the groups that kept more than i drafts (the acceptance curve).
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft proposals verified (one "
+                                   "per request per step that brought drafted tokens).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Drafted tokens "
+                                         "verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Drafted "
+                                            "tokens the target model accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft proposals whose draft at this position "
+                                             "(0: the first) was accepted.", ("position",))
         for reason in FINISH_REASONS:  # present at zero, so rates work from the start
             self.request_success.labels(reason)
         for path in KERNEL_PATHS:
             self.steps.labels(path)
+        speculation = getattr(engine, "speculation", None)
+        if speculation is not None and speculation.enabled:
+            for position in range(speculation.num_tokens):
+                self.spec_accepted_per_pos.labels(str(position))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
@@ -149,7 +166,10 @@ class EngineMetrics:
         for entry in record.entries:
             if not entry.sampled:
                 continue
-            self.generation_tokens.inc()
+            if entry.phase == "verify":
+                self._observe_verify(entry)
+            # A verify entry emits its accepted drafts and the target's own token.
+            self.generation_tokens.inc(1 + (entry.accepted if entry.phase == "verify" else 0))
             last = self._last_token.pop(entry.request_id, None)
             if last is None:  # the request's first token: its prompt is all in the cache now
                 self.prompt_tokens.inc(entry.context_len)
@@ -158,6 +178,13 @@ class EngineMetrics:
             self._last_token[entry.request_id] = token_time
         while len(self._last_token) > MAX_TRACKED_REQUESTS:
             self._last_token.popitem(last=False)
+
+    def _observe_verify(self, entry: StepEntry) -> None:
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(entry.drafted)
+        self.spec_accepted_tokens.inc(entry.accepted)
+        for position in range(entry.accepted):
+            self.spec_accepted_per_pos.labels(str(position)).inc()
 
     def observe_finish(self, event: FinishEvent) -> None:
         self.request_success.labels(event.reason).inc()

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from speculation import SPEC, ScriptedDrafts, verify_totals
 from starlette.testclient import TestClient
 
 from app.runs import RunRequest, RunResult
@@ -26,10 +27,11 @@ PROMPTS = ["the quick brown fox", "jumps over the lazy dog", "a shared prefix, t
            "sphinx of black quartz, judge my vow"]
 
 
-def make_app(**engine) -> TestClient:
+def make_app(proposer=None, **engine) -> TestClient:
     engine.setdefault("num_kv_blocks", 128)
     settings = Settings(engine=EngineConfig(**engine))
-    app = create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_model))
+    app = create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_model,
+                                                                    proposer=proposer))
     return TestClient(app)
 
 
@@ -211,6 +213,8 @@ def test_steps_seen_twice_count_once():
 
     def record(step: int, **kw) -> StepRecord:
         entry = StepEntry("r1", "decode", 1, 10 + step, 3, True)
+        if step == 2:  # a verify group: 3 drafts, 2 of them kept (3 tokens in the step)
+            entry = StepEntry("r1", "verify", 4, 14, 4, True, drafted=3, accepted=2)
         base = dict(step=step, started_at=100.0 + step, wall_time=0.01, model_time=0.005,
                     scheduler_time=0.005, entries=[entry], total_rows=1, prefill_rows=0,
                     decode_rows=1, kv_blocks_total=8, kv_blocks_used=3, kv_blocks_free=5,
@@ -229,10 +233,69 @@ def test_steps_seen_twice_count_once():
     reg = metrics.registry
     assert reg.get_sample_value("batchscope:steps_total", {"kernel_path": "gemm"}) == 2
     assert reg.get_sample_value("batchscope:steps_total", {"kernel_path": "gemv"}) == 1
-    assert reg.get_sample_value("batchscope:generation_tokens_total") == 3
+    assert reg.get_sample_value("batchscope:generation_tokens_total") == 5
+    assert reg.get_sample_value("batchscope:spec_decode_num_drafts_total") == 1
+    assert reg.get_sample_value("batchscope:spec_decode_num_draft_tokens_total") == 3
+    assert reg.get_sample_value("batchscope:spec_decode_num_accepted_tokens_total") == 2
+    per_pos = "batchscope:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [reg.get_sample_value(per_pos, {"position": str(i)}) for i in range(3)] \
+        == [1, 1, None]
     assert reg.get_sample_value("batchscope:prompt_tokens_total") == 11  # context at 1st token
     assert reg.get_sample_value("batchscope:inter_token_latency_seconds_count") == 2
     assert reg.get_sample_value("batchscope:inter_token_latency_seconds_sum") \
         == pytest.approx(2.0)
     assert reg.get_sample_value("batchscope:prefix_cache_queries_total") == 12
     assert reg.get_sample_value("batchscope:prefix_cache_hits_total") == 5
+
+
+# ---- speculative decoding --------------------------------------------------------------------
+SPEC_FAMILIES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens")
+
+
+def spec_values(m: dict) -> dict[str, float]:
+    out = {f: value(m, "batchscope:" + f, f"batchscope:{f}_total") for f in SPEC_FAMILIES}
+    per_pos = "batchscope:spec_decode_num_accepted_tokens_per_pos"
+    for (sample, labels), v in m.get(per_pos, {}).items():
+        if sample == per_pos + "_total":
+            out["pos" + dict(labels)["position"]] = v
+    return out
+
+
+def test_speculative_counters_equal_the_verify_entries(client):
+    """Drafts accepted and rejected (a scripted proposer); the counters match the records."""
+    drafts = ScriptedDrafts()
+    with make_app(block_size=4, proposer=drafts, **SPEC) as spec:
+        scrape(spec)
+        prompts = PROMPTS[:4]
+        # References without speculation (the per-request opt-out), then the drafted runs.
+        plain = run_all(spec, [request(p, spec, max_tokens=16, speculative=False)
+                               for p in prompts])
+        for p, result in zip(prompts, plain, strict=True):
+            drafts.learn(spec.app.state.runs.encode(p), result.finish.token_ids)
+        done = run_all(spec, [request(p, spec, max_tokens=16) for p in prompts])
+        steps = spec.app.state.engine.steps.recent()
+        m = scrape(spec)
+    assert steps[0].step == 1
+    totals = verify_totals(steps)
+    assert totals["accepted"] > 0 and totals["rejected"] > 0  # both outcomes happened
+    assert [r.finish.token_ids for r in done] == [r.finish.token_ids for r in plain]
+    got = spec_values(m)
+    assert got["spec_decode_num_drafts"] == totals["groups"] > 0
+    assert got["spec_decode_num_draft_tokens"] == totals["drafted"] \
+        == sum(r.draft_tokens for r in steps)
+    assert got["spec_decode_num_accepted_tokens"] == totals["accepted"] \
+        == sum(r.accepted_tokens for r in steps)
+    # Every position up to k is exported, at zero until a group keeps that many drafts.
+    assert {k for k in got if k.startswith("pos")} == {f"pos{i}" for i in range(4)}
+    for i in range(4):
+        assert got[f"pos{i}"] == totals.get(f"pos{i}", 0), i
+    assert got["pos0"] >= got["pos1"] >= got["pos2"] >= got["pos3"]
+    assert sum(got[f"pos{i}"] for i in range(4)) == totals["accepted"]
+    # A verify step emits accepted + 1 tokens: generation tokens still equal the outputs.
+    assert value(m, "batchscope:generation_tokens", "batchscope:generation_tokens_total") \
+        == sum(r.finish.completion_tokens for r in plain + done) == 8 * 16
+    # The engine without speculation exports the counters at zero and no positions.
+    other = scrape(client)
+    assert all(v == 0 for v in spec_values(other).values())
+    assert not any(k.startswith("pos") for k in spec_values(other))
