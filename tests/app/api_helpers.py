@@ -49,10 +49,12 @@ class FakeRecorder:
         return next(f for f in self.finished if f.request_id == run_id)
 
 
-def make_app(recorder: FakeRecorder | None = None, engine: dict | None = None, **settings):
+def make_app(recorder: FakeRecorder | None = None, engine: dict | None = None, proposer=None,
+             **settings):
     config = EngineConfig(**({"num_kv_blocks": 128} | (engine or {})))
     settings = Settings(engine=config, **settings)
-    return create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_model),
+    return create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_model,
+                                                                    proposer=proposer),
                       recorder_factory=(lambda s: recorder) if recorder else None)
 
 

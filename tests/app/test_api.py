@@ -10,6 +10,7 @@ import time
 
 import pytest
 from api_helpers import CHAT, MAX_BODY, MODEL, FakeRecorder, assert_error, make_app
+from speculation import SPEC, ScriptedDrafts
 from starlette.testclient import TestClient
 
 from app.cli.serve import settings_from_args
@@ -99,6 +100,36 @@ def test_completion_matches_the_engine_and_has_openai_shape(client, engine, reco
     tokens = [t for t in recorder.tokens if t.request_id == body["id"]]
     assert [t.token_id for t in tokens] == expected.token_ids
     assert recorder.finish_of(body["id"]).reason == expected.reason
+
+
+def test_speculative_extension_opts_a_request_out_of_drafts():
+    """`speculative` (default true) reaches SamplingParams: false means no verify rows."""
+    drafts, recorder = ScriptedDrafts(), FakeRecorder()
+    with TestClient(make_app(recorder, engine=SPEC, proposer=drafts)) as c:
+        engine = c.app.state.engine
+        for path, body in (("/v1/completions", {"prompt": "hello"}),
+                           ("/v1/chat/completions", {"messages": CHAT})):
+            plain = c.post(path, json=body | {"max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True, "speculative": False})
+            assert plain.status_code == 200, plain.text
+            [started] = [s for s in recorder.started if s["run_id"] == plain.json()["id"]]
+            assert started["params"]["speculative"] is False
+            drafts.learn(started["prompt_token_ids"],
+                         recorder.finish_of(started["run_id"]).token_ids)
+            spec = c.post(path, json=body | {"max_tokens": 12, "temperature": 0,
+                                             "ignore_eos": True})
+            assert spec.status_code == 200, spec.text
+            run_id = spec.json()["id"]
+            assert [s for s in recorder.started if s["run_id"] == run_id][0]["params"][
+                "speculative"] is True
+            phases = {i: {e.phase for r in engine.steps.recent() for e in r.entries
+                          if e.request_id == i} for i in (started["run_id"], run_id)}
+            assert "verify" not in phases[started["run_id"]]
+            assert "verify" in phases[run_id]
+            # The same greedy text either way, drafted tokens marked on the events.
+            assert recorder.finish_of(run_id).token_ids == \
+                recorder.finish_of(started["run_id"]).token_ids
+            assert any(t.drafted for t in recorder.tokens if t.request_id == run_id)
 
 
 def test_prompt_forms_give_the_same_completion(client, engine):

@@ -56,6 +56,13 @@ def test_openapi_document_is_valid_and_describes_this_server(client):
     token_id = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]
     assert token_id["maximum"] == 258  # the tiny model's byte vocabulary
     assert "3 waiting" in doc["info"]["description"]
+    # The extensions are documented on both endpoints, as booleans with their defaults.
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[request]["properties"]
+        for name, default in (("ignore_eos", False), ("speculative", True)):
+            assert props[name]["default"] is default, (request, name)
+            assert {"type": "boolean"} in props[name]["anyOf"], (request, name)
+            assert props[name]["description"].startswith("extension:"), (request, name)
     queue_full = doc["components"]["responses"]["QueueFull"]
     assert queue_full["headers"]["Retry-After"]["required"] is True
     # Streams are documented as server-sent events.
@@ -82,9 +89,11 @@ def test_request_schemas_refuse_what_the_server_refuses(client, path):
     base = {"prompt": "hi"} if path == "/v1/completions" else {
         "messages": [{"role": "user", "content": "hi"}]}
     for extra in ({"surprise": 1}, {"max_tokens": 9}, {"n": 2}, {"stop": ["a"] * 5},
-                  {"temperature": True}):
+                  {"temperature": True}, {"speculative": "no"}):
         assert client.post(path, json=base | extra).status_code == 400, extra
     assert client.post(path, json=base | {"max_tokens": 8, "user": "x"}).status_code == 200
+    assert client.post(path, json=base | {"max_tokens": 2, "speculative": False}) \
+        .status_code == 200
 
 
 # ---- schemathesis against a live server ----------------------------------------------------

@@ -192,6 +192,9 @@ class _Generation(BaseModel):
                                       "got {value}", code="unsupported_value")] = 1
     ignore_eos: bool | None = Field(False, description="extension: keep generating past "
                                                        "end-of-sequence")
+    speculative: bool | None = Field(True, description="extension: false keeps this request "
+                                     "out of speculative decoding (no drafted tokens) when the "
+                                     "server speculates (--speculative); ignored when it does not")
     # OpenAI's parameters that this server does not implement: accepted at their neutral value.
     frequency_penalty: Annotated[Any, Neutral(0)] = None
     presence_penalty: Annotated[Any, Neutral(0)] = None
@@ -270,7 +273,7 @@ class _Generation(BaseModel):
             max_tokens=max_tokens, seed=self.seed, stop=self.stop, logprobs=logprobs,
             temperature=0.0 if self.temperature < MIN_TEMPERATURE else self.temperature,
             top_p=self.top_p, top_k=max(self.top_k, 0),  # -1: no cut (vLLM's convention)
-            ignore_eos=bool(self.ignore_eos))
+            ignore_eos=bool(self.ignore_eos), speculative=self.speculative is not False)
 
 
 class CompletionRequest(_Generation):
