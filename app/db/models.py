@@ -17,6 +17,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -110,6 +111,8 @@ class RunToken(Base):
     top_logprobs_json: Mapped[list | None] = mapped_column(NullableJSON)
     t: Mapped[float] = mapped_column(Float)
     step: Mapped[int | None] = mapped_column(Integer)
+    # Speculative decoding: a drafted token the target accepted (TokenEvent.drafted).
+    drafted: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Step(Base):
@@ -142,6 +145,12 @@ class Step(Base):
     # Mixture-of-experts models: {"layer index": [rows per expert]} (StepRecord.expert_rows);
     # NULL for a dense model.
     expert_rows_json: Mapped[dict | None] = mapped_column(NullableJSON)
+    # Speculative decoding: rows of verify groups, drafts proposed and accepted, and the
+    # step's speculation state ("" without speculation, "on", or why it was off).
+    verify_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    draft_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    accepted_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    speculation: Mapped[str] = mapped_column(String(100), default="", server_default="")
 
     __table_args__ = (Index("ix_steps_started_at", "started_at"),)
 
@@ -158,11 +167,13 @@ class StepEntry(Base):
     session_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[str] = mapped_column(String(100), primary_key=True)
-    phase: Mapped[str] = mapped_column(String(20))  # prefill | decode
+    phase: Mapped[str] = mapped_column(String(20))  # prefill | decode | verify
     rows: Mapped[int] = mapped_column(Integer)
     context_len: Mapped[int] = mapped_column(Integer)
     blocks_held: Mapped[int] = mapped_column(Integer)
     sampled: Mapped[bool] = mapped_column(Boolean)
+    drafted: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # verify
+    accepted: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # verify
 
     __table_args__ = (
         ForeignKeyConstraint(["session_id", "step"], ["steps.session_id", "steps.step"],

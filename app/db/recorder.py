@@ -309,6 +309,7 @@ def _write_tokens(conn: Connection, events: list) -> None:
     conn.execute(insert(RunToken), [
         {"run_id": e.request_id, "idx": e.index, "token_id": e.token_id, "text": e.text,
          "logprob": e.logprob, "t": e.time, "step": e.step,
+         "drafted": bool(getattr(e, "drafted", False)),
          "top_logprobs_json": [list(pair) for pair in e.top_logprobs] or None}
         for e in events])
     # One UPDATE per run per batch keeps runs.output_text current, so a run whose finish
@@ -361,13 +362,18 @@ def write_steps(conn: Connection, payloads: list[tuple[int, Any]]) -> None:
             "prefix_cache_hits": r.get("prefix_cache_hits", 0),
             "preempted_json": list(r.get("preempted") or []), "error": r.get("error"),
             "expert_rows_json": r.get("expert_rows") or None,  # None: a dense model
+            # Records from before speculative decoding (saved experiments) have none of these.
+            "verify_rows": r.get("verify_rows", 0), "draft_tokens": r.get("draft_tokens", 0),
+            "accepted_tokens": r.get("accepted_tokens", 0),
+            "speculation": r.get("speculation") or "",
         })
         for entry in r["entries"]:
             entries.append({
                 "session_id": session_id, "step": r["step"], "run_id": entry["request_id"],
                 "phase": entry["phase"], "rows": entry["rows"],
                 "context_len": entry["context_len"], "blocks_held": entry["blocks_held"],
-                "sampled": bool(entry["sampled"])})
+                "sampled": bool(entry["sampled"]), "drafted": entry.get("drafted", 0),
+                "accepted": entry.get("accepted", 0)})
     conn.execute(insert(Step), steps)
     if entries:
         conn.execute(insert(StepEntry), entries)

@@ -95,10 +95,22 @@ def get_run(db: Source, run_id: str) -> dict | None:
     out["tokens"] = [{
         "idx": t["idx"], "token_id": t["token_id"], "text": t["text"], "logprob": t["logprob"],
         "top_logprobs": t["top_logprobs_json"] or [], "t": t["t"], "step": t["step"],
+        "drafted": bool(t["drafted"]),
     } for t in tokens]
     out["steps"] = steps
     out["metrics"] = run_metrics(out, [t["t"] for t in out["tokens"]])
+    out["speculation"] = speculation_summary(steps)
     return out
+
+
+def speculation_summary(steps: list[dict]) -> dict:
+    """What speculative decoding did for a run, from its own step entries: the steps that
+    verified drafts, the drafts, those accepted, and the acceptance rate (None: no drafts)."""
+    verify = [s["entry"] for s in steps if s["entry"]["phase"] == "verify"]
+    drafted = sum(e["drafted"] for e in verify)
+    accepted = sum(e["accepted"] for e in verify)
+    return {"verify_steps": len(verify), "drafted": drafted, "accepted": accepted,
+            "rate": accepted / drafted if drafted else None}
 
 
 def distinct_values(db: Source) -> dict:
@@ -143,9 +155,11 @@ _STEP_FIELDS = [
     "step", "started_at", "wall_time", "model_time", "scheduler_time", "total_rows",
     "prefill_rows", "decode_rows", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
     "kv_blocks_cached", "num_running", "num_waiting", "kernel_path", "linear_calls_per_layer",
-    "preempted_json", "error", "expert_rows_json",
+    "preempted_json", "error", "expert_rows_json", "verify_rows", "draft_tokens",
+    "accepted_tokens", "speculation",
 ]
-_ENTRY_FIELDS = ["run_id", "phase", "rows", "context_len", "blocks_held", "sampled"]
+_ENTRY_FIELDS = ["run_id", "phase", "rows", "context_len", "blocks_held", "sampled", "drafted",
+                 "accepted"]
 
 
 def _run_steps(conn: Connection | Session, run_id: str) -> list[dict]:
@@ -185,7 +199,7 @@ def _run_steps(conn: Connection | Session, run_id: str) -> list[dict]:
 def _entry(r) -> dict:
     return {"run_id": r["run_id"], "phase": r["phase"], "rows": r["rows"],
             "context_len": r["context_len"], "blocks_held": r["blocks_held"],
-            "sampled": bool(r["sampled"])}
+            "sampled": bool(r["sampled"]), "drafted": r["drafted"], "accepted": r["accepted"]}
 
 
 def _chunks(items: list, n: int) -> Iterator[list]:

@@ -142,6 +142,90 @@ def test_upgrade_from_0002_adds_divergence_experiments_and_keeps_runs(tmp_path):
                 conn.exec_driver_sql(insert, ("d2", "no-such-run", None))
 
 
+def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_drafts(tmp_path):
+    path = tmp_path / "old.db"
+    engine = create_sqlite_engine(path)
+    try:
+        run_migrations(engine, "0004")  # a database written before speculative decoding
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO engine_sessions (id, started_at, model, weights, kernel_policy, "
+                "config_json) VALUES (1, 1.0, 'm', 'q4', 'gemm', '{}')")
+            conn.exec_driver_sql(
+                "INSERT INTO runs (id, session_id, created_at, source, endpoint, model, "
+                "weights, kernel_policy, prompt_text, prompt_token_ids_json, params_json, "
+                "status, output_text, prompt_tokens, completion_tokens, queued_at) VALUES "
+                "('old-run', 1, 1.0, 'api', '/v1/completions', 'm', 'q4', 'gemm', 'hi', '[1]', "
+                "'{}', 'finished', 'x', 1, 1, 1.0)")
+            conn.exec_driver_sql(
+                "INSERT INTO run_tokens (run_id, idx, token_id, text, t, step) VALUES "
+                "('old-run', 0, 120, 'x', 1.5, 1)")
+            conn.exec_driver_sql(
+                "INSERT INTO steps (session_id, step, started_at, wall_time, model_time, "
+                "scheduler_time, total_rows, prefill_rows, decode_rows, kv_blocks_total, "
+                "kv_blocks_used, kv_blocks_free, kv_blocks_cached, num_running, num_waiting, "
+                "kernel_path, linear_calls_per_layer, prefix_cache_queries, prefix_cache_hits, "
+                "preempted_json) VALUES "
+                "(1, 1, 1.2, 0.1, 0.1, 0.0, 1, 1, 0, 8, 1, 7, 0, 1, 0, 'gemm', 1, 0, 0, '[]')")
+            conn.exec_driver_sql(
+                "INSERT INTO step_entries (session_id, step, run_id, phase, rows, "
+                "context_len, blocks_held, sampled) VALUES (1, 1, 'old-run', 'prefill', 1, 1, "
+                "1, 1)")
+        assert "drafted" not in {c["name"] for c in inspect(engine).get_columns("run_tokens")}
+    finally:
+        engine.dispose()
+    with open_database(path) as db:
+        assert current_revision(db) == head_revision()
+        columns = {t: {c["name"] for c in inspect(db.engine).get_columns(t)}
+                   for t in ("run_tokens", "steps", "step_entries")}
+        assert "drafted" in columns["run_tokens"]
+        assert {"verify_rows", "draft_tokens", "accepted_tokens", "speculation"} \
+            <= columns["steps"]
+        assert {"drafted", "accepted"} <= columns["step_entries"]
+        run = get_run(db, "old-run")
+    assert run["output_text"] == "x" and run["tokens"][0]["drafted"] is False
+    [step] = run["steps"]
+    assert (step["verify_rows"], step["draft_tokens"], step["accepted_tokens"],
+            step["speculation"]) == (0, 0, 0, "")
+    assert (step["entry"]["drafted"], step["entry"]["accepted"]) == (0, 0)
+    assert run["speculation"] == {"verify_steps": 0, "drafted": 0, "accepted": 0,
+                                  "rate": None}
+
+
+def test_drafted_tokens_and_verify_entries_are_stored_and_read_back(db, recorder):
+    session = recorder.start_session("m", "q4", "auto", {"speculative": "ngram"})
+    start_run(recorder, "S", session)
+    start_run(recorder, "T", session)
+    prefill = step_record(1, 1000.1, [("S", "prefill", 3), ("T", "prefill", 3)])
+    # Step 2: S verifies 3 drafts and keeps 2 (3 tokens); T verifies 2 and keeps none.
+    verify = StepRecord(**{**prefill.__dict__, "step": 2, "started_at": 1000.2, "entries": [
+        StepEntry("S", "verify", 4, 7, 1, True, drafted=3, accepted=2),
+        StepEntry("T", "verify", 3, 4, 1, True, drafted=2, accepted=0)],
+        "total_rows": 7, "prefill_rows": 0, "verify_rows": 7, "draft_tokens": 5,
+        "accepted_tokens": 2, "speculation": "on"})
+    recorder.step(session, prefill)
+    recorder.step(session, verify)
+    recorder.token(token("S", 0, 1000.15, step=1))
+    for i, drafted in ((1, True), (2, True), (3, False)):
+        recorder.token(TokenEvent("S", i, 100 + i, f"t{i}", -0.1, [], 1000.25, 2, drafted))
+    recorder.run_finished(finish("S", text="t0t1t2t3", n=4, first=1000.15, end=1000.3))
+    assert recorder.flush()
+    run = get_run(db, "S")
+    assert [t["drafted"] for t in run["tokens"]] == [False, True, True, False]
+    second = run["steps"][1]
+    assert second["entry"] == {"run_id": "S", "phase": "verify", "rows": 4, "context_len": 7,
+                               "blocks_held": 1, "sampled": True, "drafted": 3, "accepted": 2}
+    assert (second["verify_rows"], second["draft_tokens"], second["accepted_tokens"],
+            second["speculation"]) == (7, 5, 2, "on")
+    [mate] = second["batch_mates"]
+    assert (mate["run_id"], mate["phase"], mate["drafted"], mate["accepted"]) == \
+        ("T", "verify", 2, 0)
+    # The run's own acceptance, from its entries only (not its batch-mate's).
+    assert run["speculation"] == {"verify_steps": 1, "drafted": 3, "accepted": 2,
+                                  "rate": pytest.approx(2 / 3)}
+    assert get_run(db, "T")["speculation"]["rate"] == 0.0
+
+
 def test_schema_matches_models(db):
     with db.read() as conn:
         context = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -234,12 +318,13 @@ def test_get_run_returns_tokens_steps_and_metrics(db, recorder):
     assert run["queued_at"] == 1000.0  # the app's queue time, not the engine's arrival
     assert [t["idx"] for t in run["tokens"]] == [0, 1, 2, 3]
     assert run["tokens"][2] == {"idx": 2, "token_id": 102, "text": "t2 ", "logprob": -1.0,
-                                "top_logprobs": [[102, -1.0], [7, -3.0]], "t": 1000.8, "step": 3}
+                                "top_logprobs": [[102, -1.0], [7, -3.0]], "t": 1000.8, "step": 3,
+                                "drafted": False}
 
     assert [s["step"] for s in run["steps"]] == [1, 2]
     first, second = run["steps"]
     assert first["entry"] == {"run_id": "A", "phase": "prefill", "rows": 5, "context_len": 11,
-                              "blocks_held": 1, "sampled": True}
+                              "blocks_held": 1, "sampled": True, "drafted": 0, "accepted": 0}
     assert [(m["run_id"], m["recorded"]) for m in first["batch_mates"]] == [
         ("B", True), ("X", False)]
     assert [(m["run_id"], m["phase"]) for m in second["batch_mates"]] == [
