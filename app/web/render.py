@@ -41,6 +41,10 @@ def fmt_lp(logprob: float | None) -> str:
     return "—" if logprob is None else f"{logprob:.3f}"
 
 
+def fmt_pct(fraction: float | None) -> str:
+    return "—" if fraction is None else f"{fraction * 100:.1f}%"
+
+
 def fmt_time(epoch: float | None) -> str:
     if epoch is None:
         return "—"
@@ -82,7 +86,8 @@ def make_templates() -> Environment:
     prompts and outputs are untrusted; a missing variable is an error."""
     env = Environment(loader=FileSystemLoader(TEMPLATES_DIR), autoescape=True,
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(ms=fmt_ms, rate=fmt_rate, lp=fmt_lp, ts=fmt_time, visible=visible,
+    env.filters.update(ms=fmt_ms, rate=fmt_rate, lp=fmt_lp, pct=fmt_pct, ts=fmt_time,
+                       visible=visible,
                        json=as_json)
     return env
 
@@ -156,11 +161,13 @@ async def in_thread(request: Request, fn: Callable[..., Any], *args: Any, **kwar
 # ---- tokens --------------------------------------------------------------------------------
 def token_view(idx: int, token_id: int, text: str | None, logprob: float | None,
                top: list | None, t: float | None, queued_at: float | None, step: int | None,
-               decode: Callable[[int], str | None]) -> dict:
-    """One output token as pages and JSON show it; alternatives decoded when possible."""
+               decode: Callable[[int], str | None], drafted: bool = False) -> dict:
+    """One output token as pages and JSON show it; alternatives decoded when possible.
+    drafted: proposed by speculative decoding and accepted by the target model."""
     return {
         "idx": idx, "token_id": token_id, "text": text, "logprob": logprob,
         "offset": None if t is None or queued_at is None else t - queued_at, "step": step,
+        "drafted": drafted,
         "alternatives": [{"token_id": tid, "text": decode(tid), "logprob": lp}
                          for tid, lp in (top or [])],
     }

@@ -113,7 +113,7 @@ def test_playground_page_has_the_form(client):
     assert form["hx-post"] == "/playground" and form["hx-target"] == "#results"
     names = {el["name"] for el in form.find_all(["input", "textarea", "select"])}
     assert {"mode", "system", "prompt", "temperature", "top_p", "max_tokens", "seed", "stop",
-            "copies", "ignore_eos"} <= names
+            "copies", "ignore_eos", "speculative"} <= names
     assert page.find(id="results") is not None
     assert "tiny-llama" in page.get_text()
     srcs = [s["src"] for s in page.find_all("script")]

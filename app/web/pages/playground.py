@@ -53,7 +53,10 @@ MAX_COPIES = 8
 MAX_STOP_CHARS = 200
 PLAYGROUND_LOGPROBS = 5  # alternatives kept per token, shown on hover
 DEFAULTS = {"mode": "chat", "temperature": 0.0, "top_p": 1.0, "max_tokens": 64, "seed": None,
-            "stop": "", "copies": 1, "ignore_eos": False}
+            "stop": "", "copies": 1, "ignore_eos": False, "speculative": True}
+# The form sends speculative=0 from a hidden input and =1 from the checkbox after it (the last
+# one wins), so a form without the field at all keeps the default.
+SWITCH_VALUES = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
 
 
 # ---- playground ----------------------------------------------------------------------------
@@ -117,20 +120,29 @@ def parse_playground(form: dict[str, str], max_tokens_limit: int) -> tuple[Playg
         errors["stop"] = f"at most {MAX_STOP} stop strings, got {len(stops)}"
     elif any(len(s) > MAX_STOP_CHARS for s in stops):
         errors["stop"] = f"stop strings must be at most {MAX_STOP_CHARS} characters"
+    raw = form.get("speculative")
+    speculative = DEFAULTS["speculative"] if raw is None else SWITCH_VALUES.get(raw.strip().lower())
+    if speculative is None:
+        errors["speculative"] = f"speculative must be on or off, got {raw[:40]!r}"
     if errors:
         return None, errors
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             seed=seed, stop=tuple(stops), logprobs=PLAYGROUND_LOGPROBS,
-                            ignore_eos=form.get("ignore_eos", "") not in ("", "0", "off"))
+                            ignore_eos=form.get("ignore_eos", "") not in ("", "0", "off"),
+                            speculative=speculative)
     return PlaygroundInput(mode, system, prompt, params, copies), {}
 
 
 async def playground(request: Request) -> Response:
     service = run_service(request)
+    speculation = getattr(service.engine, "speculation", None)
     context = {"model": service.model_name, "max_model_len": service.max_model_len,
                "max_tokens_limit": service.max_context_tokens(), "max_copies": MAX_COPIES,
                "max_stop": MAX_STOP, "defaults": DEFAULTS,
-               "database": database(request) is not None}
+               "database": database(request) is not None,
+               # The engine's speculative decoding ("off", or its method and limits).
+               "speculation": {"enabled": bool(speculation and speculation.enabled),
+                               "describe": speculation.describe() if speculation else "off"}}
     return page_response(request, "playground.html", context)
 
 
@@ -349,7 +361,7 @@ async def stream_runs(request: Request) -> Response:
                     meter.token(event)
                     token = token_view(event.index, event.token_id, event.text, event.logprob,
                                        event.top_logprobs, event.time, live.run.created,
-                                       event.step, service.token_text)
+                                       event.step, service.token_text, event.drafted)
                     yield _sse(f"token-{live.id}", fragment("_tokens.html", tokens=[token]))
                     yield _sse(f"stats-{live.id}", fragment("_stats.html", stats=meter.stats))
                 elif isinstance(event, ErrorEvent):

@@ -80,7 +80,7 @@ def run_context(record: dict, decode: Callable[[int], str | None]) -> dict:
     previous: float | None = None
     for t in record["tokens"]:
         view = token_view(t["idx"], t["token_id"], t["text"], t["logprob"], t["top_logprobs"],
-                          t["t"], queued, t["step"], decode)
+                          t["t"], queued, t["step"], decode, t.get("drafted", False))
         view["gap"] = None if previous is None or t["t"] is None else t["t"] - previous
         previous = t["t"]
         tokens.append(view)
@@ -91,7 +91,11 @@ def run_context(record: dict, decode: Callable[[int], str | None]) -> dict:
     released = "".join(t["text"] or "" for t in tokens)
     output = record["output_text"] or ""
     tail = output[len(released):] if output.startswith(released) else ""
-    return {**record, "tokens": tokens, "text_tail": tail, "steps": steps, "metrics": metrics}
+    # Drafted tokens among the output (the rest of the summary comes from the step entries).
+    speculation = {**record.get("speculation", {}),
+                   "drafted_tokens": sum(1 for t in tokens if t["drafted"])}
+    return {**record, "tokens": tokens, "text_tail": tail, "steps": steps, "metrics": metrics,
+            "speculation": speculation}
 
 
 async def run_detail(request: Request) -> Response:
@@ -140,7 +144,8 @@ def compare_context(a: dict, b: dict) -> dict:
     def side(r: dict) -> dict:
         keys = ("id", "created_at", "model", "status", "finish_reason", "prompt_tokens",
                 "completion_tokens", "output_text", "text_tail")
-        return {**{k: r[k] for k in keys}, "metrics": r["metrics"]}
+        return {**{k: r[k] for k in keys}, "metrics": r["metrics"],
+                "speculation": r["speculation"]}
 
     return {"a": side(a), "b": side(b), "params": params,
             "params_differing": [p["name"] for p in params if p["differs"]],
