@@ -6,6 +6,7 @@
   const script = document.currentScript;
   const data = JSON.parse(document.getElementById("dashboard-data").textContent);
   const MAX = data.chart_steps;
+  const SPEC = data.speculation; // the engine's setting; each step says whether it speculated
   let steps = data.steps;
   let state = data.state;
   let queued = false;
@@ -13,6 +14,8 @@
   const $ = (id) => document.getElementById(id);
   const esc = (s) => String(s).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
   const SVG = "http://www.w3.org/2000/svg";
+  const pct = (x) => (x === null || x === undefined ? "—" : (x * 100).toFixed(1) + "%");
+  const lastSpec = () => (state.batch ? state.batch.speculation : "");
 
   // ---- the current batch and the summary -------------------------------------------------
   function renderSummary() {
@@ -25,6 +28,8 @@
     $("sum-kv").textContent = Math.round(100 * state.kv.used / state.kv.num_blocks) + "%";
     const last = steps[steps.length - 1];
     $("sum-tps").textContent = (last ? last.tokens_per_s : 0).toFixed(1);
+    $("sum-spec").textContent = SPEC.enabled ? (lastSpec() || "on") : "not configured";
+    $("sum-accept").textContent = pct(last ? last.acceptance_rolling : null);
   }
 
   // Built with DOM calls and text nodes: request ids and labels never pass through innerHTML
@@ -46,11 +51,17 @@
     const b = state.batch;
     const caption = $("batch-caption");
     if (b) {
+      const spec = b.speculation ? [" · speculation ", el("span", {class: "spec-state",
+        title: b.speculation === "on" ? "drafts were proposed for the requests in decode"
+          : "no drafts this step"}, b.speculation),
+        ...(b.draft_tokens ? [` · drafts ${b.accepted_tokens}/${b.draft_tokens} accepted`]
+          : [])] : [];
       caption.replaceChildren(
         "step ", el("b", {}, b.step),
-        ` · ${b.total_rows} rows (${b.prefill_rows} prefill, ${b.decode_rows} decode) · `,
+        ` · ${b.total_rows} rows (${b.prefill_rows} prefill, ${b.decode_rows} decode, ` +
+        `${b.verify_rows} verify) · `,
         el("span", {class: `path path-${b.kernel_path}`}, b.kernel_path),
-        ` · ${(b.wall_time * 1000).toFixed(1)} ms`);
+        ` · ${(b.wall_time * 1000).toFixed(1)} ms`, ...spec);
     } else {
       caption.replaceChildren("no step yet");
     }
@@ -58,10 +69,14 @@
       el("td", {title: e.id}, el("span", {class: "swatch", hue: e.hue}), e.label),
       el("td", {class: `phase phase-${e.phase}`}, e.phase,
          ...(e.sampled ? [" ", el("span", {title: "sampled a token"}, "✓")] : [])),
-      el("td", {class: "num"}, e.rows), el("td", {class: "num"}, e.context_len),
+      el("td", {class: "num"}, e.rows),
+      el("td", {class: "num drafts"}, ...(e.phase === "verify" ? [el("span", {title:
+        `${e.accepted} of ${e.drafted} drafted tokens accepted: ${e.accepted + 1} tokens ` +
+        "this step"}, `${e.accepted}/${e.drafted}`)] : [])),
+      el("td", {class: "num"}, e.context_len),
       el("td", {class: "num"}, e.blocks_held)));
     $("batch-table").tBodies[0].replaceChildren(...(rows.length ? rows
-      : [el("tr", {class: "empty"}, el("td", {colspan: 5}, "no request in the latest step"))]));
+      : [el("tr", {class: "empty"}, el("td", {colspan: 6}, "no request in the latest step"))]));
   }
 
   // ---- the KV block map: cells are kept and only changed ones touched ---------------------
@@ -103,8 +118,10 @@
     const top = Math.max(1, ...steps.map((s) => s.total_rows));
     $("kernel-strip").innerHTML = steps.map((s) =>
       `<i class="mark path-${esc(s.kernel_path)}" ` +
-      `style="--f: ${Math.sqrt(s.total_rows / top).toFixed(3)}" ` +
-      `title="step ${s.step}: ${esc(s.kernel_path)}, ${s.total_rows} rows"></i>`).join("");
+      `style="--f: ${Math.sqrt(s.total_rows / top).toFixed(3)}; ` +
+      `--v: ${(s.total_rows ? s.verify_rows / s.total_rows : 0).toFixed(3)}" ` +
+      `title="step ${s.step}: ${esc(s.kernel_path)}, ${s.total_rows} rows` +
+      `${s.verify_rows ? ` (${s.verify_rows} verify)` : ""}"></i>`).join("");
   }
 
   // ---- expert load (mixture-of-experts models): cells are kept, only shade and title change ---
@@ -212,6 +229,7 @@
     chart("chart-rows", [
       {label: "prefill", color: css("--prefill"), value: (s) => s.prefill_rows},
       {label: "decode", color: css("--decode"), value: (s) => s.decode_rows},
+      {label: "verify", color: css("--verify"), value: (s) => s.verify_rows},
     ], "bars");
     chart("chart-kv", [
       {label: "used", color: css("--used"), value: (s) => s.kv_blocks_used},
@@ -221,6 +239,53 @@
     chart("chart-tokens", [
       {label: "tok/s", color: css("--decode"), value: (s) => s.tokens_per_s},
     ], "line");
+    renderAcceptance();
+  }
+
+  // ---- speculative decoding: accepted / drafted, per step (bars) and rolling (line) --------
+  function renderAcceptance() {
+    const box = $("chart-accept");
+    const svg = box.querySelector("svg");
+    const w = svg.clientWidth || 600, h = svg.clientHeight || 140;
+    const left = 34, top = 6, bottom = h - 4, dx = (w - left) / MAX;
+    const x0 = left + (MAX - steps.length) * dx;
+    const y = (v) => bottom - v * (bottom - top);
+    let out = `<line class="axis" x1="${left}" x2="${w}" y1="${y(0)}" y2="${y(0)}"/>` +
+      `<line class="axis" x1="${left}" x2="${w}" y1="${y(1)}" y2="${y(1)}"/>` +
+      `<text x="${left - 4}" y="${y(1) + 8}" text-anchor="end">100%</text>` +
+      `<text x="${left - 4}" y="${bottom}" text-anchor="end">0</text>`;
+    const bw = Math.max(1, dx - (dx > 3 ? 1 : 0)).toFixed(1);
+    let bars = "", line = "", pen = "M";
+    steps.forEach((s, i) => {
+      if (s.acceptance !== null) {
+        bars += `M${(x0 + i * dx).toFixed(1)} ${y(0).toFixed(1)}h${bw}` +
+          `V${y(s.acceptance).toFixed(1)}h-${bw}Z`;
+      }
+      if (s.acceptance_rolling === null) { pen = "M"; return; }
+      line += `${pen}${(x0 + (i + 0.5) * dx).toFixed(1)} ${y(s.acceptance_rolling).toFixed(1)}`;
+      pen = "L";
+    });
+    out += `<path d="${bars}" fill="${css("--draft")}" stroke="none"/>` +
+      `<path d="${line}" fill="none" stroke="${css("--verify")}" stroke-width="1.5"/>`;
+    svg.innerHTML = out;
+    svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+    const last = steps[steps.length - 1];
+    box.querySelector(".legend").innerHTML =
+      `<span><i style="background:${css("--draft")}"></i>per step ` +
+      `${pct(last ? last.acceptance : null)}</span>` +
+      `<span><i style="background:${css("--verify")}"></i>last ${data.acceptance_steps} ` +
+      `steps ${pct(last ? last.acceptance_rolling : null)}</span>`;
+    const note = $("accept-note");
+    const now = lastSpec();
+    const off = !SPEC.enabled || now.startsWith("off");
+    note.className = "note" + (off ? " off" : "");
+    if (!SPEC.enabled) {
+      note.innerHTML = "speculation is not configured on this server " +
+        "(<code>batchscope serve --speculative ngram</code>)";
+    } else {
+      note.textContent = (now.startsWith("off") ? `speculation is ${now} · ` : "") +
+        SPEC.describe;
+    }
   }
 
   function render() {

@@ -16,6 +16,7 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.telemetry import StepRecord
@@ -24,9 +25,18 @@ from engine.telemetry import StepRecord
 # the latest step's batch is shown, and it comes with the live state).
 STEP_FIELDS = (
     "step", "started_at", "wall_time", "model_time", "total_rows", "prefill_rows", "decode_rows",
+    "verify_rows", "draft_tokens", "accepted_tokens", "speculation",
     "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "num_running",
     "num_waiting", "kernel_path", "linear_calls_per_layer", "error",
 )
+ACCEPTANCE_STEPS = 50  # steps the rolling acceptance rate covers
+
+
+def decode_tokens(record: StepRecord) -> int:
+    """Tokens the step emitted for requests past their prefill: one per decode row, and per
+    verify group its accepted drafts plus the target's own token."""
+    verified = sum(1 + e.accepted for e in record.entries if e.phase == "verify" and e.sampled)
+    return record.decode_rows + verified
 
 
 class RollingRate:
@@ -34,30 +44,61 @@ class RollingRate:
 
     def __init__(self, window_s: float = 1.0):
         self.window_s = window_s
-        self._steps: deque[tuple[float, float, int]] = deque()  # (start, end, decode rows)
+        self._steps: deque[tuple[float, float, int]] = deque()  # (start, end, decode tokens)
         self._rows = 0
 
     def add(self, record: StepRecord) -> float:
         end = record.started_at + record.wall_time
-        self._steps.append((record.started_at, end, record.decode_rows))
-        self._rows += record.decode_rows
+        tokens = decode_tokens(record)
+        self._steps.append((record.started_at, end, tokens))
+        self._rows += tokens
         while self._steps[0][1] <= end - self.window_s:
             self._rows -= self._steps.popleft()[2]
         span = end - self._steps[0][0]  # from the first step's start: the gaps count too
         return self._rows / span if span > 0 else 0.0
 
 
-def compact_step(record: StepRecord, rate: RollingRate) -> dict[str, Any]:
-    """A step as the dashboard charts it (records must be fed to `rate` in step order)."""
+class RollingAcceptance:
+    """Accepted over drafted tokens in the last `steps` steps; None while none drafted."""
+
+    def __init__(self, steps: int = ACCEPTANCE_STEPS):
+        self._steps: deque[tuple[int, int]] = deque(maxlen=steps)  # (drafted, accepted)
+
+    def add(self, record: StepRecord) -> float | None:
+        self._steps.append((record.draft_tokens, record.accepted_tokens))
+        drafted = sum(d for d, _ in self._steps)
+        return sum(a for _, a in self._steps) / drafted if drafted else None
+
+
+@dataclass
+class Rolling:
+    """The running figures a stream of compact steps carries (fed in step order)."""
+
+    rate: RollingRate = field(default_factory=RollingRate)
+    acceptance: RollingAcceptance = field(default_factory=RollingAcceptance)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def compact_step(record: StepRecord, rolling: Rolling) -> dict[str, Any]:
+    """A step as the dashboard charts it (records must be fed to `rolling` in step order)."""
     out = {name: getattr(record, name) for name in STEP_FIELDS}
     out["preemptions"] = len(record.preempted)
-    out["tokens_per_s"] = round(rate.add(record), 2)
+    out["tokens_per_s"] = round(rolling.rate.add(record), 2)
+    out["verify_groups"] = sum(1 for e in record.entries if e.phase == "verify")
+    # Speculation: this step's accepted / drafted (None: it drafted nothing), and the same over
+    # the last ACCEPTANCE_STEPS steps.
+    out["acceptance"] = _rounded(record.accepted_tokens / record.draft_tokens
+                                 if record.draft_tokens else None)
+    out["acceptance_rolling"] = _rounded(rolling.acceptance.add(record))
     return out
 
 
 def compact_steps(records: list[StepRecord], window_s: float = 1.0) -> list[dict[str, Any]]:
-    rate = RollingRate(window_s)
-    return [compact_step(r, rate) for r in records]
+    rolling = Rolling(RollingRate(window_s))
+    return [compact_step(r, rolling) for r in records]
 
 
 class FeedClient:
@@ -103,7 +144,7 @@ class StepFeed:
         self._wake_pending = False
         self._clients: set[FeedClient] = set()
         self._unsubscribe: Callable[[], None] | None = None
-        self._rate = RollingRate(rate_window_s)
+        self._rolling = Rolling(RollingRate(rate_window_s))
 
     @property
     def num_clients(self) -> int:
@@ -152,7 +193,7 @@ class StepFeed:
         with self._lock:
             records, self._inbox = self._inbox, []
             self._wake_pending = False
-        steps = [compact_step(r, self._rate) for r in records]
+        steps = [compact_step(r, self._rolling) for r in records]
         for client in list(self._clients):
             client.push(steps)
 

@@ -18,14 +18,17 @@ import httpx
 import pytest
 from bs4 import BeautifulSoup
 from live_server import serving
+from speculation import SPEC, ScriptedDrafts
 
 from app.settings import Settings
 from app.web.app import create_app
-from app.web.feeds import FeedClient, RollingRate, StepFeed, compact_steps
+from app.web.feeds import ACCEPTANCE_STEPS, FeedClient, RollingRate, StepFeed, compact_steps
 from app.web.pages.dashboard import CHART_STEPS, hue
+from app.web.render import fmt_pct
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.telemetry import StepRecord
+from engine.sampling import SamplingParams
+from engine.telemetry import StepEntry, StepRecord
 from engine.testing import tiny_model
 
 TIMEOUT = 30.0
@@ -50,14 +53,14 @@ def live() -> Iterator[Live]:
         yield Live(url, app, app.state.engine, http)
 
 
-def complete(live: Live, prompts: list[str], max_tokens: int) -> list[dict]:
+def complete(live: Live, prompts: list[str], max_tokens: int, **extra) -> list[dict]:
     """The prompts as concurrent /v1/completions requests (so they share steps)."""
     results: list[dict] = [{}] * len(prompts)
 
     def one(i: int) -> None:
         response = live.http.post("/v1/completions", json={
             "model": "tiny-llama", "prompt": prompts[i], "max_tokens": max_tokens,
-            "ignore_eos": True})
+            "ignore_eos": True, **extra})
         assert response.status_code == 200, response.text
         results[i] = response.json()
 
@@ -93,13 +96,14 @@ def test_page_shows_batch_block_map_strip_and_charts(live, ran):
 
     table = soup.select_one("table#batch-table")
     assert [th.get_text() for th in table.select("thead th")] == [
-        "request", "phase", "rows", "context", "blocks"]
+        "request", "phase", "rows", "drafts", "context", "blocks"]
     rows = table.select("tbody tr[data-request]")
     assert [r["data-request"] for r in rows] == [e.request_id for e in latest.entries]
     for row, entry in zip(rows, latest.entries, strict=True):
         cells = [td.get_text(" ", strip=True) for td in row.select("td")]
         assert cells[1].split()[0] == entry.phase
-        assert cells[2:] == [str(entry.rows), str(entry.context_len), str(entry.blocks_held)]
+        assert cells[2:] == [str(entry.rows), "", str(entry.context_len),
+                             str(entry.blocks_held)]
         assert f"--h: {hue(entry.request_id)}" in row.select_one(".swatch")["style"]
     caption = " ".join(soup.select_one("#batch-caption").get_text(" ").split())
     assert caption.startswith(f"step {latest.step} · {latest.total_rows} rows")
@@ -127,6 +131,14 @@ def test_page_shows_batch_block_map_strip_and_charts(live, ran):
     assert soup.select_one('script[src="/static/dashboard.js"]')["data-stream"] \
         == "/dashboard/stream"
     assert soup.select_one("#sum-step").get_text() == str(engine.step_count)
+    # No speculation configured: the page says so plainly, the JSON twin too.
+    assert soup.select_one("#sum-spec").get_text() == "not configured"
+    assert soup.select_one("#sum-accept").get_text() == "—"
+    assert "not configured" in soup.select_one("#accept-note").get_text()
+    assert soup.select_one("#chart-accept svg") is not None
+    assert data["speculation"]["enabled"] is False and data["speculation"]["describe"] == "off"
+    assert all(s["acceptance"] is None and s["acceptance_rolling"] is None
+               and s["verify_rows"] == 0 for s in data["steps"])
 
 
 def test_page_shows_held_blocks_while_requests_run(live, ran):
@@ -387,3 +399,157 @@ def test_rolling_rate_is_decode_rows_per_second_of_wall_time():
     assert values[-1] == pytest.approx(400.0)
     # After a 5 s idle gap the window holds only the new step.
     assert rate.add(record(201, 107.0, 0.02, 4)) == pytest.approx(200.0)
+
+
+# ---- speculative decoding ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def spec_live() -> Iterator[Live]:
+    """Speculating (scripted drafts) while at most 2 requests run, so 3 turn it off."""
+    drafts = ScriptedDrafts()
+    config = EngineConfig(num_kv_blocks=NUM_BLOCKS, block_size=4,
+                          **{**SPEC, "speculative_max_batch": 2})
+    app = create_app(Settings(engine=config),
+                     engine_factory=lambda c: Engine(c, loader=tiny_model, proposer=drafts))
+    with serving(app, TIMEOUT) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        engine = app.state.engine
+        for prompt in PROMPTS[:3]:  # references without speculation, to draft from
+            plain = SamplingParams(max_tokens=24, ignore_eos=True, speculative=False)
+            drafts.learn(engine.encode(prompt), engine.generate(prompt, plain).token_ids)
+        yield Live(url, app, engine, http)
+
+
+def hold_when(engine: Engine, condition) -> tuple[threading.Event, threading.Event]:
+    """Block the engine before the step after the first record meeting `condition`, so the
+    pages show that record as the latest batch; returns (reached, gate)."""
+    reached, gate = threading.Event(), threading.Event()
+
+    def hold(plan: Any) -> None:
+        latest = engine.steps.recent(1)
+        if not reached.is_set() and latest and condition(latest[0]):
+            reached.set()
+            gate.wait(TIMEOUT)
+
+    engine.before_forward = hold
+    return reached, gate
+
+
+def look(live: Live, condition, prompts: list[str]) -> tuple[BeautifulSoup, dict, StepRecord]:
+    """The page and its JSON twin while the latest step meets `condition`."""
+    engine = live.engine
+    reached, gate = hold_when(engine, condition)
+    worker = threading.Thread(target=complete, args=(live, prompts, 24),
+                              kwargs={"temperature": 0})
+    worker.start()
+    try:
+        assert reached.wait(TIMEOUT)
+        page = BeautifulSoup(live.http.get("/dashboard").text, "html.parser")
+        data = live.http.get("/dashboard.json").json()
+        latest = engine.steps.recent(1)[0]
+    finally:
+        engine.before_forward = None
+        gate.set()
+        worker.join(TIMEOUT)
+    return page, data, latest
+
+
+def expected_rolling(records: list[StepRecord]) -> list[float | None]:
+    out = []
+    for i in range(len(records)):
+        window = records[max(0, i + 1 - ACCEPTANCE_STEPS):i + 1]
+        drafted = sum(r.draft_tokens for r in window)
+        out.append(sum(r.accepted_tokens for r in window) / drafted if drafted else None)
+    return out
+
+
+def test_verify_rows_on_the_page_and_in_its_json_twin(spec_live):
+    page, data, latest = look(spec_live, lambda r: r.verify_rows and r.entries[0].phase
+                              == "verify" and r.accepted_tokens, PROMPTS[:2])
+    engine = spec_live.engine
+    batch = data["state"]["batch"]
+    assert batch["step"] == latest.step and batch["verify_rows"] == latest.verify_rows > 0
+    assert (batch["draft_tokens"], batch["accepted_tokens"], batch["speculation"]) == \
+        (latest.draft_tokens, latest.accepted_tokens, "on")
+    rows = page.select("#batch-table tbody tr[data-request]")
+    for row, entry, shown in zip(rows, latest.entries, batch["entries"], strict=True):
+        assert (shown["drafted"], shown["accepted"]) == (entry.drafted, entry.accepted)
+        phase = row.select_one("td.phase")
+        assert f"phase-{entry.phase}" in phase["class"]
+        drafts = row.select_one("td.drafts").get_text(strip=True)
+        assert drafts == (f"{entry.accepted}/{entry.drafted}" if entry.phase == "verify"
+                          else "")
+    caption = " ".join(page.select_one("#batch-caption").get_text(" ").split())
+    assert (f"({latest.prefill_rows} prefill, {latest.decode_rows} decode, "
+            f"{latest.verify_rows} verify)") in caption
+    assert "speculation on" in caption
+    assert f"drafts {latest.accepted_tokens}/{latest.draft_tokens} accepted" in caption
+    # The setting, the state and the rolling rate: the same numbers as the twin.
+    assert data["speculation"] == {"enabled": True, "describe": engine.speculation.describe(),
+                                   "method": "ngram", "num_tokens": 4, "max_batch": 2}
+    assert page.select_one("#sum-spec").get_text() == "on"
+    assert page.select_one("#sum-accept").get_text() == \
+        fmt_pct(data["steps"][-1]["acceptance_rolling"])
+    assert engine.speculation.describe() in page.select_one("#accept-note").get_text()
+    records = [r for r in engine.steps.recent() if r.step <= latest.step][-CHART_STEPS:]
+    assert [s["step"] for s in data["steps"]] == [r.step for r in records]
+    for s, r, rolling in zip(data["steps"], records, expected_rolling(records), strict=True):
+        for name in ("verify_rows", "draft_tokens", "accepted_tokens", "speculation"):
+            assert s[name] == getattr(r, name), name
+        assert s["verify_groups"] == sum(1 for e in r.entries if e.phase == "verify")
+        assert s["acceptance"] == (pytest.approx(r.accepted_tokens / r.draft_tokens, abs=1e-4)
+                                   if r.draft_tokens else None)
+        assert s["acceptance_rolling"] == (None if rolling is None
+                                           else pytest.approx(rolling, abs=1e-4))
+    assert any(r.draft_tokens > r.accepted_tokens > 0 for r in records)  # kept and lost
+    marks = page.select("#kernel-strip i.mark")
+    for mark, r in zip(marks, records, strict=True):
+        assert mark["title"].endswith(f"({r.verify_rows} verify)" if r.verify_rows
+                                      else f"{r.total_rows} rows")
+        share = float(mark["style"].split("--v:")[1].split(";")[0])
+        assert share == pytest.approx(r.verify_rows / r.total_rows, abs=1e-3)
+
+
+def test_the_page_says_when_speculation_is_off_and_why(spec_live):
+    page, data, latest = look(spec_live, lambda r: r.speculation.startswith("off"),
+                              PROMPTS[:3])
+    assert latest.speculation == "off: 3 running > 2" == data["state"]["batch"]["speculation"]
+    assert latest.verify_rows == 0 and latest.draft_tokens == 0
+    assert page.select_one("#sum-spec").get_text() == "off: 3 running > 2"
+    note = page.select_one("#accept-note")
+    assert "off" in note["class"] and "off: 3 running > 2" in note.get_text()
+    assert data["steps"][-1]["acceptance"] is None
+
+
+def test_stream_frames_carry_the_verify_numbers(spec_live):
+    engine = spec_live.engine
+    with httpx.Client(base_url=spec_live.url, timeout=TIMEOUT) as http:
+        with http.stream("GET", "/dashboard/stream") as response:
+            frames = Frames(response)
+            first = frames.next()
+            start = engine.step_count
+            complete(spec_live, PROMPTS[:2], 24, temperature=0)
+            end = engine.step_count
+            seen: list[dict] = []
+            last_state = first["state"]
+            while not seen or seen[-1]["step"] < end:
+                frame = frames.next()
+                seen += frame["steps"]
+                last_state = frame["state"]
+    records = {r.step: r for r in engine.steps.recent()}
+    assert [s["step"] for s in seen] == list(range(start + 1, end + 1))
+    assert sum(s["verify_rows"] for s in seen) > 0
+    for s in seen:
+        r = records[s["step"]]
+        assert (s["verify_rows"], s["draft_tokens"], s["accepted_tokens"], s["speculation"]) \
+            == (r.verify_rows, r.draft_tokens, r.accepted_tokens, r.speculation)
+    assert {"verify_rows", "speculation"} <= set(last_state["batch"])
+
+
+def test_decode_rate_counts_every_token_a_verify_group_emits():
+    rate = RollingRate(window_s=1.0)
+    entries = [StepEntry("a", "verify", 5, 20, 5, True, drafted=4, accepted=3),
+               StepEntry("b", "decode", 1, 9, 3, True)]
+    steps = [StepRecord(**{**record(i, 100.0 + i * 0.01, 0.01, 1).__dict__,
+                           "entries": entries, "verify_rows": 5, "total_rows": 6})
+             for i in range(200)]
+    # Per 10 ms step: 1 decode token + 3 accepted drafts + the target's own = 5 tokens.
+    assert [rate.add(r) for r in steps][-1] == pytest.approx(500.0)

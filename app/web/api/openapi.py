@@ -204,7 +204,13 @@ TWINS = {
             "model": {"type": "string"},
             "config": {"type": "object", "required": ["max_num_seqs", "block_size",
                                                       "num_kv_blocks"]},
+            "speculation": {"type": "object", "required": ["enabled", "describe"],
+                            "description": "the engine's speculative decoding setting; each "
+                            "step's `speculation` says whether it speculated",
+                            "properties": {"enabled": {"type": "boolean"},
+                                           "describe": {"type": "string"}}},
             "frames_per_s": {"type": "number"}, "chart_steps": {"type": "integer"},
+            "acceptance_steps": {"type": "integer", "minimum": 1},
             "state": {"type": "object",
                       "required": ["time", "step", "running", "waiting", "idle", "kv"],
                       "properties": {"running": {"type": "integer", "minimum": 0},

@@ -23,7 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from app.web.api.routes import error_body
-from app.web.feeds import FeedClient, compact_steps, feed_for
+from app.web.feeds import ACCEPTANCE_STEPS, FeedClient, compact_steps, feed_for
 
 CHART_STEPS = 300  # steps the charts and the kernel-path strip show
 EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
@@ -129,15 +129,29 @@ def dashboard_state(engine: Any) -> dict[str, Any]:
         batch = {"step": record.step, "started_at": record.started_at,
                  "wall_time": record.wall_time, "kernel_path": record.kernel_path,
                  "total_rows": record.total_rows, "prefill_rows": record.prefill_rows,
-                 "decode_rows": record.decode_rows, "error": record.error,
+                 "decode_rows": record.decode_rows, "verify_rows": record.verify_rows,
+                 "draft_tokens": record.draft_tokens,
+                 "accepted_tokens": record.accepted_tokens,
+                 "speculation": record.speculation, "error": record.error,
                  "entries": [{**_request(e.request_id), "phase": e.phase, "rows": e.rows,
                               "context_len": e.context_len, "blocks_held": e.blocks_held,
-                              "sampled": e.sampled} for e in record.entries]}
+                              "sampled": e.sampled, "drafted": e.drafted,
+                              "accepted": e.accepted} for e in record.entries]}
     scheduler = engine.scheduler
     running, waiting = len(scheduler.running), len(scheduler.waiting)
     return {"time": time.time(), "step": engine.step_count, "running": running,
             "waiting": waiting, "idle": running == 0 and waiting == 0, "batch": batch,
             "kv": kv_map(engine), "experts": expert_load(engine)}
+
+
+def speculation_setting(engine: Any) -> dict[str, Any]:
+    """The engine's speculative decoding as configured (each step says whether it ran)."""
+    spec = getattr(engine, "speculation", None)
+    if spec is None or not spec.enabled:
+        return {"enabled": False, "describe": "off", "method": "off", "num_tokens": None,
+                "max_batch": None}
+    return {"enabled": True, "describe": spec.describe(), "method": spec.method,
+            "num_tokens": spec.num_tokens, "max_batch": spec.max_batch}
 
 
 def dashboard_context(engine: Any) -> dict[str, Any]:
@@ -147,8 +161,10 @@ def dashboard_context(engine: Any) -> dict[str, Any]:
         "config": {"max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens,
                    "block_size": config.block_size, "num_kv_blocks": config.num_kv_blocks},
+        "speculation": speculation_setting(engine),
         "frames_per_s": FRAMES_PER_S,
         "chart_steps": CHART_STEPS,
+        "acceptance_steps": ACCEPTANCE_STEPS,
         "expert_steps": EXPERT_STEPS,
         "state": dashboard_state(engine),
         "steps": compact_steps(engine.steps.recent(CHART_STEPS)),
