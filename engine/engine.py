@@ -440,11 +440,15 @@ class Engine:
             entries.append(self._entry(g, sampled=g.sample, accepted=accepted))
             if req.trace is not None and g.seq.seq_id in traces:
                 t = traces[g.seq.seq_id]
-                logits = t.logits[:accepted + 1] if g.phase == "verify" else t.logits
+                # A verify group: only the rows it keeps (rejected rows' slots are rewritten
+                # before anything reads them), and the logits of each token it emits.
+                kv, logits = t.kv[:, :, :, :kept], t.logits
+                if g.phase == "verify":
+                    logits = t.logits[:accepted + 1]
                 req.trace.append({"step": step, "path": path, "step_rows": plan.num_rows,
-                                  "phase": g.phase, "start": g.start, "rows": g.num_rows,
+                                  "phase": g.phase, "start": g.start, "rows": kept,
                                   "drafted": len(g.drafts), "accepted": accepted,
-                                  "kv": t.kv, "logits": logits})
+                                  "kv": kv, "logits": logits})
             for sample in emitted:
                 self._accept(req, sample, step)
                 if g.seq.is_finished:

@@ -10,6 +10,8 @@ A side is a comma-separated list of key=value settings:
   join=K                         they join at the step computing the target's token #K
                                  (0, the default: together with the target's prompt)
   others_tokens=N                tokens each other request generates (default 16)
+  speculative=off|ngram, k=N     speculative decoding (prompt lookup, N drafts a step), on
+                                 whatever shares the batch
   max_batched=N, max_seqs=N, block_size=N, batch_invariant=1   engine settings
 
 examples:
@@ -21,6 +23,10 @@ examples:
   # the mini-vllm-rs case: a 120-token prompt joins while the target decodes
   batchscope diverge "Once upon a time" --a policy=auto,threshold=4 \\
       --b policy=auto,threshold=4,alongside=120,join=8
+  # serial admission vs continuous batching for a speculating request: a 120-token prompt's
+  # prefill joins while the target verifies its drafts (float32: mixed steps take BLAS GEMM)
+  batchscope diverge --chat "Repeat exactly: ..." --weights f32 --a speculative=ngram \
+      --b speculative=ngram,alongside=120,join=4
   # how often does it fork here? 20 built-in prompts, or one prompt a line from FILE
   batchscope diverge --search --a policy=gemm --b policy=gemv
   # save it in the server's runs database: listed at /divergence, its sides at /runs
@@ -201,6 +207,17 @@ def _where(first: int, last: int, prompt_tokens: int) -> str:
     return f"{one(first)}–{one(last).removeprefix('out ')}"
 
 
+def _speculation_lines(r: dict) -> list[str]:
+    out = []
+    for name in ("a", "b"):
+        s = r["sides"][name].get("speculation")
+        if s:
+            rate = "–" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
+            out.append(f"{name.upper()} drafts: {s['accepted']} of {s['drafted']} accepted "
+                       f"({rate}) over {s['verify_steps']} verify steps")
+    return out
+
+
 def format_record(r: dict, all_tokens: bool = False) -> str:
     from app.lab.divergence import timeline
     from engine.platform import blas_name
@@ -209,8 +226,8 @@ def format_record(r: dict, all_tokens: bool = False) -> str:
     blas = blas_name(r.get("backend", {}).get("blas")) or "bundled"
     out = [f"model {r['model']} · prompt {r['prompt_tokens']} tokens · "
            f"{r.get('max_tokens', '?')} new tokens · greedy · BLAS {blas}",
-           f"A: {a['label']}", f"B: {b['label']}", "", f"Verdict: {r['verdict']}", "",
-           "Cause → fork:"]
+           f"A: {a['label']}", f"B: {b['label']}", *_speculation_lines(r), "",
+           f"Verdict: {r['verdict']}", "", "Cause → fork:"]
     out += [f"  {i + 1}. {line}" for i, line in enumerate(r["chain"])]
     fork = r["fork"]
     if fork is not None:

@@ -36,6 +36,7 @@ from engine.config import WEIGHT_FORMATS, EngineConfig, KernelPolicy, check_nati
 from engine.engine import Engine, EngineError, Submission
 from engine.events import FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
+from engine.speculative import METHODS as SPECULATIVE_METHODS
 from engine.telemetry import StepRecord
 
 Progress = Callable[[str], None] | None
@@ -96,6 +97,10 @@ class SideConfig:
     batch_invariant: bool = False  # the engine's tiled, batch-invariant path (if it has one)
     # Few-row float32 gemm steps: the native kernel ("auto"/"native") or MLX's matmul ("mlx").
     decode_matmul: str = "auto"
+    # Speculative decoding of the target (and the others): "off" or "ngram", k drafts a step.
+    # A side speculates whatever shares its steps (no automatic turn-down).
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -103,6 +108,9 @@ class SideConfig:
                              f"got {self.weights!r}")
         KernelPolicy(self.kernel_policy, self.kernel_threshold)  # raises on bad values
         check_native_setting("decode_matmul", self.decode_matmul)
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative!r}")
         alongside = tuple(self.alongside)
         if len(alongside) > MAX_ALONGSIDE:
             raise ValueError(f"at most {MAX_ALONGSIDE} other requests, got {len(alongside)}")
@@ -114,7 +122,7 @@ class SideConfig:
         if not isinstance(self.join_at, int) or self.join_at < 0:
             raise ValueError(f"join_at must be a non-negative integer, got {self.join_at!r}")
         for name in ("alongside_max_tokens", "max_num_batched_tokens", "max_num_seqs",
-                     "block_size"):
+                     "block_size", "num_speculative_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -132,12 +140,15 @@ class SideConfig:
             context = f"alongside {lengths}" + (f" from token {self.join_at}"
                                                  if self.join_at else "")
         matmul = "" if self.decode_matmul == "auto" else f" · matmul {self.decode_matmul}"
-        return f"{self.weights} · {path}{matmul} · {context}"
+        spec = ("" if self.speculative == "off"
+                else f" · {self.speculative} k={self.num_speculative_tokens}")
+        return f"{self.weights} · {path}{matmul}{spec} · {context}"
 
     def engine_key(self) -> tuple:
         """Sides with equal keys share an engine (the kernel policy is set per run)."""
         return (self.weights, self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
-                self.batch_invariant, self.decode_matmul)
+                self.batch_invariant, self.decode_matmul, self.speculative,
+                self.num_speculative_tokens)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "alongside": list(self.alongside), "label": self.label()}
@@ -172,7 +183,7 @@ class SideConfig:
             if name == "alongside":
                 changes[name] = _lengths(value)
                 list_key = name
-            elif name in ("weights", "kernel_policy", "decode_matmul"):
+            elif name in ("weights", "kernel_policy", "decode_matmul", "speculative"):
                 changes[name] = value
             elif name == "batch_invariant":
                 changes[name] = value.lower() in ("1", "true", "yes", "on")
@@ -194,7 +205,8 @@ SPEC_KEYS = {
     "max_batched": "max_num_batched_tokens", "max_num_batched_tokens": "max_num_batched_tokens",
     "max_seqs": "max_num_seqs", "max_num_seqs": "max_num_seqs", "block_size": "block_size",
     "batch_invariant": "batch_invariant", "matmul": "decode_matmul",
-    "decode_matmul": "decode_matmul",
+    "decode_matmul": "decode_matmul", "speculative": "speculative", "spec": "speculative",
+    "k": "num_speculative_tokens", "num_speculative_tokens": "num_speculative_tokens",
 }
 
 
@@ -295,7 +307,9 @@ class DivergenceRunner:
             model=self.model, weights=side.weights, max_num_seqs=side.max_num_seqs,
             max_num_batched_tokens=side.max_num_batched_tokens, block_size=side.block_size,
             num_kv_blocks=max(blocks, 16), enable_prefix_caching=False, step_history=4096,
-            decode_matmul=side.decode_matmul, **extra)
+            decode_matmul=side.decode_matmul, speculative=side.speculative,
+            num_speculative_tokens=side.num_speculative_tokens,
+            speculative_max_batch=side.max_num_seqs, **extra)
         loader = None
         if self.loader is not None:
             user_loader, weights = self.loader, side.weights
@@ -372,10 +386,13 @@ class DivergenceRunner:
                     "prefill_rows": record.prefill_rows, "decode_rows": record.decode_rows,
                     "requests": len(record.entries),
                     "target_phase": mine.phase if mine else None,
-                    "target_rows": mine.rows if mine else 0})
+                    "target_rows": mine.rows if mine else 0,
+                    "target_drafted": mine.drafted if mine else 0,
+                    "target_accepted": mine.accepted if mine else 0})
         trace = [{**t, "step": t["step"] - base} for t in target.trace]
         tokens = [{"token_id": e.token_id, "text": e.text, "logprob": e.logprob,
-                   "time": e.time, "step": e.step - base} for e in events]
+                   "time": e.time, "step": e.step - base, "drafted": e.drafted}
+                  for e in events]
         engine_steps = [{**r.to_dict(), "step": r.step - base, "engine_step": r.step}
                         for r in ran]
         # The side's kernel policy is set per run, not in the engine's configuration.
@@ -439,12 +456,24 @@ def _backend() -> dict:
 
 
 # ---- comparison ----------------------------------------------------------------------------
+def _token_logits(run: SideRun) -> list[tuple[np.ndarray, dict]]:
+    """(logits, trace entry) for every token the target emitted, in order: one per sampled
+    step, or one per emitted token of a verify step."""
+    out = []
+    for t in run.trace:
+        logits = t["logits"]
+        if logits is None:
+            continue
+        out.extend((row, t) for row in (logits if logits.ndim == 2 else [logits]))
+    return out
+
+
 def _chosen(run: SideRun) -> list[int]:
     """The token chosen at each sampled step: the output, plus a final EOS if it stopped on one."""
     ids = list(run.finish.token_ids)
-    sampled = [t["logits"] for t in run.trace if t["logits"] is not None]
+    sampled = _token_logits(run)
     if len(sampled) > len(ids):
-        ids.append(int(np.argmax(sampled[len(ids)])))
+        ids.append(int(np.argmax(sampled[len(ids)][0])))
     return ids
 
 
@@ -499,8 +528,7 @@ def compare(a: SideRun, b: SideRun, decode: Callable[[list[int]], str], top_k: i
     identical = fork is None and a.finish.token_ids == b.finish.token_ids
 
     # Logits, token by token, while both sides saw the same tokens (the fork's included).
-    logits_a = [(t["logits"], t) for t in a.trace if t["logits"] is not None]
-    logits_b = [(t["logits"], t) for t in b.trace if t["logits"] is not None]
+    logits_a, logits_b = _token_logits(a), _token_logits(b)
     n_logits = min(len(logits_a), len(logits_b))
     if fork is not None:
         n_logits = min(n_logits, fork + 1)
@@ -612,7 +640,19 @@ def _side(run: SideRun, chosen: list[int]) -> dict:
                       "first_token": run.finish.first_token_time,
                       "finished": run.finish.finish_time},
             "engine_steps": run.engine_steps, "request_ids": run.request_ids,
-            "engine": run.engine_config}
+            "engine": run.engine_config, "speculation": _speculation(run)}
+
+
+def _speculation(run: SideRun) -> dict | None:
+    """The target's drafts over the run: proposed, accepted, the rate (None: not speculating)."""
+    if run.side.speculative == "off":
+        return None
+    drafted = sum(s.get("target_drafted", 0) for s in run.steps)
+    accepted = sum(s.get("target_accepted", 0) for s in run.steps)
+    return {"method": run.side.speculative, "k": run.side.num_speculative_tokens,
+            "verify_steps": sum(1 for s in run.steps if s.get("target_phase") == "verify"),
+            "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None}
 
 
 def _common_prefix(x: str, y: str) -> int:

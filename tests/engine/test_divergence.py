@@ -255,3 +255,33 @@ def test_a_record_names_the_blas_library_not_its_path():
 
     blas = _backend()["blas"]
     assert blas is None or "/" not in blas
+
+
+def test_speculating_sides_are_bit_identical_to_plain_decoding_on_four_bit_rows():
+    """Speculation changes how many rows a step holds, never a row's bits (native kernels):
+    the trace keeps only the rows a verify step kept, and every emitted token's logits."""
+    prompt = "0101010101"  # the tiny model repeats itself here: prompt lookup gets accepted
+    a = SideConfig.parse("weights=q4,speculative=ngram,k=3")
+    b = SideConfig.parse("weights=q4,alongside=40,join=3")
+    assert (a.speculative, a.num_speculative_tokens) == ("ngram", 3)
+    assert "ngram k=3" in a.label() and a.engine_key() != b.engine_key()
+    r = run_experiment(prompt, a, b, max_tokens=24, loader=loader)
+    assert r["bit_identical"], r["verdict"]
+    assert r["logits"]["compared_tokens"] == 24
+    assert r["kv"]["compared_positions"] == 10 + 23
+    assert r["kv"]["rewritten_positions"] == {"a": 0, "b": 0}
+    spec = r["sides"]["a"]["speculation"]
+    assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]
+    steps = r["sides"]["a"]["steps"]
+    assert spec["drafted"] == sum(s["target_drafted"] for s in steps)
+    assert len(steps) < 24  # verify steps emitted several tokens
+    drafted_tokens = [t["drafted"] for t in r["sides"]["a"]["tokens"]]
+    assert sum(drafted_tokens) == spec["accepted"]
+    assert r["sides"]["b"]["speculation"] is None
+
+
+def test_bad_speculative_side_settings_are_refused():
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        SideConfig.parse("speculative=medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be a positive"):
+        SideConfig.parse("speculative=ngram,k=0")
