@@ -265,13 +265,13 @@
       line += `${pen}${(x0 + (i + 0.5) * dx).toFixed(1)} ${y(s.acceptance_rolling).toFixed(1)}`;
       pen = "L";
     });
-    out += `<path d="${bars}" fill="${css("--draft")}" stroke="none"/>` +
+    out += `<path d="${bars}" fill="${css("--verify")}" fill-opacity="0.3" stroke="none"/>` +
       `<path d="${line}" fill="none" stroke="${css("--verify")}" stroke-width="1.5"/>`;
     svg.innerHTML = out;
     svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
     const last = steps[steps.length - 1];
     box.querySelector(".legend").innerHTML =
-      `<span><i style="background:${css("--draft")}"></i>per step ` +
+      `<span><i style="background:${css("--verify")};opacity:.3"></i>per step ` +
       `${pct(last ? last.acceptance : null)}</span>` +
       `<span><i style="background:${css("--verify")}"></i>last ${data.acceptance_steps} ` +
       `steps ${pct(last ? last.acceptance_rolling : null)}</span>`;
