@@ -389,29 +389,36 @@ class ModelRunner:
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1)
-        # Per sampled row: the target's choice there, and the drafted token that follows it
-        # (the choice itself where nothing is drafted). A sampling verify group also gets, per
+        # Per sampled row: the target's choice there. A sampling verify group also gets, per
         # draft, the target's probability of it and a uniform draw (speculative sampling).
-        chosen, drafted, checks, at = [], [], [], 0
-        for g in groups:
-            p, n = g.params, g.sampled_rows
-            drafts = g.token_ids[1:] if g.verify else []
-            if p is None or p.greedy:
-                chosen.extend(greedy[at + j] for j in range(n))
-            else:
-                for j, d in enumerate(drafts):
-                    accept_prob, u, residual = _verify_row(logprobs[at + j], p,
-                                                           g.output_index + j, d)
-                    chosen.append(residual)
-                    checks.append(mx.stack([accept_prob, u]))
-                chosen.append(_sample_row(logprobs[at + n - 1], p, g.output_index + n - 1))
-            drafted.extend(mx.array(d) for d in drafts)
-            drafted.append(chosen[-1])
-            at += n
-        token_ids = mx.stack(chosen)
-        draft_ids = mx.stack(drafted)
+        checks = []
+        if all(g.params is None or g.params.greedy for g in groups):
+            token_ids = greedy  # the usual step: no per-row graph at all
+        else:
+            chosen, at = [], 0
+            for g in groups:
+                p, n = g.params, g.sampled_rows
+                if p is None or p.greedy:
+                    chosen.append(greedy[at:at + n])
+                else:
+                    for j, d in enumerate(g.token_ids[1:] if g.verify else []):
+                        accept_prob, u, residual = _verify_row(logprobs[at + j], p,
+                                                               g.output_index + j, d)
+                        chosen.append(residual[None])
+                        checks.append(mx.stack([accept_prob, u]))
+                    chosen.append(_sample_row(logprobs[at + n - 1], p,
+                                              g.output_index + n - 1)[None])
+                at += n
+            token_ids = mx.concatenate(chosen)
         token_lp = mx.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-        draft_lp = mx.take_along_axis(logprobs, draft_ids[:, None], axis=-1)[:, 0]
+        draft_lp = token_lp
+        if any(g.verify for g in groups):
+            # Row j of a verify group emits draft j + 1 if it is accepted: its logprob there.
+            drafts = []
+            for g in groups:
+                drafts += g.token_ids[1:] if g.verify else []
+                drafts.append(0)  # the group's last row: never a draft's
+            draft_lp = mx.take_along_axis(logprobs, mx.array(drafts)[:, None], axis=-1)[:, 0]
         checks = mx.stack(checks) if checks else None
         k = max((g.params.logprobs if g.params else 0) for g in groups)
         top_ids = top_lp = None

@@ -288,6 +288,10 @@ def _draws(runner, n, temperature=1.0):
         rows = mx.array(np.tile(logits, (len(groups), 1)).astype(np.float32))
         out = runner._sample(rows, groups)
         draws += [[s.token_id for s in out[g.seq_id]] for g in groups]
+        if temperature == 1.0:  # then a row's logprobs are log P: each token reports its own
+            for g in groups:
+                for p, s in zip((P0, P1, P1), out[g.seq_id], strict=False):
+                    assert s.logprob == pytest.approx(np.log(p[s.token_id]), abs=1e-5)
     return draws
 
 
@@ -329,3 +333,18 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_check(monkeypatch):
     monkeypatch.setattr(model_runner, "_verify_row", wrong)
     first, _ = _first_and_second(_draws(_runner(), 2000))
     assert _chi2(first, P0) > CHI2_7_999
+
+
+def test_drafted_tokens_carry_the_logprobs_and_alternatives_decoding_gives(make_engine):
+    params = greedy(logprobs=3)
+
+    def events(engine, prompt):
+        return [(e.token_id, e.logprob, e.top_logprobs)
+                for e in engine.submit(prompt, params) if hasattr(e, "token_id")]
+
+    plain = make_engine()
+    expected = {tuple(plain.encode(p)): plain.generate(p, params).token_ids for p in PROMPTS[:3]}
+    engine = make_engine(**SPEC, proposer=Oracle(expected))
+    for prompt in PROMPTS[:3]:
+        assert events(engine, prompt) == events(plain, prompt)
+    assert spec_totals(engine)[1] > 0
