@@ -437,7 +437,8 @@ class Engine:
                 self.block_manager.trim(g.seq.seq_id, g.seq.num_computed + 1)
             self.block_manager.register_full_blocks(
                 g.seq.seq_id, g.seq.token_ids + g.drafts[:accepted], g.seq.num_computed)
-            entries.append(self._entry(g, sampled=g.sample, accepted=accepted))
+            entries.append(self._entry(g, sampled=g.sample, accepted=accepted,
+                                       emitted=len(emitted)))
             if req.trace is not None and g.seq.seq_id in traces:
                 t = traces[g.seq.seq_id]
                 # A verify group: only the rows it keeps (rejected rows' slots are rewritten
@@ -449,9 +450,12 @@ class Engine:
                                   "phase": g.phase, "start": g.start, "rows": kept,
                                   "drafted": len(g.drafts), "accepted": accepted,
                                   "kv": kv, "logits": logits})
-            for sample in emitted:
+            for used, sample in enumerate(emitted, 1):
                 self._accept(req, sample, step)
-                if g.seq.is_finished:
+                if g.seq.is_finished:  # EOS or a stop string: the rest is not emitted
+                    emitted_drafts = sum(s.drafted for s in emitted[:used])
+                    accepted_tokens -= accepted - emitted_drafts
+                    entries[-1].accepted, entries[-1].emitted = emitted_drafts, used
                     break
         if error is not None:
             self._recover_pool()
@@ -498,10 +502,10 @@ class Engine:
         req = self._requests.get(seq_id)
         return req is not None and req.trace is not None
 
-    def _entry(self, g, sampled: bool, accepted: int = 0) -> StepEntry:
+    def _entry(self, g, sampled: bool, accepted: int = 0, emitted: int = 0) -> StepEntry:
         return StepEntry(g.seq.seq_id, g.phase, g.num_rows, g.seq.num_computed,
                          len(self.block_manager.block_table(g.seq.seq_id)), sampled,
-                         drafted=len(g.drafts), accepted=accepted)
+                         drafted=len(g.drafts), accepted=accepted, emitted=emitted)
 
     def _proposals(self) -> tuple[dict[str, list[int]], str]:
         """Drafts for the running requests in decode, and the step's speculation state (see

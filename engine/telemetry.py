@@ -17,7 +17,11 @@ class StepEntry:
     blocks_held: int
     sampled: bool  # the step produced a token for this request
     drafted: int = 0  # verify: tokens proposed (rows - 1)
-    accepted: int = 0  # verify: of them, kept (the step emits accepted + 1 tokens)
+    accepted: int = 0  # verify: of them, kept and emitted
+    # Tokens the step gave the request (an EOS included): 1 for a sampled prefill or decode
+    # row; accepted + 1 for a verify group, fewer when the request ended on an accepted draft
+    # (EOS or a stop string: the rest are not emitted)
+    emitted: int = 0
 
 
 @dataclass

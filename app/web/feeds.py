@@ -35,7 +35,7 @@ ACCEPTANCE_STEPS = 50  # steps the rolling acceptance rate covers
 def decode_tokens(record: StepRecord) -> int:
     """Tokens the step emitted for requests past their prefill: one per decode row, and per
     verify group its accepted drafts plus the target's own token."""
-    verified = sum(1 + e.accepted for e in record.entries if e.phase == "verify" and e.sampled)
+    verified = sum(e.emitted for e in record.entries if e.phase == "verify")
     return record.decode_rows + verified
 
 

@@ -169,7 +169,7 @@ class EngineMetrics:
             if entry.phase == "verify":
                 self._observe_verify(entry)
             # A verify entry emits its accepted drafts and the target's own token.
-            self.generation_tokens.inc(1 + (entry.accepted if entry.phase == "verify" else 0))
+            self.generation_tokens.inc(entry.emitted)
             last = self._last_token.pop(entry.request_id, None)
             if last is None:  # the request's first token: its prompt is all in the cache now
                 self.prompt_tokens.inc(entry.context_len)

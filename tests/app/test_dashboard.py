@@ -546,8 +546,8 @@ def test_stream_frames_carry_the_verify_numbers(spec_live):
 
 def test_decode_rate_counts_every_token_a_verify_group_emits():
     rate = RollingRate(window_s=1.0)
-    entries = [StepEntry("a", "verify", 5, 20, 5, True, drafted=4, accepted=3),
-               StepEntry("b", "decode", 1, 9, 3, True)]
+    entries = [StepEntry("a", "verify", 5, 20, 5, True, drafted=4, accepted=3, emitted=4),
+               StepEntry("b", "decode", 1, 9, 3, True, emitted=1)]
     steps = [StepRecord(**{**record(i, 100.0 + i * 0.01, 0.01, 1).__dict__,
                            "entries": entries, "verify_rows": 5, "total_rows": 6})
              for i in range(200)]

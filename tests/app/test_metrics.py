@@ -212,9 +212,9 @@ def test_steps_seen_twice_count_once():
             return lambda: None
 
     def record(step: int, **kw) -> StepRecord:
-        entry = StepEntry("r1", "decode", 1, 10 + step, 3, True)
+        entry = StepEntry("r1", "decode", 1, 10 + step, 3, True, emitted=1)
         if step == 2:  # a verify group: 3 drafts, 2 of them kept (3 tokens in the step)
-            entry = StepEntry("r1", "verify", 4, 14, 4, True, drafted=3, accepted=2)
+            entry = StepEntry("r1", "verify", 4, 14, 4, True, drafted=3, accepted=2, emitted=3)
         base = dict(step=step, started_at=100.0 + step, wall_time=0.01, model_time=0.005,
                     scheduler_time=0.005, entries=[entry], total_rows=1, prefill_rows=0,
                     decode_rows=1, kv_blocks_total=8, kv_blocks_used=3, kv_blocks_free=5,

@@ -348,3 +348,22 @@ def test_drafted_tokens_carry_the_logprobs_and_alternatives_decoding_gives(make_
     for prompt in PROMPTS[:3]:
         assert events(engine, prompt) == events(plain, prompt)
     assert spec_totals(engine)[1] > 0
+
+
+def test_a_request_that_stops_on_an_accepted_draft_counts_only_what_it_emitted(make_engine):
+    expected = reference(make_engine, PROMPTS[:1], greedy())
+    continuation = list(expected.values())[0]
+    engine = make_engine(**SPEC, proposer=Oracle(expected, wrong=0.0))
+    # Stop at output token 6 (one of a verify step's drafts, 4 to a step after the prefill's).
+    decode = engine.tokenizer.decode
+    stop = decode(continuation[:7])[len(decode(continuation[:6])):]
+    assert stop and stop not in decode(continuation[:6])
+    handle = engine.submit(PROMPTS[0], greedy(24, stop=[stop]))
+    tokens = [e for e in handle if hasattr(e, "token_id")]
+    finish = handle.result()
+    assert finish.reason == "stop" and finish.token_ids == continuation[:7]
+    entries = [e for r in engine.steps.recent() for e in r.entries]
+    assert sum(e.emitted for e in entries) == 7
+    assert sum(e.accepted for e in entries) == sum(t.drafted for t in tokens)
+    assert sum(r.accepted_tokens for r in engine.steps.recent()) == sum(t.drafted for t in tokens)
+    assert entries[-1].phase == "verify" and entries[-1].emitted < entries[-1].drafted + 1
