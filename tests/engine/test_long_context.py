@@ -70,7 +70,11 @@ def run_traced(eng: Engine, ids: list[int], params: SamplingParams, company: boo
     return kv, logits, r.token_ids
 
 
-@pytest.mark.parametrize("attention", ["native", "mlx"])
+# The MLX-ops variants are slow on the CPU: they run in `make test`, not `make test-fast`.
+MLX_SLOW = pytest.param("mlx", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("attention", ["native", MLX_SLOW])
 def test_a_long_prompt_gets_the_same_bits_in_any_chunking_alone_or_batched(attention):
     """In the native kernel a row's attention carries its own bits, and in batch-invariant
     mode the linear layers do too: a 3000-token prompt prefilled in chunks of 512 or of 96
@@ -99,7 +103,7 @@ def test_a_long_prompt_gets_the_same_bits_in_any_chunking_alone_or_batched(atten
         assert not all(same)
 
 
-@pytest.mark.parametrize("attention", ["native", "mlx"])
+@pytest.mark.parametrize("attention", ["native", MLX_SLOW])
 def test_long_prefill_keeps_no_rows_x_context_x_heads_tensor(attention):
     """Peak memory over a 4000-token prefill in 512-row chunks (MLX's counters): the native
     kernel stays under the size of one chunk's float32 scores (512 x context x 8 heads); the

@@ -437,6 +437,7 @@ def test_auto_keeps_the_shipped_format_when_the_expansion_would_not_fit(
     assert load_model(str(tiny_q4_folder), "q4").weights == "q4"
 
 
+@pytest.mark.slow  # loads and dequantizes folders several times (`make test` runs it)
 def test_auto_on_the_cpu_keeps_a_folder_the_native_kernel_takes(tiny_q4_folder, tmp_path):
     """A 4-bit (group 64) folder stays 4-bit; an unquantized one and a 3-bit one (not a
     format the kernel takes) load as float32, as without the kernel."""

@@ -306,7 +306,7 @@ def _first_and_second(draws):
     return first, second
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, pytest.param(0.7, marks=pytest.mark.slow)])
 def test_speculative_sampling_emits_the_target_distribution(temperature):
     runner = _runner()
     draws = _draws(runner, 2000, temperature)
@@ -319,6 +319,7 @@ def test_speculative_sampling_emits_the_target_distribution(temperature):
     assert _draws(runner, 50, temperature) == draws[:50]
 
 
+@pytest.mark.slow  # 2000 draws; runs in `make test` (CI)
 def test_a_wrong_acceptance_rule_fails_the_distribution_check(monkeypatch):
     """The check above can fail: sampling the residual without taking the draft out (a
     common mistake) over-weights the draft."""
