@@ -50,7 +50,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for event in handle:
             if isinstance(event, TokenEvent):
                 tokens.append({"id": event.token_id, "text": event.text,
-                               "logprob": event.logprob, "top_logprobs": event.top_logprobs})
+                               "logprob": event.logprob, "top_logprobs": event.top_logprobs,
+                               "drafted": event.drafted})
                 if not args.json:
                     print(event.text, end="", flush=True)
             elif isinstance(event, FinishEvent):
@@ -68,6 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         elapsed = finish.finish_time - finish.arrival_time
         ttft = (finish.first_token_time or finish.finish_time) - finish.arrival_time
+        drafted = (f", {sum(t['drafted'] for t in tokens)} of them accepted drafts"
+                   if engine.speculation.enabled else "")
         print(f"[{finish.reason}] {finish.completion_tokens} tokens in {elapsed:.2f} s, "
-              f"TTFT {ttft * 1000:.0f} ms", file=sys.stderr)
+              f"TTFT {ttft * 1000:.0f} ms{drafted}", file=sys.stderr)
     return 0 if finish.reason != "error" else 1
