@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import model_runner
+from engine.engine import Submission
 from engine.model_runner import ModelRunner, RowGroup, pool_for
 from engine.models import family_for
 from engine.sampling import SamplingParams
@@ -191,7 +192,10 @@ def test_speculation_turns_off_past_the_batch_limit_and_per_request(make_engine)
     expected = reference(make_engine, PROMPTS[:4], greedy())
     engine = make_engine(**{**SPEC, "speculative_max_batch": 2}, proposer=Oracle(expected))
     lengths = [4, 4, 24, 24]  # two finish early: the other two speculate alone
-    handles = [engine.submit(p, greedy(n)) for p, n in zip(PROMPTS, lengths, strict=False)]
+    # All four reach the same step (submitted one by one, the engine could start the first
+    # alone), so the next steps start with four running.
+    handles = engine.submit_many([Submission(p, greedy(n))
+                                  for p, n in zip(PROMPTS, lengths, strict=False)])
     assert [h.result().token_ids for h in handles] == [
         ids[:n] for ids, n in zip(expected.values(), lengths, strict=True)]
     records = engine.steps.recent()
