@@ -24,13 +24,15 @@ METHODS = ("off", "ngram")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"
-    num_tokens: int = 4  # drafts per step per request (k)
-    lookup_min: int = 2  # shortest n-gram matched (prompt lookup)
-    lookup_max: int = 4  # longest n-gram matched, tried first
-    # Speculate only while at most this many requests run: past it the verify rows cost more
-    # than they save (benchmarks/speculative.py).
-    max_batch: int = 4
+    """The speculation settings, checked (their defaults live in EngineConfig alone)."""
+
+    method: str  # "off" or "ngram"
+    num_tokens: int  # drafts per step per request (k)
+    lookup_min: int  # shortest n-gram matched (prompt lookup)
+    lookup_max: int  # longest n-gram matched, tried first
+    # Speculate only while at most this many requests run (benchmarks/speculative.py: on open
+    # questions drafts cost throughput from 4 streams on).
+    max_batch: int
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
