@@ -51,6 +51,13 @@ class KVPool:
             return 0
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values, strict=True))
 
+    def _storage_for(self, model_dtype: mx.Dtype) -> mx.Dtype:
+        dtype = self.storage_dtype or model_dtype
+        if dtype.size > model_dtype.size:
+            raise ValueError(f"a {dtype} KV cache is wider than the model's {model_dtype} "
+                             "keys and values: use kv_dtype auto or a narrower one")
+        return dtype
+
     def _allocate(self, dtype: mx.Dtype) -> None:
         shapes = [(kv, self.num_slots, dim) for kv, dim in zip(self.kv_heads, self.head_dims,
                                                               strict=True)]
@@ -62,16 +69,20 @@ class KVPool:
         """Store rows (rows, kv_heads, head_dim) at the given slots of one layer (rounded to the
         pool's dtype when it is narrower than the model's)."""
         if self._keys is None:
-            dtype = self.storage_dtype or keys.dtype
-            if dtype.size > keys.dtype.size:
-                raise ValueError(f"a {dtype} KV cache is wider than the model's {keys.dtype} "
-                                 "keys and values: use kv_dtype auto or a narrower one")
-            self._allocate(dtype)
+            self._allocate(self._storage_for(keys.dtype))
         dtype = self._keys[layer].dtype
         if keys.dtype != dtype:
             keys, values = keys.astype(dtype), values.astype(dtype)
         self._keys[layer][:, slots] = keys.swapaxes(0, 1)
         self._values[layer][:, slots] = values.swapaxes(0, 1)
+
+    def writable(self, layer: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """One layer's (keys, values) for an op that writes rows into them in place
+        (engine/native/decoder_layer.h), the storage allocated at the first write as `write`
+        does for a model computing in `dtype`."""
+        if self._keys is None:
+            self._allocate(self._storage_for(dtype))
+        return self._keys[layer], self._values[layer]
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Gather the keys and values at `slots` (in order) -> (kv_heads, len(slots), head_dim)."""

@@ -25,6 +25,7 @@ from engine.config import check_native_setting
 from engine.kernels import apply_experts, apply_linear
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
+from engine.models.base import head_dim as _head_dim
 from engine.sampling import SamplingParams
 from engine.speculative import accepted_prefix
 
@@ -123,7 +124,9 @@ class Step:
         self.tokens = mx.array(tokens)
         self.rows = len(tokens)
         self.pos = mx.array(positions, dtype=mx.int32)
-        self.write = mx.array(np.concatenate(write_slots))
+        slots = np.concatenate(write_slots)
+        self.write = mx.array(slots)
+        self.write32 = mx.array(slots.astype(np.int32))  # for the fused layer op
         self._plans: dict[tuple[int | None, bool], StepAttention] = {}  # (window, sinks)
         self.expert_choices: list[tuple[int, int, mx.array]] = []  # (layer, experts, indices)
 
@@ -165,15 +168,26 @@ class Step:
         kv = runner.layer_kv[i]
         if kv.writes:
             runner.pool.write(kv.pool_layer, self.write, k, v)
-        key = (kv.window, sinks is not None)
+        return attend_step(q, self.plan(kv.window, sinks is not None), runner.pool,
+                           kv.pool_layer, scale, runner.fused_attention,
+                           runner.attention_kernel, sinks)
+
+    def plan(self, window: int | None, sinks: bool = False) -> StepAttention:
+        """How this step's rows attend in a layer with this window (made once per step)."""
+        key = (window, sinks)
         plan = self._plans.get(key)
         if plan is None:
             # The native kernel has no sinks: such a layer's decode rows take MLX ops.
-            native = runner.attention_kernel is not None and sinks is None
-            plan = self._plans[key] = plan_step(self.contexts, runner.pool.block_size, native,
-                                                kv.window)
-        return attend_step(q, plan, runner.pool, kv.pool_layer, scale, runner.fused_attention,
-                           runner.attention_kernel, sinks)
+            native = self.runner.attention_kernel is not None and not sinks
+            plan = self._plans[key] = plan_step(self.contexts, self.runner.pool.block_size,
+                                                native, window)
+        return plan
+
+    def decoder_layer(self, i: int, layer, x: mx.array, qk_norm: bool = False,
+                      rope: bool = True) -> mx.array | None:
+        """Layer i of a llama-style block (engine/models/base.py's llama_layer) as one native
+        op, or None where the step computes it op by op: the same bits either way."""
+        return self.runner.decoder_layer(self, i, layer, x, qk_norm, rope)
 
     def experts(self, i: int, switch, x: mx.array, indices: mx.array,
                 num_experts: int) -> mx.array:
@@ -213,6 +227,9 @@ class ModelRunner:
         # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
         # for all of a row's math.
         self.row_ops = _row_ops(decode_matmul, self.fused_attention)
+        # A llama-style layer as one op where all of its parts take the native ops above.
+        self.layer_kernel = _layer_kernel(decode_matmul, self.fused_attention)
+        self._layer_ops: dict[tuple, tuple] = {}  # (layer, qk_norm, rope) -> (module, args)
         self._rope_freqs: dict[int, tuple] = {}  # id(rope) -> (rope, _rope_freqs(rope))
         self.path = "gemm"
         self.tile = 16  # rows per call on the batch-invariant ("tiled") path
@@ -282,30 +299,114 @@ class ModelRunner:
 
     def _stacked(self, modules: list, x: mx.array):
         """The one native call for `modules` on x (a function of x), or None where a layer
-        would not take a native kernel on this step. The stacked weights are made on first use
-        and the layers' own weights become views of them, so no memory is added."""
-        rows = x.shape[1]
+        would not take a native kernel on this step."""
+        found = self._native_weights(modules, x.shape[1], x.dtype)
+        if found is None:
+            return None
+        arrays, bits, group_size = found
+        if bits == 0:
+            return lambda v: self.matmul_kernel(v, arrays[0])
+        return lambda v: self.quantized_kernel(v, *arrays, group_size, bits)
+
+    def _native_weights(self, modules: list, rows: int,
+                        dtype: mx.Dtype) -> tuple[list, int, int] | None:
+        """(arrays, bits, group_size) of the native kernel that takes `modules` stacked by
+        output on a step of `rows` rows of `dtype`: ([weight], 0, 0) for float32, ([w, scales,
+        biases], bits, group_size) for affine-quantized; None where none would. The stacked
+        weights are made on first use and the layers' own weights become views of them, so no
+        memory is added (a single layer is taken as it is)."""
         key = tuple(id(m) for m in modules)
         entry = self._stacks.get(key)
         if entry is None or any(a is not b for a, b in zip(entry[0], modules, strict=True)):
             entry = self._stacks[key] = (modules, *self._stack(modules))  # modules kept alive
         _, kind, arrays = entry
         if kind == "f32" and rows <= DECODE_MATMUL_MAX_ROWS:
-            return lambda v: self.matmul_kernel(v, arrays[0])
-        if kind == "q" and rows <= DECODE_QUANTIZED_MAX_ROWS and x.dtype == mx.float32:
-            return lambda v: self.quantized_kernel(v, *arrays)
+            return [arrays[0]], 0, 0
+        if kind == "q" and rows <= DECODE_QUANTIZED_MAX_ROWS and dtype == mx.float32:
+            return list(arrays[:3]), arrays[4], arrays[3]
         return None
 
     def _stack(self, modules: list) -> tuple[str | None, tuple]:
         weights = [_float32_weight(m) for m in modules]
         if self.matmul_kernel is not None and all(w is not None for w in weights):
+            if len(modules) == 1:
+                return "f32", (weights[0],)
             return "f32", (_stack_rows(modules, ["weight"])[0],)
         quantized = [quantized_weight(m) for m in modules]
         if (self.quantized_kernel is not None and all(q is not None for q in quantized)
                 and len({(q[3], q[4], q[1].dtype) for q in quantized}) == 1):
+            if len(modules) == 1:
+                return "q", quantized[0]
             w, scales, biases = _stack_rows(modules, ["weight", "scales", "biases"])
             return "q", (w, scales, biases, quantized[0][3], quantized[0][4])
         return None, ()
+
+    def decoder_layer(self, step: Step, i: int, layer, x: mx.array, qk_norm: bool,
+                      rope: bool) -> mx.array | None:
+        """Layer i of a llama-style block as one native op (engine/native/decoder_layer.h):
+        norms, q/k/v, RoPE, the KV write, paged attention, o, SwiGLU MLP and residuals. None
+        where any part would take another path than its native op on this step, so the op
+        gives exactly the bits of the op-by-op layer (tests/engine/test_decoder_layer.py)."""
+        op = self.layer_kernel
+        if op is None or self.path != "gemm" or x.dtype != mx.float32:
+            return None
+        key = (i, qk_norm, rope)
+        entry = self._layer_ops.get(key)
+        if entry is None or entry[0] is not layer:  # kept with its module: ids are not reused
+            entry = self._layer_ops[key] = (layer, self._layer_op(i, layer, qk_norm, rope))
+        found = entry[1]
+        if found is None or x.shape[1] > found[0]:
+            return None
+        head, tail = found[1], found[2]
+        kv = self.layer_kv[i]
+        plan = step.plan(kv.window)
+        pool = self.pool
+        # The op writes the rows' keys and values into these arrays when it is evaluated
+        # (decoder_layer.h): the step's output depends on it, and _forward evaluates that.
+        k_pool, v_pool = pool.writable(kv.pool_layer, x.dtype)
+        return op(x[0], *head, k_pool, v_pool, step.write32, step.pos, *tail, plan.tables,
+                  plan.lens, plan.query_lens, *found[3:], plan.window or 0)[None]
+
+    def _layer_op(self, i: int, layer, qk_norm: bool, rope: bool) -> tuple | None:
+        """What the fused op takes for layer i that does not change from step to step:
+        (most rows, arguments before the pool, RoPE arguments, attention scale and block
+        size), or None where a part of the layer has no native op."""
+        kv = self.layer_kv[i]
+        if not kv.writes or self.attention_kernel is None:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        qk_norms = [attn.q_norm, attn.k_norm] if qk_norm else []
+        if (any(type(n) is not nn.RMSNorm or n.weight.dtype != mx.float32
+                for n in norms + qk_norms)
+                or norms[0].eps != norms[1].eps
+                or (qk_norm and qk_norms[0].eps != qk_norms[1].eps)
+                or any(getattr(m, "bias", None) is not None
+                       for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj))):
+            return None
+        qkv_modules = [attn.q_proj, attn.k_proj, attn.v_proj]
+        qkv_bias = [getattr(m, "bias", None) for m in qkv_modules]
+        if all(b is None for b in qkv_bias):
+            qkv_bias = []
+        elif any(b is None or b.dtype != mx.float32 for b in qkv_bias):
+            return None
+        linears = [self._native_weights(modules, 1, mx.float32) for modules in
+                   (qkv_modules, [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj])]
+        if any(found is None for found in linears):
+            return None
+        # Float32 layers take the native kernel on steps of few rows only.
+        max_rows = min(DECODE_MATMUL_MAX_ROWS if bits == 0 else DECODE_QUANTIZED_MAX_ROWS
+                       for _, bits, _ in linears)
+        tail = (None, 0, False, 1.0)  # inv_freqs, dims, traditional, scale: no RoPE
+        if rope:
+            freqs = self.rope_freqs(attn.rope)
+            if freqs is None:
+                return None
+            tail = (freqs[0], attn.rope.dims, attn.rope.traditional, freqs[1])
+        head = (norms[0].weight, norms[1].weight, norms[0].eps, *linears, qkv_bias,
+                [n.weight for n in qk_norms], qk_norms[0].eps if qk_norm else 0.0,
+                attn.n_heads, attn.n_kv_heads, _head_dim(attn))
+        return max_rows, head, tail, attn.scale, self.pool.block_size
 
     def norm(self, module, x: mx.array) -> mx.array:
         if (self.row_ops is not None and type(module) is nn.RMSNorm and x.dtype == mx.float32
@@ -318,11 +419,15 @@ class ModelRunner:
         takes nn.RoPE and Llama3RoPE (a position-only angle); other variants scale or mix."""
         if self.row_ops is None or q.dtype != mx.float32 or k.dtype != mx.float32:
             return None
+        found = self.rope_freqs(rope)
+        return None if found is None else (self.row_ops[1], *found)
+
+    def rope_freqs(self, rope) -> tuple[mx.array, float] | None:
+        """(inv_freqs, position scale) of a RoPE module the native ops rotate by, or None."""
         entry = self._rope_freqs.get(id(rope))
         if entry is None or entry[0] is not rope:  # kept with its module: an id is not reused
             entry = self._rope_freqs[id(rope)] = (rope, _rope_freqs(rope))
-        found = entry[1]
-        return None if found is None else (self.row_ops[1], *found)
+        return entry[1]
 
     def run(self, groups: list[RowGroup], path: str = "gemm") -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path`."""
@@ -372,7 +477,8 @@ class ModelRunner:
 
         sampled = [g for g in groups if g.sample]
         if not sampled:
-            mx.eval(self.pool.state())
+            # x too: a fused layer (decoder_layer) writes the pool when its output is evaluated.
+            mx.eval(x, self.pool.state())
             return None, []
         rows, r = [], 0
         for g in groups:
@@ -483,6 +589,11 @@ def _row_ops(decode_matmul: str, fused: bool):
     """The native (rms_norm_rows, rope_rows, logsumexp_rows), or None for MLX's ops (a GPU,
     or "mlx")."""
     return _native_op("decode_matmul", decode_matmul, fused, native.row_ops)
+
+
+def _layer_kernel(decode_matmul: str, fused: bool):
+    """The native decoder layer op (the same setting as the row ops), or None."""
+    return _native_op("decode_matmul", decode_matmul, fused, native.decoder_layer)
 
 
 def _rope_freqs(rope) -> tuple[mx.array, float] | None:

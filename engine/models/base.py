@@ -61,7 +61,7 @@ class Family:
     # ---- what the engine asks of every family -------------------------------------------
     def layer_kv(self) -> list[LayerKV]:
         """One entry per decoder layer. Default: each layer has its own pool layer."""
-        return [LayerKV(i, True, layer.self_attn.n_kv_heads, _head_dim(layer.self_attn),
+        return [LayerKV(i, True, layer.self_attn.n_kv_heads, head_dim(layer.self_attn),
                         self.window(i))
                 for i, layer in enumerate(self.layers)]
 
@@ -117,7 +117,7 @@ def gelu_approx(x: mx.array) -> mx.array:
     return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def _head_dim(attn: nn.Module) -> int:
+def head_dim(attn: nn.Module) -> int:
     dim = getattr(attn, "head_dim", None)
     if dim is None:
         dim = attn.q_proj.weight.shape[0] // attn.n_heads  # llama's Attention keeps no head_dim
@@ -142,6 +142,18 @@ def llama_attention(step: Step, i: int, attn: nn.Module, h: mx.array, *,
         q, k = step.rope(attn.rope, q, k)
     o = step.attend(i, q, k, v, attn.scale)
     return step.linear(attn.o_proj, o[None])
+
+
+def llama_layer(step: Step, i: int, layer: nn.Module, x: mx.array, *, qk_norm: bool = False,
+                rope: bool = True) -> mx.array:
+    """The pre-norm block: x + attn(rmsnorm(x)), then x + swiglu_mlp(rmsnorm(x)). As one native
+    op where the step takes every part of it natively (the same bits), else op by op."""
+    fused = step.decoder_layer(i, layer, x, qk_norm, rope)
+    if fused is not None:
+        return fused
+    x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x),
+                            qk_norm=qk_norm, rope=rope)
+    return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))
 
 
 def swiglu_mlp(step: Step, mlp: nn.Module, h: mx.array) -> mx.array:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mlx_lm.models import llama
 
-from engine.models.base import Family, llama_attention, swiglu_mlp
+from engine.models.base import Family, llama_layer
 
 
 class Llama(Family):
@@ -22,6 +22,4 @@ class Llama(Family):
         return self.inner.sliding_window if self.layers[i].use_sliding else None
 
     def layer(self, step, i, x):
-        layer = self.layers[i]
-        x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x))
-        return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))
+        return llama_layer(step, i, self.layers[i], x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlx_lm.models import qwen2, qwen3
 
-from engine.models.base import Family, llama_attention, swiglu_mlp
+from engine.models.base import Family, llama_layer
 
 
 class Qwen2(Family):
@@ -16,10 +16,7 @@ class Qwen2(Family):
     qk_norm = False
 
     def layer(self, step, i, x):
-        layer = self.layers[i]
-        x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x),
-                                qk_norm=self.qk_norm)
-        return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))
+        return llama_layer(step, i, self.layers[i], x, qk_norm=self.qk_norm)
 
 
 class Qwen3(Qwen2):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlx_lm.models import smollm3
 
-from engine.models.base import Family, llama_attention, swiglu_mlp
+from engine.models.base import Family, llama_layer
 
 
 class SmolLM3(Family):
@@ -18,10 +18,7 @@ class SmolLM3(Family):
         self.uses_rope = [bool(flag) for flag in model.args.no_rope_layers]
 
     def layer(self, step, i, x):
-        layer = self.layers[i]
-        x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x),
-                                rope=self.uses_rope[i])
-        return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))
+        return llama_layer(step, i, self.layers[i], x, rope=self.uses_rope[i])
 
     def describe_layers(self):
         skipped = self.uses_rope.count(False)

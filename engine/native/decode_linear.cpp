@@ -108,7 +108,13 @@ void linear_range(const float* x, const float* w, float* out, int M, int K, int 
   for (; n < n_end; ++n) column_tile<1>(x, w, out, M, K, N, n);
 }
 
-void linear(const float* x, const float* w, float* out, int M, int K, int N) {
+void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("decode_linear: " + message);
+}
+
+}  // namespace
+
+void linear_rows(const float* x, const float* w, float* out, int M, int K, int N) {
   // Column tiles in chunks, shared by the threads (batchscope::parallel_for): a thread that
   // starts late or runs slow takes fewer. Below ~64k multiply-adds one thread is faster.
   const int tiles = (N + COLS - 1) / COLS;
@@ -121,12 +127,6 @@ void linear(const float* x, const float* w, float* out, int M, int K, int N) {
   }
   linear_range(x, w, out, M, K, N, 0, N);
 }
-
-void check(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument("decode_linear: " + message);
-}
-
-}  // namespace
 
 mx::array decode_linear(const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
   check(x.ndim() >= 1 && weight.ndim() == 2, "x must be (..., in) and weight (out, in)");
@@ -156,7 +156,7 @@ void DecodeLinear::eval_cpu(const std::vector<mx::array>& inputs,
   encoder.set_output_array(out);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                     out = mx::array::unsafe_weak_copy(out), M, K, N]() mutable {
-    linear(x.data<float>(), w.data<float>(), out.data<float>(), M, K, N);
+    linear_rows(x.data<float>(), w.data<float>(), out.data<float>(), M, K, N);
   });
 }
 

@@ -14,6 +14,10 @@ namespace mx = mlx::core;
 // nn.Linear holds it. Returns (..., out_features).
 mx::array decode_linear(const mx::array& x, const mx::array& weight, mx::StreamOrDevice s = {});
 
+// The op's arithmetic on memory in place: x (M, K), w (N, K), out (M, N), float32. Runs on the
+// calling thread and the worker pool (decoder_layer.h).
+void linear_rows(const float* x, const float* w, float* out, int M, int K, int N);
+
 class DecodeLinear : public mx::Primitive {
  public:
   explicit DecodeLinear(mx::Stream stream) : mx::Primitive(stream) {}

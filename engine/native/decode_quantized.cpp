@@ -614,6 +614,27 @@ std::string set_decode_quantized_isa(const std::string& name) {
   return isa_name(isa);
 }
 
+void quantized_linear_rows(const float* x, int M, int K, const uint32_t* w, const void* scales,
+                           const void* biases, mx::Dtype scale_dtype, int N, int group_size,
+                           int bits, float* out) {
+  const ScaleType st = scale_dtype == mx::float16    ? ScaleType::f16
+                       : scale_dtype == mx::bfloat16 ? ScaleType::bf16
+                                                     : ScaleType::f32;
+  thread_local std::vector<float> lane_order;  // reused: no allocation per call
+  if (bits == 4) {  // each 32 values: the even ones, then the odd ones (see the top)
+    lane_order.resize(static_cast<size_t>(M) * K);
+    for (size_t base = 0; base < lane_order.size(); base += 32) {
+      for (int j = 0; j < 16; ++j) {
+        lane_order[base + j] = x[base + 2 * j];
+        lane_order[base + 16 + j] = x[base + 2 * j + 1];
+      }
+    }
+    x = lane_order.data();
+  }
+  Problem p{x, w, scales, biases, st, out, M, K, N, group_size, bits};
+  compute(p);
+}
+
 mx::array decode_quantized_linear(const mx::array& x, const mx::array& w,
                                   const mx::array& scales, const mx::array& biases,
                                   int group_size, int bits, mx::StreamOrDevice s) {
@@ -663,32 +684,16 @@ void DecodeQuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
   const int K = static_cast<int>(x.shape(-1));
   const int N = static_cast<int>(w.shape(0));
   const int M = static_cast<int>(x.size() / K);
-  const ScaleType st = scales.dtype() == mx::float16    ? ScaleType::f16
-                       : scales.dtype() == mx::bfloat16 ? ScaleType::bf16
-                                                        : ScaleType::f32;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                     scales = mx::array::unsafe_weak_copy(scales),
                     biases = mx::array::unsafe_weak_copy(biases),
-                    out = mx::array::unsafe_weak_copy(out), st, M, K, N, gs = group_size_,
+                    out = mx::array::unsafe_weak_copy(out), M, K, N, gs = group_size_,
                     bits = bits_]() mutable {
-    const float* xs = x.data<float>();
-    thread_local std::vector<float> lane_order;  // reused: no allocation per call
-    if (bits == 4) {  // each 32 values: the even ones, then the odd ones (see the top)
-      lane_order.resize(static_cast<size_t>(M) * K);
-      for (size_t base = 0; base < lane_order.size(); base += 32) {
-        for (int j = 0; j < 16; ++j) {
-          lane_order[base + j] = xs[base + 2 * j];
-          lane_order[base + 16 + j] = xs[base + 2 * j + 1];
-        }
-      }
-      xs = lane_order.data();
-    }
-    Problem p{xs, w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), st,
-              out.data<float>(), M, K, N, gs, bits};
-    compute(p);
+    quantized_linear_rows(x.data<float>(), M, K, w.data<uint32_t>(), scales.data<void>(),
+                          biases.data<void>(), scales.dtype(), N, gs, bits, out.data<float>());
   });
 }
 

@@ -4,6 +4,7 @@
 // (batch-invariant by construction) and on every instruction set it runs on.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "mlx/ops.h"
@@ -19,6 +20,13 @@ namespace mx = mlx::core;
 mx::array decode_quantized_linear(const mx::array& x, const mx::array& w,
                                   const mx::array& scales, const mx::array& biases,
                                   int group_size, int bits, mx::StreamOrDevice s = {});
+
+// The op's arithmetic on memory in place: x (M, K) float32 rows, w/scales/biases as above
+// (scales and biases of scale_dtype), out (M, N). Runs on the calling thread and the worker
+// pool; for ops that run linear layers inside their own evaluation (decoder_layer.h).
+void quantized_linear_rows(const float* x, int M, int K, const uint32_t* w, const void* scales,
+                           const void* biases, mx::Dtype scale_dtype, int N, int group_size,
+                           int bits, float* out);
 
 // The instruction set the op uses: "avx512", "avx2" or "portable" (best this CPU has, unless
 // BATCHSCOPE_QUANTIZED_ISA or set_decode_quantized_isa chose another it also has).

@@ -661,19 +661,93 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
                    std::move(inputs));
 }
 
+void paged_attention_rows(const PagedAttentionArgs& a) {
+  const Shapes s{a.rows,       a.seqs,       a.heads,      a.kv_heads,
+                 a.dim,        a.slots,      a.max_blocks, a.block_size,
+                 a.window,     (a.dim + 7) / 8 * 8,        (a.dim + 15) / 16 * 16,
+                 a.scale};
+  const int32_t* table_ptr = a.block_tables;
+  const int32_t* len_ptr = a.context_lens;
+  const int32_t* qlen_ptr = a.query_lens;
+  // Bad tables would read outside the pool: check everything before touching it.
+  const int blocks = s.slots / s.block_size;
+  long total_rows = 0;
+  std::vector<int> row0s(s.seqs);
+  std::vector<Unit> units;
+  const int rep = s.heads / s.kv_heads;
+  for (int i = 0; i < s.seqs; ++i) {
+    const int len = len_ptr[i], qlen = qlen_ptr[i];
+    if (len < 1 || (len + s.block_size - 1) / s.block_size > s.max_blocks) {
+      throw std::invalid_argument("paged_attention: a context length is out of range");
+    }
+    if (qlen < 1 || qlen > len) {
+      throw std::invalid_argument(
+          "paged_attention: a query length is out of range (1 to its context length)");
+    }
+    for (int b = 0; b < (len + s.block_size - 1) / s.block_size; ++b) {
+      const int id = table_ptr[static_cast<size_t>(i) * s.max_blocks + b];
+      if (id < 0 || id >= blocks) {
+        throw std::invalid_argument("paged_attention: a block id is out of range");
+      }
+    }
+    row0s[i] = static_cast<int>(total_rows);
+    total_rows += qlen;
+    for (int g = 0; g < s.kv_heads; ++g) {
+      if (qlen == 1) {
+        const int span = s.window > 0 ? std::min(len, s.window) : len;
+        units.push_back({i, g, 0, 1, static_cast<double>(span) * rep / LANES});
+        continue;
+      }
+      for (int r = 0; r < qlen; r += LANES) {
+        const int rows = std::min(LANES, qlen - r);
+        const int last = len - qlen + r + rows;  // keys up to here
+        const int span = s.window > 0 ? std::min(last, s.window + rows) : last;
+        units.push_back({i, g, r, rows, static_cast<double>(span) * rep});
+      }
+    }
+  }
+  if (total_rows != s.rows) {
+    throw std::invalid_argument("paged_attention: query_lens must add up to q's rows");
+  }
+  // The longest first, so the threads finish together; a unit's bits do not depend on
+  // which thread runs it, or when.
+  std::stable_sort(units.begin(), units.end(),
+                   [](const Unit& x, const Unit& y) { return x.cost > y.cost; });
+  auto run = [&](auto* r_tag, auto* t_tag) {
+    using R = std::remove_pointer_t<decltype(r_tag)>;
+    using T = std::remove_pointer_t<decltype(t_tag)>;
+    run_units<R, T>(units, row0s, static_cast<const R*>(a.q), static_cast<const T*>(a.k),
+                    static_cast<const T*>(a.v), table_ptr, len_ptr, qlen_ptr,
+                    static_cast<R*>(a.out), s);
+  };
+  auto pool_is = [&](auto* r_tag) {
+    switch (a.pool_dtype) {
+      case mx::float32: return run(r_tag, static_cast<float*>(nullptr));
+      case mx::float16: return run(r_tag, static_cast<mx::float16_t*>(nullptr));
+      default: return run(r_tag, static_cast<mx::bfloat16_t*>(nullptr));
+    }
+  };
+  switch (a.q_dtype) {
+    case mx::float32: return pool_is(static_cast<float*>(nullptr));
+    case mx::float16: return run(static_cast<mx::float16_t*>(nullptr),
+                                 static_cast<mx::float16_t*>(nullptr));
+    default: return run(static_cast<mx::bfloat16_t*>(nullptr),
+                        static_cast<mx::bfloat16_t*>(nullptr));
+  }
+}
+
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
                               std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   const auto& q = inputs[0];
   const auto& k = inputs[1];
-  const int dim = static_cast<int>(q.shape(2));
-  Shapes shapes{static_cast<int>(q.shape(0)),    static_cast<int>(inputs[3].shape(0)),
-                static_cast<int>(q.shape(1)),    static_cast<int>(k.shape(0)),
-                dim,                             static_cast<int>(k.shape(1)),
-                static_cast<int>(inputs[3].shape(1)), block_size_,
-                window_,                         (dim + 7) / 8 * 8,
-                (dim + 15) / 16 * 16,            scale_};
+  PagedAttentionArgs args{nullptr, q.dtype(), nullptr, nullptr, k.dtype(), nullptr, nullptr,
+                          nullptr, nullptr, static_cast<int>(q.shape(0)),
+                          static_cast<int>(inputs[3].shape(0)), static_cast<int>(q.shape(1)),
+                          static_cast<int>(k.shape(0)), static_cast<int>(q.shape(2)),
+                          static_cast<int>(k.shape(1)), static_cast<int>(inputs[3].shape(1)),
+                          block_size_, window_, scale_};
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
@@ -682,74 +756,15 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
                     tables = mx::array::unsafe_weak_copy(inputs[3]),
                     lens = mx::array::unsafe_weak_copy(inputs[4]),
                     qlens = mx::array::unsafe_weak_copy(inputs[5]),
-                    out = mx::array::unsafe_weak_copy(out), s = shapes]() mutable {
-    const int32_t* table_ptr = tables.data<int32_t>();
-    const int32_t* len_ptr = lens.data<int32_t>();
-    const int32_t* qlen_ptr = qlens.data<int32_t>();
-    // Bad tables would read outside the pool: check everything before touching it.
-    const int blocks = s.slots / s.block_size;
-    long total_rows = 0;
-    std::vector<int> row0s(s.seqs);
-    std::vector<Unit> units;
-    const int rep = s.heads / s.kv_heads;
-    for (int i = 0; i < s.seqs; ++i) {
-      const int len = len_ptr[i], qlen = qlen_ptr[i];
-      if (len < 1 || (len + s.block_size - 1) / s.block_size > s.max_blocks) {
-        throw std::invalid_argument("paged_attention: a context length is out of range");
-      }
-      if (qlen < 1 || qlen > len) {
-        throw std::invalid_argument(
-            "paged_attention: a query length is out of range (1 to its context length)");
-      }
-      for (int b = 0; b < (len + s.block_size - 1) / s.block_size; ++b) {
-        const int id = table_ptr[static_cast<size_t>(i) * s.max_blocks + b];
-        if (id < 0 || id >= blocks) {
-          throw std::invalid_argument("paged_attention: a block id is out of range");
-        }
-      }
-      row0s[i] = static_cast<int>(total_rows);
-      total_rows += qlen;
-      for (int g = 0; g < s.kv_heads; ++g) {
-        if (qlen == 1) {
-          const int span = s.window > 0 ? std::min(len, s.window) : len;
-          units.push_back({i, g, 0, 1, static_cast<double>(span) * rep / LANES});
-          continue;
-        }
-        for (int r = 0; r < qlen; r += LANES) {
-          const int rows = std::min(LANES, qlen - r);
-          const int last = len - qlen + r + rows;  // keys up to here
-          const int span = s.window > 0 ? std::min(last, s.window + rows) : last;
-          units.push_back({i, g, r, rows, static_cast<double>(span) * rep});
-        }
-      }
-    }
-    if (total_rows != s.rows) {
-      throw std::invalid_argument("paged_attention: query_lens must add up to q's rows");
-    }
-    // The longest first, so the threads finish together; a unit's bits do not depend on
-    // which thread runs it, or when.
-    std::stable_sort(units.begin(), units.end(),
-                     [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
-    auto run = [&](auto* r_tag, auto* t_tag) {
-      using R = std::remove_pointer_t<decltype(r_tag)>;
-      using T = std::remove_pointer_t<decltype(t_tag)>;
-      run_units<R, T>(units, row0s, q.data<R>(), k.data<T>(), v.data<T>(), table_ptr, len_ptr,
-                      qlen_ptr, out.data<R>(), s);
-    };
-    auto pool_is = [&](auto* r_tag) {
-      switch (k.dtype()) {
-        case mx::float32: return run(r_tag, static_cast<float*>(nullptr));
-        case mx::float16: return run(r_tag, static_cast<mx::float16_t*>(nullptr));
-        default: return run(r_tag, static_cast<mx::bfloat16_t*>(nullptr));
-      }
-    };
-    switch (q.dtype()) {
-      case mx::float32: return pool_is(static_cast<float*>(nullptr));
-      case mx::float16: return run(static_cast<mx::float16_t*>(nullptr),
-                                   static_cast<mx::float16_t*>(nullptr));
-      default: return run(static_cast<mx::bfloat16_t*>(nullptr),
-                          static_cast<mx::bfloat16_t*>(nullptr));
-    }
+                    out = mx::array::unsafe_weak_copy(out), args]() mutable {
+    args.q = q.data<void>();
+    args.k = k.data<void>();
+    args.v = v.data<void>();
+    args.block_tables = tables.data<int32_t>();
+    args.context_lens = lens.data<int32_t>();
+    args.query_lens = qlens.data<int32_t>();
+    args.out = out.data<void>();
+    paged_attention_rows(args);
   });
 }
 

@@ -7,6 +7,8 @@
 // with anything else (tests/engine/test_attention.py checks this).
 #pragma once
 
+#include <cstdint>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -37,6 +39,24 @@ mx::array paged_attention(
     int block_size,
     int window = 0,
     mx::StreamOrDevice s = {});
+
+// The kernel on memory already in place, for the op above and for ops that attend inside
+// their own evaluation (decoder_layer.h): checks the tables before reading the pool, then
+// runs on the calling thread and the worker pool. Shapes and dtypes as paged_attention's.
+struct PagedAttentionArgs {
+  const void* q;  // (rows, heads, dim)
+  mx::Dtype q_dtype;
+  const void* k;  // (kv_heads, slots, dim)
+  const void* v;
+  mx::Dtype pool_dtype;
+  const int32_t* block_tables;  // (seqs, max_blocks)
+  const int32_t* context_lens;  // (seqs,)
+  const int32_t* query_lens;    // (seqs,)
+  void* out;                    // (rows, heads * dim), q's dtype
+  int rows, seqs, heads, kv_heads, dim, slots, max_blocks, block_size, window;
+  float scale;
+};
+void paged_attention_rows(const PagedAttentionArgs& args);
 
 class PagedAttention : public mx::Primitive {
  public:

@@ -66,6 +66,17 @@ mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps,
                    {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
 }
 
+void rms_norm_rows_into(const float* x, const float* w, size_t rows, int D, float eps,
+                        float* out) {
+  const float inv_d = static_cast<float>(1.0 / D);  // mean = sum * (1 / D), as MLX
+  for (size_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float* o = out + r * D;
+    const float scale = 1.0f / std::sqrt(sum_of_squares(xr, D) * inv_d + eps);
+    for (int i = 0; i < D; ++i) o[i] = (xr[i] * scale) * w[i];
+  }
+}
+
 void RmsNormRows::eval_cpu(const std::vector<mx::array>& inputs,
                            std::vector<mx::array>& outputs) {
   auto& out = allocate(outputs[0]);
@@ -74,17 +85,8 @@ void RmsNormRows::eval_cpu(const std::vector<mx::array>& inputs,
             w = mx::array::unsafe_weak_copy(inputs[1]), out = mx::array::unsafe_weak_copy(out),
             eps = eps_]() mutable {
              const int D = static_cast<int>(w.shape(0));
-             const size_t rows = x.size() / D;
-             const float* xs = x.data<float>();
-             const float* ws = w.data<float>();
-             float* os = out.data<float>();
-             const float inv_d = static_cast<float>(1.0 / D);  // mean = sum * (1 / D), as MLX
-             for (size_t r = 0; r < rows; ++r) {
-               const float* xr = xs + r * D;
-               float* o = os + r * D;
-               const float scale = 1.0f / std::sqrt(sum_of_squares(xr, D) * inv_d + eps);
-               for (int i = 0; i < D; ++i) o[i] = (xr[i] * scale) * ws[i];
-             }
+             rms_norm_rows_into(x.data<float>(), w.data<float>(), x.size() / D, D, eps,
+                                out.data<float>());
            });
 }
 
@@ -162,6 +164,31 @@ mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::ar
                     mx::contiguous(inv_freqs, false, stream)});
 }
 
+void rope_rows_into(const float* x, size_t row_stride, const int32_t* positions,
+                    const float* inv_freqs, int rows, int heads, int dim, int dims,
+                    bool traditional, float scale, float* out) {
+  const int half = dims / 2;
+  std::vector<float> c(half), sn(half);
+  for (int r = 0; r < rows; ++r) {
+    const float p = static_cast<float>(positions[r]) * scale;
+    for (int i = 0; i < half; ++i) {
+      const float theta = p * inv_freqs[i];
+      c[i] = std::cos(theta);
+      sn[i] = std::sin(theta);
+    }
+    for (int h = 0; h < heads; ++h) {
+      const float* xr = x + r * row_stride + static_cast<size_t>(h) * dim;
+      float* o = out + (static_cast<size_t>(r) * heads + h) * dim;
+      for (int i = 0; i < half; ++i) {
+        const int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+        o[a] = xr[a] * c[i] - xr[b] * sn[i];
+        o[b] = xr[a] * sn[i] + xr[b] * c[i];
+      }
+      for (int i = dims; i < dim; ++i) o[i] = xr[i];
+    }
+  }
+}
+
 void RopeRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = allocate(outputs[0]);
   dispatch(stream(), inputs, out,
@@ -169,32 +196,11 @@ void RopeRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::ar
             pos = mx::array::unsafe_weak_copy(inputs[1]),
             inv = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
             dims = dims_, traditional = traditional_, scale = scale_]() mutable {
-             const int rows = static_cast<int>(x.shape(0)), heads = static_cast<int>(x.shape(1));
-             const int dim = static_cast<int>(x.shape(2)), half = dims / 2;
-             const float* xs = x.data<float>();
-             const int32_t* ps = pos.data<int32_t>();
-             const float* fs = inv.data<float>();
-             float* os = out.data<float>();
-             std::vector<float> c(half), sn(half);
-             for (int r = 0; r < rows; ++r) {
-               const float p = static_cast<float>(ps[r]) * scale;
-               for (int i = 0; i < half; ++i) {
-                 const float theta = p * fs[i];
-                 c[i] = std::cos(theta);
-                 sn[i] = std::sin(theta);
-               }
-               for (int h = 0; h < heads; ++h) {
-                 const size_t at = (static_cast<size_t>(r) * heads + h) * dim;
-                 const float* xr = xs + at;
-                 float* o = os + at;
-                 for (int i = 0; i < half; ++i) {
-                   const int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
-                   o[a] = xr[a] * c[i] - xr[b] * sn[i];
-                   o[b] = xr[a] * sn[i] + xr[b] * c[i];
-                 }
-                 for (int i = dims; i < dim; ++i) o[i] = xr[i];
-               }
-             }
+             const int heads = static_cast<int>(x.shape(1)), dim = static_cast<int>(x.shape(2));
+             rope_rows_into(x.data<float>(), static_cast<size_t>(heads) * dim,
+                            pos.data<int32_t>(), inv.data<float>(),
+                            static_cast<int>(x.shape(0)), heads, dim, dims, traditional, scale,
+                            out.data<float>());
            });
 }
 

@@ -4,6 +4,9 @@
 // in a fixed order, so a row gets the same bits whatever shares its step.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -28,6 +31,15 @@ mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::ar
 // up to float32 rounding. Timed alone over 16 rows of a 49k vocabulary: MLX's CPU op 12-14 ms,
 // this one 1.4-1.7 ms (tests/engine/test_row_ops.py checks the bits).
 mx::array logsumexp_rows(const mx::array& x, mx::StreamOrDevice s = {});
+
+// The norm's and RoPE's arithmetic on memory in place (out may be x for the norm), for ops
+// that run them inside their own evaluation (decoder_layer.h). x: `rows` rows of D floats;
+// for RoPE row r's heads start at x + r * row_stride and out is (rows, heads, dim).
+void rms_norm_rows_into(const float* x, const float* w, size_t rows, int D, float eps,
+                        float* out);
+void rope_rows_into(const float* x, size_t row_stride, const int32_t* positions,
+                    const float* inv_freqs, int rows, int heads, int dim, int dims,
+                    bool traditional, float scale, float* out);
 
 class LogSumExpRows : public mx::Primitive {
  public:

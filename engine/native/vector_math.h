@@ -29,4 +29,26 @@ inline float exp_nonpositive(float x) {
   return x < -88.0f ? 0.0f : scale * p;
 }
 
+// exp(x) for any x by MLX's CPU exp formula (the one above, with its NaN, overflow and
+// underflow cases), as mlx.core.exp and MLX's sigmoid compute it.
+inline float exp_mlx(float x) {
+  if (std::isnan(x)) return x;
+  if (x > 88.0f) return INFINITY;
+  if (x < -88.0f) return 0.0f;
+  const float t = x * 1.442695f;
+  const float ipart = std::floor(t + 0.5f);
+  const float f = t - ipart;
+  float p = 1.535336188319500e-4f;
+  p = std::fma(p, f, 1.339887440266574e-3f);
+  p = std::fma(p, f, 9.618437357674640e-3f);
+  p = std::fma(p, f, 5.550332471162809e-2f);
+  p = std::fma(p, f, 2.402264791363012e-1f);
+  p = std::fma(p, f, 6.931472028550421e-1f);
+  p = std::fma(p, f, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(ipart) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return scale * p;
+}
+
 }  // namespace batchscope

@@ -1,0 +1,410 @@
+#include "decoder_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "decode_linear.h"
+#include "decode_quantized.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "paged_attention.h"
+#include "row_ops.h"
+#include "vector_math.h"
+#include "workers.h"
+
+// Built with -ffp-contract=off: every product and sum below rounds on its own, as MLX's
+// separate elementwise ops round them.
+
+namespace batchscope {
+
+namespace {
+
+void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("decoder_layer: " + message);
+}
+
+std::string shape_str(const mx::array& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + ")";
+}
+
+// Where the inputs after the linear layers sit (DecoderLayerSpec::first holds the linears').
+struct Layout {
+  int bias, qk_norm, pool;  // pool: k_pool, v_pool, slots, positions, [inv_freqs], tables...
+};
+
+Layout layout_of(const DecoderLayerSpec& s, int after_linears) {
+  Layout l{};
+  l.bias = after_linears;
+  l.qk_norm = l.bias + (s.qkv_bias ? 3 : 0);
+  l.pool = l.qk_norm + (s.qk_norm ? 2 : 0);
+  return l;
+}
+
+// x (M, K) @ the linear's weights -> out (M, N), with the native kernel its kind takes.
+void run_linear(const DecoderLayerSpec& s, int which, const std::vector<mx::array>& in,
+                const float* x, int M, int K, int N, float* out) {
+  const mx::array& w = in[s.first[which]];
+  if (s.bits[which] == 0) {
+    linear_rows(x, w.data<float>(), out, M, K, N);
+    return;
+  }
+  const mx::array& scales = in[s.first[which] + 1];
+  const mx::array& biases = in[s.first[which] + 2];
+  quantized_linear_rows(x, M, K, w.data<uint32_t>(), scales.data<void>(), biases.data<void>(),
+                        scales.dtype(), N, s.group_size[which], s.bits[which], out);
+}
+
+// Rows [0, rows) of body(begin, end) on the worker pool when there is enough of them.
+template <class Body>
+void rows_in_parallel(int rows, size_t per_row, Body body) {
+  if (static_cast<size_t>(rows) * per_row >= (1u << 16)) {
+    const int chunk = std::max(1, rows / (parallel_threads() * 4));
+    if (parallel_for(rows, chunk, body)) return;
+  }
+  body(0, rows);
+}
+
+// mlx.nn.silu(gate) * up, each value as MLX computes it: sigmoid(g) = 1 / (1 + exp(|g|)),
+// taken as is for g < 0 and as 1 - it otherwise (MLX's Sigmoid), then g * sigmoid(g), then
+// that times up.
+inline float silu_times(float g, float u) {
+  const float y = 1.0f / (1.0f + exp_mlx(std::fabs(g)));
+  const float sig = g < 0.0f ? y : 1.0f - y;
+  return (g * sig) * u;
+}
+
+template <typename T>
+void write_kv(const float* src, size_t src_stride, const int32_t* slots, int rows, int kv_heads,
+              int dim, size_t pool_slots, T* pool) {
+  for (int r = 0; r < rows; ++r) {
+    const float* row = src + r * src_stride;
+    for (int g = 0; g < kv_heads; ++g) {
+      T* dst = pool + (static_cast<size_t>(g) * pool_slots + slots[r]) * dim;
+      const float* from = row + static_cast<size_t>(g) * dim;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(dst, from, sizeof(float) * dim);
+      } else {
+        for (int d = 0; d < dim; ++d) dst[d] = static_cast<T>(from[d]);
+      }
+    }
+  }
+}
+
+void write_pool(const mx::array& pool, const float* src, size_t src_stride,
+                const int32_t* slots, int rows, int kv_heads, int dim) {
+  const size_t pool_slots = pool.shape(1);
+  switch (pool.dtype()) {
+    case mx::float32:
+      return write_kv(src, src_stride, slots, rows, kv_heads, dim, pool_slots,
+                      const_cast<float*>(pool.data<float>()));
+    case mx::float16:
+      return write_kv(src, src_stride, slots, rows, kv_heads, dim, pool_slots,
+                      const_cast<mx::float16_t*>(pool.data<mx::float16_t>()));
+    default:
+      return write_kv(src, src_stride, slots, rows, kv_heads, dim, pool_slots,
+                      const_cast<mx::bfloat16_t*>(pool.data<mx::bfloat16_t>()));
+  }
+}
+
+// The scratch one layer needs, kept by the evaluating thread between calls.
+struct Buffers {
+  std::vector<float> h, qkv, q, k, qr, kr, attn, o, x1, gu, act, d;
+};
+
+void run_layer(const DecoderLayerSpec& s, const std::vector<mx::array>& in,
+               const mx::array& k_pool, const mx::array& v_pool, float* out) {
+  const Layout at = layout_of(s, s.first[3] + (s.bits[3] ? 3 : 1));
+  const mx::array& x = in[0];
+  const int rows = static_cast<int>(x.shape(0));
+  const int H = s.hidden, I = s.intermediate, D = s.head_dim;
+  const int nq = s.heads * D, nkv = s.kv_heads * D, nqkv = nq + 2 * nkv;
+  const int32_t* slots = in[at.pool + 2].data<int32_t>();
+  const int32_t* positions = in[at.pool + 3].data<int32_t>();
+  const int tables_at = at.pool + (s.rope ? 5 : 4);
+  const mx::array& tables = in[tables_at];
+  const int32_t* ctx_lens = in[tables_at + 1].data<int32_t>();
+  const int32_t* q_lens = in[tables_at + 2].data<int32_t>();
+
+  // The block tables are checked before the pool is written (paged_attention_rows checks
+  // them again before reading): a bad table must not touch the pool.
+  const int seqs = static_cast<int>(tables.shape(0)), max_blocks = static_cast<int>(tables.shape(1));
+  const int blocks = static_cast<int>(k_pool.shape(1)) / s.block_size;
+  for (int r = 0; r < rows; ++r) {
+    check(slots[r] >= 0 && slots[r] < static_cast<int>(k_pool.shape(1)),
+          "a write slot is out of the pool");
+  }
+  const int32_t* table = tables.data<int32_t>();
+  for (int i = 0; i < seqs; ++i) {
+    const int len = ctx_lens[i];
+    check(len >= 1 && (len + s.block_size - 1) / s.block_size <= max_blocks,
+          "a context length is out of range");
+    for (int b = 0; b < (len + s.block_size - 1) / s.block_size; ++b) {
+      const int id = table[static_cast<size_t>(i) * max_blocks + b];
+      check(id >= 0 && id < blocks, "a block id is out of range");
+    }
+  }
+
+  // The evaluating thread's scratch, named through a reference: worker threads running the
+  // lambdas below must see this thread's buffers, not their own thread_local ones.
+  thread_local Buffers scratch;
+  Buffers& b = scratch;
+  b.h.resize(static_cast<size_t>(rows) * H);
+  b.qkv.resize(static_cast<size_t>(rows) * nqkv);
+  b.q.resize(static_cast<size_t>(rows) * nq);
+  b.k.resize(static_cast<size_t>(rows) * nkv);
+  b.qr.resize(static_cast<size_t>(rows) * nq);
+  b.kr.resize(static_cast<size_t>(rows) * nkv);
+  b.attn.resize(static_cast<size_t>(rows) * nq);
+  b.o.resize(static_cast<size_t>(rows) * H);
+  b.x1.resize(static_cast<size_t>(rows) * H);
+  b.gu.resize(static_cast<size_t>(rows) * 2 * I);
+  b.act.resize(static_cast<size_t>(rows) * I);
+  b.d.resize(static_cast<size_t>(rows) * H);
+  const float* xs = x.data<float>();
+
+  // Attention block.
+  rms_norm_rows_into(xs, in[1].data<float>(), rows, H, s.norm_eps, b.h.data());
+  run_linear(s, 0, in, b.h.data(), rows, H, nqkv, b.qkv.data());
+  if (s.qkv_bias) {
+    const float* bias[3] = {in[at.bias].data<float>(), in[at.bias + 1].data<float>(),
+                            in[at.bias + 2].data<float>()};
+    const int starts[4] = {0, nq, nq + nkv, nqkv};
+    for (int r = 0; r < rows; ++r) {
+      float* row = b.qkv.data() + static_cast<size_t>(r) * nqkv;
+      for (int p = 0; p < 3; ++p) {
+        for (int j = starts[p]; j < starts[p + 1]; ++j) row[j] = row[j] + bias[p][j - starts[p]];
+      }
+    }
+  }
+  // q and k as (rows, heads, D), in b.q and b.k: normed per head (qk_norm), then rotated
+  // (RoPE) into b.qr and b.kr, or copied out of the qkv rows.
+  const float* q_src = b.qkv.data();
+  const float* k_src = b.qkv.data() + nq;
+  size_t q_stride = nqkv, k_stride = nqkv;
+  if (s.qk_norm) {
+    for (int r = 0; r < rows; ++r) {
+      const float* row = b.qkv.data() + static_cast<size_t>(r) * nqkv;
+      rms_norm_rows_into(row, in[at.qk_norm].data<float>(), s.heads, D, s.qk_norm_eps,
+                         b.q.data() + static_cast<size_t>(r) * nq);
+      rms_norm_rows_into(row + nq, in[at.qk_norm + 1].data<float>(), s.kv_heads, D,
+                         s.qk_norm_eps, b.k.data() + static_cast<size_t>(r) * nkv);
+    }
+    q_src = b.q.data();
+    k_src = b.k.data();
+    q_stride = nq;
+    k_stride = nkv;
+  }
+  const float* q = q_src;
+  const float* k = k_src;
+  if (s.rope) {
+    const float* inv = in[at.pool + 4].data<float>();
+    rope_rows_into(q_src, q_stride, positions, inv, rows, s.heads, D, s.rope_dims,
+                   s.rope_traditional, s.rope_scale, b.qr.data());
+    rope_rows_into(k_src, k_stride, positions, inv, rows, s.kv_heads, D, s.rope_dims,
+                   s.rope_traditional, s.rope_scale, b.kr.data());
+    q = b.qr.data();
+    k = b.kr.data();
+  } else if (!s.qk_norm) {
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(b.q.data() + static_cast<size_t>(r) * nq, q_src + r * q_stride,
+                  sizeof(float) * nq);
+      std::memcpy(b.k.data() + static_cast<size_t>(r) * nkv, k_src + r * k_stride,
+                  sizeof(float) * nkv);
+    }
+    q = b.q.data();
+    k = b.k.data();
+  }
+  write_pool(k_pool, k, nkv, slots, rows, s.kv_heads, D);
+  write_pool(v_pool, b.qkv.data() + nq + nkv, nqkv, slots, rows, s.kv_heads, D);
+  PagedAttentionArgs args{q,                   mx::float32,
+                          k_pool.data<void>(), v_pool.data<void>(),
+                          k_pool.dtype(),      table,
+                          ctx_lens,            q_lens,
+                          b.attn.data(),       rows,
+                          seqs,                s.heads,
+                          s.kv_heads,          D,
+                          static_cast<int>(k_pool.shape(1)), max_blocks,
+                          s.block_size,        s.window,
+                          s.attn_scale};
+  paged_attention_rows(args);
+  run_linear(s, 1, in, b.attn.data(), rows, nq, H, b.o.data());
+  for (size_t i = 0; i < static_cast<size_t>(rows) * H; ++i) b.x1[i] = xs[i] + b.o[i];
+
+  // MLP block.
+  rms_norm_rows_into(b.x1.data(), in[2].data<float>(), rows, H, s.norm_eps, b.h.data());
+  run_linear(s, 2, in, b.h.data(), rows, H, 2 * I, b.gu.data());
+  rows_in_parallel(rows, I, [&](int begin, int end) {
+    for (int r = begin; r < end; ++r) {
+      const float* g = b.gu.data() + static_cast<size_t>(r) * 2 * I;
+      float* a = b.act.data() + static_cast<size_t>(r) * I;
+      for (int j = 0; j < I; ++j) a[j] = silu_times(g[j], g[I + j]);
+    }
+  });
+  run_linear(s, 3, in, b.act.data(), rows, I, H, b.d.data());
+  for (size_t i = 0; i < static_cast<size_t>(rows) * H; ++i) out[i] = b.x1[i] + b.d[i];
+}
+
+void check_linear(const LinearWeights& l, const char* name, int in, int out) {
+  const std::string n(name);
+  if (l.bits == 0) {
+    check(l.arrays.size() == 1, n + ": a float32 layer is [weight]");
+    const auto& w = l.arrays[0];
+    check(w.ndim() == 2 && w.dtype() == mx::float32 && w.shape(0) == out && w.shape(1) == in,
+          n + ": weight " + shape_str(w) + " must be float32 (" + std::to_string(out) + ", " +
+              std::to_string(in) + ")");
+    return;
+  }
+  check(l.bits == 4 || l.bits == 8, n + ": bits must be 0 (float32), 4 or 8");
+  check(l.group_size == 32 || l.group_size == 64 || l.group_size == 128,
+        n + ": group_size must be 32, 64 or 128");
+  check(l.arrays.size() == 3, n + ": a quantized layer is [w, scales, biases]");
+  const auto& w = l.arrays[0];
+  const auto& sc = l.arrays[1];
+  check(in % l.group_size == 0, n + ": in_features must be a multiple of group_size");
+  check(w.ndim() == 2 && w.dtype() == mx::uint32 && w.shape(0) == out &&
+            static_cast<int64_t>(w.shape(1)) * 32 == static_cast<int64_t>(in) * l.bits,
+        n + ": w " + shape_str(w) + " does not hold (" + std::to_string(out) + ", " +
+            std::to_string(in) + ") " + std::to_string(l.bits) + "-bit values");
+  check(sc.ndim() == 2 && sc.shape(0) == out && sc.shape(1) == in / l.group_size &&
+            l.arrays[2].shape() == sc.shape() && l.arrays[2].dtype() == sc.dtype() &&
+            (sc.dtype() == mx::float16 || sc.dtype() == mx::bfloat16 || sc.dtype() == mx::float32),
+        n + ": scales and biases must be (out, in / group_size), float16, bfloat16 or float32");
+}
+
+void check_vector(const mx::array& a, int n, const std::string& name) {
+  check(a.ndim() == 1 && a.dtype() == mx::float32 && a.shape(0) == n,
+        name + " must be float32 (" + std::to_string(n) + ",), not " + shape_str(a));
+}
+
+}  // namespace
+
+mx::array decoder_layer(
+    const mx::array& x, const mx::array& attn_norm, const mx::array& mlp_norm, float norm_eps,
+    const LinearWeights& qkv, const LinearWeights& o, const LinearWeights& gate_up,
+    const LinearWeights& down, const std::vector<mx::array>& qkv_bias,
+    const std::vector<mx::array>& qk_norm, float qk_norm_eps, int heads, int kv_heads,
+    int head_dim, const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots,
+    const mx::array& positions, const std::optional<mx::array>& inv_freqs, int rope_dims,
+    bool rope_traditional, float rope_scale, const mx::array& block_tables,
+    const mx::array& context_lens, const mx::array& query_lens, float attn_scale,
+    int block_size, int window, mx::StreamOrDevice s) {
+  check(x.ndim() == 2 && x.dtype() == mx::float32, "x must be float32 (rows, hidden)");
+  check(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
+        "heads must be a positive multiple of kv_heads");
+  const int H = static_cast<int>(x.shape(1)), rows = static_cast<int>(x.shape(0));
+  const int nq = heads * head_dim, nkv = kv_heads * head_dim;
+  check(rows >= 1, "a step has at least one row");
+  check_vector(attn_norm, H, "attn_norm");
+  check_vector(mlp_norm, H, "mlp_norm");
+  const int two_i = static_cast<int>(gate_up.arrays.empty() ? 0 : gate_up.arrays[0].shape(0));
+  check(two_i > 0 && two_i % 2 == 0, "gate_up must stack gate and up (2 * intermediate outputs)");
+  check_linear(qkv, "qkv", H, nq + 2 * nkv);
+  check_linear(o, "o", nq, H);
+  check_linear(gate_up, "gate_up", H, two_i);
+  check_linear(down, "down", two_i / 2, H);
+  check(qkv_bias.empty() || qkv_bias.size() == 3, "qkv_bias is [] or [q, k, v]");
+  if (!qkv_bias.empty()) {
+    check_vector(qkv_bias[0], nq, "the q bias");
+    check_vector(qkv_bias[1], nkv, "the k bias");
+    check_vector(qkv_bias[2], nkv, "the v bias");
+  }
+  check(qk_norm.empty() || qk_norm.size() == 2, "qk_norm is [] or [q_norm, k_norm]");
+  if (!qk_norm.empty()) {
+    check_vector(qk_norm[0], head_dim, "q_norm");
+    check_vector(qk_norm[1], head_dim, "k_norm");
+  }
+  check(k_pool.ndim() == 3 && v_pool.shape() == k_pool.shape() &&
+            k_pool.dtype() == v_pool.dtype() && k_pool.shape(0) == kv_heads &&
+            k_pool.shape(2) == head_dim,
+        "k_pool and v_pool must be (kv_heads, slots, head_dim) of one dtype");
+  check(k_pool.dtype() == mx::float32 || k_pool.dtype() == mx::float16 ||
+            k_pool.dtype() == mx::bfloat16,
+        "the pool must be float32, float16 or bfloat16");
+  check(block_size > 0 && k_pool.shape(1) % block_size == 0,
+        "the pool's slots must be whole blocks");
+  check(slots.ndim() == 1 && slots.shape(0) == rows && positions.ndim() == 1 &&
+            positions.shape(0) == rows,
+        "slots and positions must be (rows,)");
+  if (inv_freqs) {
+    check(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= head_dim,
+          "rope dims must be even and at most head_dim");
+    check_vector(*inv_freqs, rope_dims / 2, "inv_freqs");
+  }
+  check(block_tables.ndim() == 2 && context_lens.ndim() == 1 && query_lens.ndim() == 1 &&
+            context_lens.shape(0) == block_tables.shape(0) &&
+            query_lens.shape(0) == block_tables.shape(0),
+        "block_tables must be (seqs, max_blocks), context_lens and query_lens (seqs,)");
+  check(window >= 0, "window must be >= 0 (0: the whole context)");
+
+  auto stream = mx::to_stream(s);
+  auto contiguous = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
+  auto int32 = [&](const mx::array& a) { return contiguous(mx::astype(a, mx::int32, stream)); };
+  DecoderLayerSpec spec{};
+  spec.hidden = H;
+  spec.intermediate = two_i / 2;
+  spec.heads = heads;
+  spec.kv_heads = kv_heads;
+  spec.head_dim = head_dim;
+  spec.norm_eps = norm_eps;
+  spec.qk_norm_eps = qk_norm_eps;
+  spec.qkv_bias = !qkv_bias.empty();
+  spec.qk_norm = !qk_norm.empty();
+  spec.rope = inv_freqs.has_value();
+  spec.rope_dims = rope_dims;
+  spec.rope_traditional = rope_traditional;
+  spec.rope_scale = rope_scale;
+  spec.attn_scale = attn_scale;
+  spec.block_size = block_size;
+  spec.window = window;
+  std::vector<mx::array> inputs = {contiguous(x), contiguous(attn_norm), contiguous(mlp_norm)};
+  const LinearWeights* linears[4] = {&qkv, &o, &gate_up, &down};
+  for (int i = 0; i < 4; ++i) {
+    spec.bits[i] = linears[i]->bits;
+    spec.group_size[i] = linears[i]->group_size;
+    spec.first[i] = static_cast<int>(inputs.size());
+    for (const auto& a : linears[i]->arrays) inputs.push_back(contiguous(a));
+  }
+  for (const auto& a : qkv_bias) inputs.push_back(contiguous(a));
+  for (const auto& a : qk_norm) inputs.push_back(contiguous(a));
+  // The pools as they are: the op writes the rows into them (see decoder_layer.h).
+  inputs.push_back(k_pool);
+  inputs.push_back(v_pool);
+  inputs.push_back(int32(slots));
+  inputs.push_back(int32(positions));
+  if (inv_freqs) inputs.push_back(contiguous(*inv_freqs));
+  inputs.push_back(int32(block_tables));
+  inputs.push_back(int32(context_lens));
+  inputs.push_back(int32(query_lens));
+  return mx::array(x.shape(), mx::float32, std::make_shared<DecoderLayer>(stream, spec),
+                   std::move(inputs));
+}
+
+void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
+                            std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  std::vector<mx::array> weak;
+  weak.reserve(inputs.size());
+  for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
+  encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
+                    spec = spec_]() mutable {
+    const Layout at = layout_of(spec, spec.first[3] + (spec.bits[3] ? 3 : 1));
+    run_layer(spec, in, in[at.pool], in[at.pool + 1], out.data<float>());
+  });
+}
+
+void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("decoder_layer runs on the CPU only");
+}
+
+}  // namespace batchscope

@@ -1,0 +1,91 @@
+// A whole llama-style decoder layer as one MLX op on the CPU, for a step's packed rows:
+//
+//   h = x + o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v)),  q, k, v = qkv(norm1(x))
+//   out = h + down(silu(gate) * up),                                  gate, up = gate_up(norm2(h))
+//
+// with the step's keys and values written into the layer's paged pool before attention. Each
+// part is the arithmetic of the native op it replaces (rms_norm_rows, the quantized or float32
+// linear kernels, rope_rows, paged_attention) and the elementwise steps round as MLX's ops do
+// (silu by MLX's sigmoid formula, then the products and sums one rounding each), so a layer
+// gives the bits of the ops it fuses (tests/engine/test_decoder_layer.py). What it saves is
+// dispatch: one op instead of the ~25 MLX ops of a layer, each of which costs more to schedule
+// than to compute on a step of a few rows.
+//
+// The step's keys and values are written into the pool arrays given, in place, when the op is
+// evaluated: MLX does not see that write (its multi-output ops keep one reference to their
+// inputs per output, so a returned pool could never reuse the input's memory, and a copy of
+// the pool per layer and step would cost more than the op saves). The engine's pool arrays
+// are read only by later ops of the same stream, which run after it, and callers evaluate the
+// op's output before they read the pool (engine/model_runner.py).
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace batchscope {
+
+namespace mx = mlx::core;
+
+// One linear layer's weights: [weight] float32 (out, in), or [w, scales, biases] in MLX's
+// affine quantization with `bits` (4 or 8) and `group_size`; bits 0 for float32.
+struct LinearWeights {
+  std::vector<mx::array> arrays;
+  int bits = 0;
+  int group_size = 0;
+};
+
+// x: (rows, hidden) float32. qkv: q, k and v stacked by output ((heads + 2 * kv_heads) *
+// head_dim outputs); gate_up: gate and up stacked (2 * intermediate outputs). qkv_bias: empty
+// or the q, k and v biases; qk_norm: empty or the per-head q and k norm weights. k_pool,
+// v_pool, block tables, context and query lengths: as paged_attention takes them; slots: the
+// pool slot each row writes (rows,) int32; positions (rows,) int32; inv_freqs: None for a layer
+// without RoPE. Returns out (rows, hidden) and writes the rows' keys and values into k_pool
+// and v_pool at `slots` (rounded to the pool's dtype).
+mx::array decoder_layer(
+    const mx::array& x, const mx::array& attn_norm, const mx::array& mlp_norm, float norm_eps,
+    const LinearWeights& qkv, const LinearWeights& o, const LinearWeights& gate_up,
+    const LinearWeights& down, const std::vector<mx::array>& qkv_bias,
+    const std::vector<mx::array>& qk_norm, float qk_norm_eps, int heads, int kv_heads,
+    int head_dim, const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots,
+    const mx::array& positions, const std::optional<mx::array>& inv_freqs, int rope_dims,
+    bool rope_traditional, float rope_scale, const mx::array& block_tables,
+    const mx::array& context_lens, const mx::array& query_lens, float attn_scale,
+    int block_size, int window, mx::StreamOrDevice s = {});
+
+// What the op needs besides its inputs: the sizes, the kinds of its linear layers and where
+// each input sits in the op's input list.
+struct DecoderLayerSpec {
+  int hidden, intermediate, heads, kv_heads, head_dim;
+  float norm_eps, qk_norm_eps;
+  bool qkv_bias, qk_norm, rope;
+  int rope_dims;
+  bool rope_traditional;
+  float rope_scale, attn_scale;
+  int block_size, window;
+  int bits[4], group_size[4];  // qkv, o, gate_up, down
+  int first[4];                // index of each linear's first input
+};
+
+class DecoderLayer : public mx::Primitive {
+ public:
+  DecoderLayer(mx::Stream stream, const DecoderLayerSpec& spec)
+      : mx::Primitive(stream), spec_(spec) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "DecoderLayer";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return false;  // never merged with another layer's op
+  }
+
+ private:
+  DecoderLayerSpec spec_;
+};
+
+}  // namespace batchscope

@@ -1,0 +1,152 @@
+"""The fused llama-style decoder layer (engine/native/decoder_layer.cpp): the bits of the layer
+computed op by op, on every family that uses it, each weight format and pool dtype; where it
+applies and where the step keeps the op-by-op layer; bad input refused."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from native_ops import native_op
+
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner, RowGroup, pool_for
+from engine.models import family_for
+from engine.sampling import SamplingParams
+from engine.testing import FAMILY_CONFIGS, make_family_folder
+
+FAMILIES = ["llama", "llama-sliding", "qwen2", "qwen3", "smollm3"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """name -> {weights: loaded model} for the families whose layers the op computes."""
+    native_op("decoder_layer")
+    out = {}
+    for name in FAMILIES:
+        module_name, config = FAMILY_CONFIGS[name]
+        module = importlib.import_module(f"mlx_lm.models.{module_name}")
+        root = tmp_path_factory.mktemp(name)
+        out[name] = {
+            "f32": load_model(str(make_family_folder(root / "f32", module, config)), "f32"),
+            "q4": load_model(str(make_family_folder(root / "q4", module, config,
+                                                    quantize=True)), "q4")}
+    return out
+
+
+def steps(lens=(37, 5, 20)):
+    """A prefill step of several sequences, a mixed step (one sequence's second chunk beside
+    the others' decode rows), then two decode steps."""
+    prefill, mixed, decode, block = [], [], [], 0
+    for i, n in enumerate(lens):
+        table = list(range(block, block + -(-(n + 12) // 16)))
+        block += len(table)
+        tokens = [(11 * j + 3 * i) % 300 + 5 for j in range(n + 12)]
+        if i == 0:  # its prompt in two chunks: the second shares a step with decode rows
+            prefill.append(RowGroup(f"s{i}", tokens[:n - 9], 0, table, False))
+            mixed.append(RowGroup(f"s{i}", tokens[n - 9:n], n - 9, table, True,
+                                  SamplingParams()))
+        else:
+            prefill.append(RowGroup(f"s{i}", tokens[:n], 0, table, True, SamplingParams()))
+            mixed.append(RowGroup(f"s{i}", tokens[n:n + 1], n, table, True, SamplingParams()))
+        decode.append([RowGroup(f"s{i}", tokens[n + 1 + k:n + 2 + k], n + 1 + k, table, True,
+                                SamplingParams()) for k in range(2)])
+    return [prefill, mixed, [d[0] for d in decode], [d[1] for d in decode]]
+
+
+class Counting:
+    """The fused op, counting its calls (so a test knows the op ran)."""
+
+    def __init__(self, op):
+        self.op, self.calls = op, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.op(*args)
+
+
+def run_steps(loaded, fused: bool, kv_dtype=None, path: str = "gemm"):
+    family = family_for(loaded.model)
+    runner = ModelRunner(loaded.model, pool_for(family, 64, 16, kv_dtype), "auto", "auto",
+                         family)
+    counting = Counting(runner.layer_kernel)
+    runner.layer_kernel = counting if fused else None
+    samples = [runner.run(groups, path).samples for groups in steps()]
+    pool = [np.array(a.astype(mx.float32)) for a in runner.pool.state()]
+    return samples, pool, counting.calls
+
+
+@pytest.mark.parametrize("weights", ["f32", "q4"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fused_layer_has_the_bits_of_the_layer_op_by_op(folders, name, weights):
+    loaded = folders[name][weights]
+    fused, fused_pool, calls = run_steps(loaded, True)
+    plain, plain_pool, _ = run_steps(loaded, False)
+    layers = len(family_for(loaded.model).layers)
+    # f32 layers take the native kernel on steps of up to 32 rows only: the 62-row prefill
+    # step is op by op there, the others fused.
+    assert calls == layers * (3 if weights == "f32" else 4)
+    assert fused == plain  # tokens and logprobs, every row of every step
+    for a, b in zip(fused_pool, plain_pool, strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kv_dtype", [mx.float16, mx.bfloat16])
+def test_fused_layer_writes_a_narrower_pool_as_the_op_by_op_layer(folders, kv_dtype):
+    loaded = folders["qwen3"]["q4"]
+    fused, fused_pool, calls = run_steps(loaded, True, kv_dtype)
+    plain, plain_pool, _ = run_steps(loaded, False, kv_dtype)
+    assert calls > 0 and fused == plain
+    for a, b in zip(fused_pool, plain_pool, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_other_kernel_paths_keep_the_layer_op_by_op(folders):
+    loaded = folders["llama"]["q4"]
+    for path in ("gemv", "tiled"):
+        _, _, calls = run_steps(loaded, True, path=path)
+        assert calls == 0
+    family = family_for(loaded.model)
+    runner = ModelRunner(loaded.model, pool_for(family, 64, 16), "auto", "mlx", family)
+    assert runner.layer_kernel is None  # --decode-matmul mlx: MLX's own ops throughout
+
+
+def bad_call(loaded, **change):
+    """The op on a one-row step of layer 0 with one argument changed; returns (out, pools)."""
+    family = family_for(loaded.model)
+    runner = ModelRunner(loaded.model, pool_for(family, 4, 16), "auto", "auto", family)
+    layer = family.layers[0]
+    _, head, tail, scale, block_size = runner._layer_op(0, layer, False, True)
+    k_pool, v_pool = runner.pool.writable(0, mx.float32)
+    args = dict(slots=mx.array([3], dtype=mx.int32), positions=mx.array([3], dtype=mx.int32),
+                tables=mx.array([[0]], dtype=mx.int32), lens=mx.array([4], dtype=mx.int32),
+                qlens=mx.array([1], dtype=mx.int32))
+    args.update(change)
+    x = mx.random.normal((1, layer.input_layernorm.weight.shape[0]))
+    before = [np.array(k_pool), np.array(v_pool)]
+    out = runner.layer_kernel(x, *head, k_pool, v_pool, args["slots"], args["positions"],
+                              *tail, args["tables"], args["lens"], args["qlens"], scale,
+                              block_size, 0)
+    return out, before, (k_pool, v_pool)
+
+
+def test_bad_tables_are_refused_before_the_pool_is_written(folders):
+    loaded = folders["llama"]["q4"]
+    for change, message in [(dict(tables=mx.array([[7]], dtype=mx.int32)), "block id"),
+                            (dict(slots=mx.array([64], dtype=mx.int32)), "write slot"),
+                            (dict(lens=mx.array([40], dtype=mx.int32)), "context length")]:
+        out, before, pools = bad_call(loaded, **change)
+        with pytest.raises(RuntimeError, match=message):
+            mx.eval(out)
+        for a, b in zip(before, pools, strict=True):
+            assert np.array_equal(a, np.array(b))  # untouched
+
+
+def test_bad_shapes_are_refused_when_the_op_is_built(folders):
+    loaded = folders["llama"]["q4"]
+    with pytest.raises(ValueError, match="slots and positions must be"):
+        bad_call(loaded, slots=mx.array([3, 4], dtype=mx.int32))
+    with pytest.raises(ValueError, match="block_tables must be"):
+        bad_call(loaded, lens=mx.array([4, 4], dtype=mx.int32))
