@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "workers.h"
@@ -138,7 +139,7 @@ mx::array decode_linear(const mx::array& x, const mx::array& weight, mx::StreamO
   auto shape = x.shape();
   shape.back() = weight.shape(0);
   return mx::array(shape, mx::float32, std::make_shared<DecodeLinear>(stream),
-                   {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+                   {row_contiguous(x, stream), row_contiguous(weight, stream)});
 }
 
 void DecodeLinear::eval_cpu(const std::vector<mx::array>& inputs,

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "workers.h"
@@ -668,9 +669,9 @@ mx::array decode_quantized_linear(const mx::array& x, const mx::array& w,
   shape.back() = w.shape(0);
   return mx::array(shape, mx::float32,
                    std::make_shared<DecodeQuantizedLinear>(stream, group_size, bits),
-                   {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
-                    mx::contiguous(scales, false, stream),
-                    mx::contiguous(biases, false, stream)});
+                   {row_contiguous(x, stream), row_contiguous(w, stream),
+                    row_contiguous(scales, stream),
+                    row_contiguous(biases, stream)});
 }
 
 void DecodeQuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,

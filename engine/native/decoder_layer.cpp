@@ -10,6 +10,7 @@
 
 #include "decode_linear.h"
 #include "decode_quantized.h"
+#include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "paged_attention.h"
@@ -344,8 +345,8 @@ mx::array decoder_layer(
   check(window >= 0, "window must be >= 0 (0: the whole context)");
 
   auto stream = mx::to_stream(s);
-  auto contiguous = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
-  auto int32 = [&](const mx::array& a) { return contiguous(mx::astype(a, mx::int32, stream)); };
+  auto contiguous = [&](const mx::array& a) { return row_contiguous(a, stream); };
+  auto int32 = [&](const mx::array& a) { return contiguous(a.dtype() == mx::int32 ? a : mx::astype(a, mx::int32, stream)); };
   DecoderLayerSpec spec{};
   spec.hidden = H;
   spec.intermediate = two_i / 2;

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #endif
 
+#include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "vector_math.h"
@@ -650,11 +651,11 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
         "otherwise)");
   auto stream = mx::to_stream(s);
   auto int32 = [&](const mx::array& a) {
-    return mx::contiguous(mx::astype(a, mx::int32, stream), false, stream);
+    return row_contiguous(a.dtype() == mx::int32 ? a : mx::astype(a, mx::int32, stream), stream);
   };
   std::vector<mx::array> inputs = {
-      mx::contiguous(q, false, stream), mx::contiguous(k_pool, false, stream),
-      mx::contiguous(v_pool, false, stream), int32(block_tables), int32(context_lens),
+      row_contiguous(q, stream), row_contiguous(k_pool, stream),
+      row_contiguous(v_pool, stream), int32(block_tables), int32(context_lens),
       int32(query_lens)};
   return mx::array({q.shape(0), q.shape(1) * q.shape(2)}, q.dtype(),
                    std::make_shared<PagedAttention>(stream, scale, block_size, window),

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "vector_math.h"
@@ -63,7 +64,7 @@ mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps,
         op, "weight must be float32 (D,) with x's last dimension");
   auto stream = mx::to_stream(s);
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNormRows>(stream, eps),
-                   {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+                   {row_contiguous(x, stream), row_contiguous(weight, stream)});
 }
 
 void rms_norm_rows_into(const float* x, const float* w, size_t rows, int D, float eps,
@@ -114,7 +115,7 @@ mx::array logsumexp_rows(const mx::array& x, mx::StreamOrDevice s) {
         "x must be float32 (rows, V)");
   auto stream = mx::to_stream(s);
   return mx::array({x.shape(0)}, mx::float32, std::make_shared<LogSumExpRows>(stream),
-                   {mx::contiguous(x, false, stream)});
+                   {row_contiguous(x, stream)});
 }
 
 void LogSumExpRows::eval_cpu(const std::vector<mx::array>& inputs,
@@ -160,8 +161,8 @@ mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::ar
   auto stream = mx::to_stream(s);
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<RopeRows>(stream, dims, traditional, scale),
-                   {mx::contiguous(x, false, stream), mx::contiguous(positions, false, stream),
-                    mx::contiguous(inv_freqs, false, stream)});
+                   {row_contiguous(x, stream), row_contiguous(positions, stream),
+                    row_contiguous(inv_freqs, stream)});
 }
 
 void rope_rows_into(const float* x, size_t row_stride, const int32_t* positions,

@@ -132,6 +132,9 @@ def test_few_row_float32_gemm_steps_take_the_kernel_and_others_do_not():
     native_linear()
     model = tiny_model(quantize=False).model
     runner = runner_for(model, "auto")
+    # The layers op by op: the fused layer runs these kernels inside one op of its own
+    # (tests/engine/test_decoder_layer.py).
+    runner.layer_kernel = None
     calls = count_native_calls(runner)
     prefill, decode = decode_groups([30, 12, 25])
     runner.run(prefill)  # 67 rows: MLX's matmul

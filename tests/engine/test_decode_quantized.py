@@ -230,6 +230,9 @@ def test_gemm_steps_of_a_4bit_model_take_the_kernel_and_gemv_does_not():
     model = loaded.model
     runner = runner_for(model)
     assert runner.native_quantized_applies and not runner.native_matmul_applies
+    # The layers op by op: the fused layer runs these kernels inside one op of its own
+    # (tests/engine/test_decoder_layer.py).
+    runner.layer_kernel = None
     calls = count_calls(runner)
     prefill, decode = decode_groups([30, 12, 25])
     runner.run(prefill)  # 67 rows, under DECODE_QUANTIZED_MAX_ROWS
