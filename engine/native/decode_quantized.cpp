@@ -317,11 +317,12 @@ struct Avx512 {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
     const uint32_t* ahead = wr + PREFETCH_ROWS * row_words(p);
     const int groups = p.K / p.group_size;
-    const __m512i mask = _mm512_set1_epi32(0xf);
+    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int g = 0; g < groups; ++g) {
       const size_t at = static_cast<size_t>(n) * groups + g;
       const __m512 s = _mm512_set1_ps(scale_x86(p.scales, p.scale_type, at));
       const __m512 b = _mm512_set1_ps(scale_x86(p.biases, p.scale_type, at));
+      const __m512 table = _mm512_fmadd_ps(nibbles, s, b);  // 4 bits: see fused
       const int k0 = g * p.group_size;
       const int step = p.bits == 4 ? 32 : 16;
       for (int k = k0; k < k0 + p.group_size; k += step) {
@@ -331,9 +332,8 @@ struct Avx512 {
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + word)));
         float* d = dst + k;
         if (p.bits == 4) {
-          _mm512_storeu_ps(d, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), s, b));
-          _mm512_storeu_ps(d + 16,
-                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, b));
+          _mm512_storeu_ps(d, _mm512_permutexvar_ps(v, table));
+          _mm512_storeu_ps(d + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
         } else {
           _mm512_storeu_ps(d, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, b));
         }
@@ -377,14 +377,18 @@ struct Avx512 {
     const size_t rw = row_words(p);
     const uint32_t* w0 = p.w + static_cast<size_t>(n0) * rw;
     const int groups = p.K / p.group_size;
-    const __m512i mask = _mm512_set1_epi32(0xf);
     constexpr int step = BITS == 4 ? 32 : 16;
+    // The 16 values a 4-bit weight can take in this group, scale * q + bias (the fma dequant
+    // computes, so the same bits), looked up by the nibble: one permute per 16 weights where
+    // the conversion and the fma were three instructions (benchmarks/decode_linear.py).
+    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int g = 0; g < groups; ++g) {
       __m512 s[nr], b[nr];
       for (int j = 0; j < nr; ++j) {
         const size_t at = static_cast<size_t>(n0 + j) * groups + g;
         s[j] = _mm512_set1_ps(scale_x86(p.scales, p.scale_type, at));
         b[j] = _mm512_set1_ps(scale_x86(p.biases, p.scale_type, at));
+        if constexpr (BITS == 4) s[j] = _mm512_fmadd_ps(nibbles, s[j], b[j]);  // the table
       }
       const int k0 = g * p.group_size;
       for (int k = k0; k < k0 + p.group_size; k += step) {
@@ -395,10 +399,9 @@ struct Avx512 {
           const __m512i v =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
           if constexpr (BITS == 4) {
-            const __m512 lo =
-                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), s[j], b[j]);
-            const __m512 hi =
-                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[j], b[j]);
+            // The permute reads the low 4 bits of each lane: the low nibble as it is.
+            const __m512 lo = _mm512_permutexvar_ps(v, s[j]);
+            const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), s[j]);
             for (int i = 0; i < mr; ++i) {
               const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
               acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), lo, acc[i][j]);
