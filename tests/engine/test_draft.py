@@ -52,16 +52,21 @@ def assert_no_blocks_held(engine):
 
 class Recording:
     """Wraps the engine's draft proposer: keeps every (tokens, room, drafts) it was asked for
-    and gave, so a test can redo them on a fresh cache."""
+    and gave, so a test can redo them on a fresh cache. wrong > 0: each draft handed to the
+    engine is replaced by a wrong token with that probability (seeded), so every accept length
+    happens while the draft's cache holds its own drafts."""
 
-    def __init__(self, inner: DraftProposer):
+    def __init__(self, inner: DraftProposer, wrong: float = 0.0, seed: int = 0):
         self.inner = inner
+        self.wrong = wrong
+        self.rng = random.Random(seed)
         self.calls: list[tuple[list[int], int, list[int]]] = []
 
     def propose(self, wanted):
         out = self.inner.propose(wanted)
         self.calls += [(list(tokens), k, out.get(seq_id, [])) for seq_id, tokens, k in wanted]
-        return out
+        return {s: [(t + 1) % 256 if self.rng.random() < self.wrong else t for t in d]
+                for s, d in out.items()}
 
     def release(self, seq_id):
         self.inner.release(seq_id)
@@ -70,10 +75,11 @@ class Recording:
         return getattr(self.inner, name)
 
 
-def _proposer(loaded, draft_spec="layers:1", num_blocks=64, block_size=4, max_rows=32):
+def _proposer(loaded, draft_spec="layers:1", num_blocks=64, block_size=4, max_rows=32,
+              loader=None):
     """A DraftProposer on its own, as the engine builds one (engine.Engine._draft_proposer)."""
     family = family_for(loaded.model, loaded.config)
-    draft = load_draft(draft_spec, loaded, family)
+    draft = load_draft(draft_spec, loaded, family, loader)
     runner = ModelRunner(draft.model, pool_for(draft.family, num_blocks, block_size), "auto",
                          "auto", draft.family)
     return DraftProposer(draft, runner, BlockManager(num_blocks, block_size, False), max_rows,
@@ -170,14 +176,20 @@ def test_draft_settings_are_refused_by_name():
 def test_drafts_after_rollbacks_equal_a_fresh_drafts(make_engine):
     """The draft's cache keeps the common prefix of what it saw and the request's tokens: its
     drafts are the draft model's greedy continuation of the request's tokens, as a proposer
-    with an empty cache makes them."""
-    engine = make_engine(block_size=4, max_num_batched_tokens=16, **DRAFT)
-    recording = Recording(engine.proposer)
+    with an empty cache makes them, after every accept length (an exact draft, its drafts
+    corrupted on the way to the engine)."""
+    engine = make_engine(block_size=4, max_num_batched_tokens=16,
+                         **{**DRAFT, "draft_model": "copy"}, draft_loader=lambda s: tiny_model())
+    recording = Recording(engine.proposer, wrong=0.3)
     engine.proposer = recording
     for h in [engine.submit(p, greedy()) for p in PROMPTS]:
         h.result()
+    lengths = {e.accepted for r in engine.steps.recent() for e in r.entries
+               if e.phase == "verify"}
+    assert lengths == set(range(5))
     assert sum(1 for _, _, d in recording.calls if d) > 40
-    fresh = _proposer(tiny_model(), block_size=4, max_rows=4096)
+    fresh = _proposer(tiny_model(), "copy", block_size=4, max_rows=4096,
+                      loader=lambda s: tiny_model())
     for i, (tokens, k, drafts) in enumerate(recording.calls):
         again = fresh.propose([(f"fresh-{i}", tokens, k)]).get(f"fresh-{i}", [])
         fresh.release(f"fresh-{i}")
@@ -186,21 +198,29 @@ def test_drafts_after_rollbacks_equal_a_fresh_drafts(make_engine):
     assert_no_blocks_held(engine)
 
 
-def test_rollback_trims_the_drafts_cache_to_the_common_prefix():
+def test_rollback_keeps_the_common_prefix_and_trims_the_blocks_past_it():
     proposer = _proposer(tiny_model(), block_size=4)
+    fresh = _proposer(tiny_model(), block_size=4)
+
+    def propose(tokens, k):
+        drafts = proposer.propose([("s", tokens, k)])["s"]
+        assert drafts == fresh.propose([("f", tokens, k)])["f"]
+        fresh.release("f")
+        table = proposer.block_manager.block_table("s")
+        assert len(table) == -(-len(proposer._seen["s"]) // 4)  # no block past the cache
+        return drafts
+
     tokens = ByteTokenizer().encode("hello there, general")
-    d = proposer.propose([("s", tokens, 4)])["s"]
-    assert len(d) == 4
-    assert proposer._seen["s"] == tokens + d[:3]  # d4 has no KV yet
+    d = propose(tokens, 4)
+    assert len(d) == 4 and proposer._seen["s"] == tokens + d[:3]  # d4 has no KV yet
     # The target accepted d1 and chose its own next token, not d2.
     nxt = tokens + [d[0], (d[1] + 1) % 256]
-    proposer.propose([("s", nxt, 2)])
-    assert proposer._seen["s"][:len(tokens) + 2] == nxt
-    table = proposer.block_manager.block_table("s")
-    assert len(table) == -(-len(proposer._seen["s"]) // 4)
-    # A whole different request under the same id: everything but nothing in common goes.
-    proposer.propose([("s", [9, 9, 9], 1)])
-    assert proposer._seen["s"] == [9, 9, 9]
+    propose(nxt, 2)
+    assert proposer._seen["s"][:len(nxt)] == nxt
+    # Tokens that part from the cache before its end (a request id reused): only what they
+    # share is kept.
+    propose(ByteTokenizer().encode("hello where"), 3)
+    propose([9, 9, 9], 1)
     proposer.release("s")
     assert proposer.block_manager.num_used_blocks == 0
 
