@@ -75,6 +75,17 @@ class Recording:
         return getattr(self.inner, name)
 
 
+_EXPECTED: dict[str, list[int]] = {}
+
+
+def expected_tokens(make_engine, prompts=PROMPTS) -> list[list[int]]:
+    """Greedy tokens of the tiny model without speculation (made once per test session)."""
+    if not _EXPECTED:
+        engine = make_engine()
+        _EXPECTED.update({p: engine.generate(p, greedy()).token_ids for p in PROMPTS})
+    return [_EXPECTED[p] for p in prompts]
+
+
 def _proposer(loaded, draft_spec="layers:1", num_blocks=64, block_size=4, max_rows=32,
               loader=None):
     """A DraftProposer on its own, as the engine builds one (engine.Engine._draft_proposer)."""
@@ -124,7 +135,7 @@ def test_one_propose_call_is_at_most_k_batched_draft_forwards(make_engine):
 def test_a_separately_loaded_draft_and_an_exact_copy_of_the_target(make_engine):
     """A draft given as a model (not layers:N) is loaded, checked and run on its own weights;
     a copy of the target drafts exactly its tokens: every draft is accepted."""
-    expected = [make_engine().generate(p, greedy()).token_ids for p in PROMPTS[:4]]
+    expected = expected_tokens(make_engine, PROMPTS[:4])
     copy = make_engine(block_size=4, **{**DRAFT, "draft_model": "copy"},
                        draft_loader=lambda spec: tiny_model())
     assert not copy.proposer.draft.shared
@@ -247,7 +258,7 @@ def test_a_full_draft_pool_gives_fewer_drafts_never_an_error_or_a_leak():
 
 
 def test_an_error_inside_the_draft_drops_its_caches_and_the_step_goes_on(make_engine):
-    expected = make_engine().generate(PROMPTS[2], greedy()).token_ids
+    (expected,) = expected_tokens(make_engine, PROMPTS[2:3])
     engine = make_engine(block_size=4, **DRAFT)
     runner = engine.proposer.runner
     real, calls = runner.run, []
@@ -281,9 +292,6 @@ def test_finish_and_cancel_release_the_drafts_blocks(make_engine):
     assert_no_blocks_held(engine)
 
 
-EXPECTED_CACHE: dict[str, dict] = {}
-
-
 @pytest.mark.slow  # about 6 s; runs in `make test` (CI)
 @settings(max_examples=10, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -296,8 +304,7 @@ def test_no_block_leaks_in_target_or_draft(make_engine, draft, k, sampled, seed,
     """Random accept patterns (a mostly wrong draft, an exact one, sampled requests), cancels
     between any two steps, and a small pool that preempts requests mid-verification and runs
     the draft's pool out: in the end neither block manager holds a block."""
-    expected = EXPECTED_CACHE.get("tiny") or EXPECTED_CACHE.setdefault(
-        "tiny", {p: make_engine().generate(p, greedy()).token_ids for p in PROMPTS})
+    expected = dict(zip(PROMPTS, expected_tokens(make_engine), strict=True))
     engine = make_engine(block_size=4, num_kv_blocks=num_blocks, max_num_batched_tokens=24,
                          **{**DRAFT, "draft_model": draft, "num_speculative_tokens": k},
                          draft_loader=lambda spec: tiny_model())
@@ -322,7 +329,7 @@ def test_no_block_leaks_in_target_or_draft(make_engine, draft, k, sampled, seed,
 
 
 def test_preemption_keeps_the_drafts_cache_and_the_tokens(make_engine):
-    expected = [make_engine().generate(p, greedy()).token_ids for p in PROMPTS]
+    expected = expected_tokens(make_engine)
     engine = make_engine(block_size=4, num_kv_blocks=20, max_num_batched_tokens=24, **DRAFT)
     kept = []  # per preempted request: whether the draft still holds its cache
     engine.before_forward = lambda plan: kept.extend(
