@@ -1,8 +1,9 @@
-"""Speculative decoding inside the batch: output tokens/s with and without prompt lookup, by
-the number of concurrent streams, on a copy-heavy workload.
+"""Speculative decoding inside the batch: output tokens/s with and without prompt lookup or a
+draft model, by the number of concurrent streams, on a copy-heavy workload or open questions.
 
     .venv/bin/python benchmarks/speculative.py [--streams 1 4 16] [--rounds 3] [--k 4]
         [--max-tokens 160] [--weights auto] [--workload copy|open]
+        [--method ngram|draft] [--draft-model SPEC ...]
 
 The copy workload asks the model (chat template, greedy, stops at EOS) to repeat a passage or
 to return a piece of code with a small edit: what prompt lookup is for (rewriting a document,
@@ -12,14 +13,20 @@ The open workload is the opposite case: 16 open questions and story starts whose
 repeat little of their prompt, where drafts are fewer and mostly wrong (results in
 speculative_open.md).
 
-Three engines are loaded side by side and take turns wave by wave, so machine noise hits them
-alike: no speculation; --speculative ngram with the turn-down lifted (speculative_max_batch =
-16: it always speculates); and ngram with the default turn-down. For S streams a wave submits
-S prompts at once; the rate is output tokens over wall time, summed over the rounds. Greedy
-output is batch-invariant on the CPU (native kernels), so the three must produce the same
-tokens: the script checks it. Acceptance = accepted / drafted tokens, from the step records.
+The engines are loaded side by side and take turns wave by wave, so machine noise hits them
+alike. --method ngram (the default): no speculation; --speculative ngram with the turn-down
+lifted (speculative_max_batch = 16: it always speculates); and ngram with the default
+turn-down. --method draft: no speculation, and one engine per --draft-model (layers:N, the
+target's first N layers; embedded, the shipped 4-bit model, a draft for --weights f32; or a
+folder), each always speculating (with the default turn-down it would not draft at 16 streams,
+and at 1 and 4 it is the same engine). For S streams a wave submits S prompts at once; the rate
+is output tokens over wall time, summed over the rounds. Greedy output is batch-invariant on
+the CPU (native kernels), so all engines must produce the same tokens: the script checks it.
+Acceptance = accepted / drafted tokens, from the step records; a draft model's share is the
+time its forwards took (StepRecord.propose_time) over the wall time.
 
-Writes speculative.md and speculative.json to --out-dir (benchmarks/results).
+Writes speculative[_open][_draft][_WEIGHTS].md and .json to --out-dir (benchmarks/results):
+_draft for --method draft, _WEIGHTS when --weights is not auto.
 """
 
 from __future__ import annotations
@@ -121,11 +128,18 @@ def prompts(tokenizer, workload: str = "copy") -> list[list[int]]:
                                                add_generation_prompt=True)) for t in texts]
 
 
-CONDITIONS = {  # name -> EngineConfig overrides
+CONDITIONS = {  # name -> EngineConfig overrides (--method ngram)
     "off": {},
     "ngram, always": {"speculative": "ngram", "speculative_max_batch": 16},
     "ngram, default turn-down": {"speculative": "ngram"},
 }
+
+
+def conditions(method: str, draft_models: list[str]) -> dict[str, dict]:
+    if method == "ngram":
+        return CONDITIONS
+    return {"off": {}, **{f"draft {m}": {"speculative": "draft", "draft_model": m,
+                                         "speculative_max_batch": 16} for m in draft_models}}
 
 
 def wave(eng: Engine, ids: list[list[int]], max_tokens: int) -> dict:
@@ -138,6 +152,7 @@ def wave(eng: Engine, ids: list[list[int]], max_tokens: int) -> dict:
     return {"wall": wall, "tokens": [r.token_ids for r in results],
             "drafted": sum(r.draft_tokens for r in steps),
             "accepted": sum(r.accepted_tokens for r in steps),
+            "propose_time": sum(r.propose_time for r in steps),
             "verify_steps": sum(1 for r in steps if r.verify_rows), "steps": len(steps)}
 
 
@@ -151,12 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--workload", choices=("copy", "open"), default="copy")
+    ap.add_argument("--method", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument("--draft-model", nargs="+", default=["layers:8"], metavar="SPEC",
+                    help="--method draft: the draft models, one engine each (default layers:8)")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     if min(args.streams) < 1 or max(args.streams) > 16 or args.rounds < 1:
         ap.error("--streams must be 1 to 16 and --rounds positive")
     engines = {}
-    for name, overrides in CONDITIONS.items():
+    for name, overrides in conditions(args.method, args.draft_model).items():
         log(f"loading engine: {name}")
         config = EngineConfig(weights=args.weights, num_speculative_tokens=args.k,
                               max_num_seqs=16, **overrides)
@@ -164,14 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         eng0 = engines["off"]
         ids = prompts(eng0.tokenizer, args.workload)
-        default_max_batch = engines["ngram, default turn-down"].speculation.max_batch
+        default_max_batch = EngineConfig().speculative_max_batch
         log("warm-up")
         for eng in engines.values():
             wave(eng, ids[:2], 8)
         rows = []
         for streams in args.streams:
-            totals = {name: {"wall": 0.0, "tokens": 0, "drafted": 0, "accepted": 0}
-                      for name in engines}
+            totals = {name: {"wall": 0.0, "tokens": 0, "drafted": 0, "accepted": 0,
+                             "propose_time": 0.0} for name in engines}
             same = True
             for r in range(args.rounds):
                 batch = [ids[(r * streams + i) % len(ids)] for i in range(streams)]
@@ -183,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                     t["tokens"] += sum(map(len, w["tokens"]))
                     t["drafted"] += w["drafted"]
                     t["accepted"] += w["accepted"]
+                    t["propose_time"] += w["propose_time"]
                     outputs[name] = w["tokens"]
                 same &= len({json.dumps(o) for o in outputs.values()}) == 1
                 log(f"{streams} streams, round {r + 1}/{args.rounds}: " + ", ".join(
@@ -204,10 +223,13 @@ def main(argv: list[str] | None = None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "backend": info["backend"],
             "blas": blas_name(info.get("blas")) or "bundled", "weights": weights, "k": args.k,
             "max_tokens": args.max_tokens, "rounds": args.rounds, "workload": args.workload,
-            "default_max_batch": default_max_batch, "rows": rows}
+            "default_max_batch": default_max_batch, "method": args.method,
+            "conditions": list(engines), "rows": rows}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    name = "speculative" if args.workload == "copy" else f"speculative_{args.workload}"
+    name = "speculative" + ("" if args.workload == "copy" else f"_{args.workload}")
+    name += ("" if args.method == "ngram" else f"_{args.method}")
+    name += "" if args.weights == "auto" else f"_{args.weights}"
     (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     text = render(data)
     (out / f"{name}.md").write_text(text)
@@ -216,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(data: dict) -> str:
+    if data.get("method", "ngram") == "draft":
+        return render_draft(data)
     names = list(CONDITIONS)
     workload = {"copy": "a copy-heavy workload", "open": "open questions"}[data["workload"]]
     lines = [f"# Speculative decoding (prompt lookup) on {workload}", "",
@@ -234,6 +258,34 @@ def render(data: dict) -> str:
         lines.append(f"| {r['streams']} | {base:.1f} | {c[1]['tok_s']:.1f} "
                      f"({c[1]['tok_s'] / base:.2f}x) | {acc} | {c[2]['tok_s']:.1f} "
                      f"({c[2]['tok_s'] / base:.2f}x) | {'yes' if r['same_tokens'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_draft(data: dict) -> str:
+    names = data["conditions"]
+    drafts = names[1:]
+    workload = {"copy": "a copy-heavy workload", "open": "open questions"}[data["workload"]]
+    lines = [f"# Speculative decoding with a draft model on {workload}", "",
+             f"`{data['command']}`, run {data['started']}: backend {data['backend']}, BLAS "
+             f"{data['blas']}, target weights {data['weights']}; k = {data['k']} drafts, greedy, "
+             f"up to {data['max_tokens']} tokens, {data['rounds']} rounds per row, the engines "
+             "taking turns, each draft engine speculating at every batch size. Draft share: "
+             "the draft model's forwards over the wall time.", "",
+             "| streams | no speculation tok/s | "
+             + " | ".join(f"{n} tok/s (x) | acceptance | draft share" for n in drafts)
+             + " | same tokens |",
+             "|---|---|" + "---|---|---|" * len(drafts) + "---|"]
+    for r in data["rows"]:
+        c = r["conditions"]
+        base = c["off"]["tok_s"]
+        cells = []
+        for n in drafts:
+            x = c[n]
+            acc = "–" if x["acceptance"] is None else f"{100 * x['acceptance']:.0f}%"
+            cells.append(f"{x['tok_s']:.1f} ({x['tok_s'] / base:.2f}x) | {acc} | "
+                         f"{100 * x['propose_time'] / x['wall']:.0f}%")
+        lines.append(f"| {r['streams']} | {base:.1f} | " + " | ".join(cells)
+                     + f" | {'yes' if r['same_tokens'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -77,14 +77,16 @@ class EngineConfig:
     invariant_tile: int = 16
     attention: str = "auto"
     decode_matmul: str = "auto"
-    # Speculative decoding (engine/speculative.py): "off" or "ngram" (prompt lookup); drafts
-    # per request per step; the n-gram sizes matched; and the most running requests at which
-    # a step still speculates.
+    # Speculative decoding (engine/speculative.py): "off", "ngram" (prompt lookup) or "draft"
+    # (a draft model, engine/draft.py); drafts per request per step; the n-gram sizes matched;
+    # the most running requests at which a step still speculates; and the draft model:
+    # "layers:N" (the target's first N layers), "embedded" or a local mlx-lm folder.
     speculative: str = "off"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_max_batch: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -110,4 +112,4 @@ class EngineConfig:
     def speculation(self) -> SpeculativeConfig:
         return SpeculativeConfig(self.speculative, self.num_speculative_tokens,
                                  self.prompt_lookup_min, self.prompt_lookup_max,
-                                 self.speculative_max_batch)
+                                 self.speculative_max_batch, self.draft_model)

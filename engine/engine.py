@@ -24,9 +24,10 @@ import mlx.core as mx
 from engine import native
 from engine.block_manager import BlockManager
 from engine.config import TILED, EngineConfig, KernelPolicy
+from engine.draft import DraftProposer, load_draft
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
-from engine.model_loader import load_model
+from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import (
     DECODE_MATMUL_MAX_ROWS,
     DECODE_QUANTIZED_MAX_ROWS,
@@ -78,10 +79,13 @@ class Engine:
     """Continuous-batching engine. `loader` runs on the engine thread and returns a LoadedModel."""
 
     def __init__(self, config: EngineConfig, loader: Callable[[], object] | None = None,
-                 thresholds: ThresholdTable | None = None, proposer: Proposer | None = None):
+                 thresholds: ThresholdTable | None = None, proposer: Proposer | None = None,
+                 draft_loader: Callable[[str], LoadedModel] | None = None):
         """thresholds: the calibrated kernel thresholds (engine/thresholds.py); none given,
         --kernel-policy auto uses --kernel-threshold or the default. proposer: where drafts
-        come from when config.speculative is on (default: the method's own)."""
+        come from when config.speculative is on (default: the method's own; for "draft",
+        made at load, engine/draft.py). draft_loader: builds the draft model config.draft_model
+        names (default: the project's loader; a layers:N draft is never loaded)."""
         self.config = config
         self._thresholds = thresholds
         self._loader = loader or self._default_loader
@@ -97,6 +101,8 @@ class Engine:
         self.kernel_policy = KernelPolicy(config.kernel_policy, config.kernel_threshold or 1)
         self.speculation = config.speculation
         self.proposer = proposer or proposer_for(self.speculation)
+        self._draft_loader = draft_loader
+        self._propose_time = 0.0  # seconds the proposer took in the current step
         self.kernel_threshold_source = "flag" if config.kernel_threshold is not None else "default"
         self.step_count = 0
         self._inbox: queue.Queue[tuple] = queue.Queue()
@@ -327,8 +333,35 @@ class Engine:
                  self.max_model_len, self.attention, self.decode_matmul)
         for line in family.describe_layers():
             log.info("layers: %s", line)
+        if self.speculation.method == "draft" and self.proposer is None:
+            self.proposer = self._draft_proposer(family, kv_dtype)
         if self.speculation.enabled:
             log.info("speculative decoding: %s", self.speculation.describe())
+
+    def _draft_proposer(self, family, kv_dtype) -> DraftProposer:
+        """The draft model, its runner over a pool of its own (as many blocks as the target's)
+        and its block tables; refused here, before the engine serves, when it does not fit
+        the target."""
+        cfg = self.config
+        draft = load_draft(cfg.draft_model, self.loaded, family, self._draft_loader)
+        pool = pool_for(draft.family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
+        runner = ModelRunner(draft.model, pool, cfg.attention, cfg.decode_matmul, draft.family)
+        runner.tile = cfg.invariant_tile
+        if draft.shared:
+            # The same modules as the target's: share its stacked q/k/v and gate/up weights
+            # (the layers' weights are views of them), so the draft adds no weight memory.
+            runner._stacks = self.runner._stacks
+        runner.run([RowGroup("warmup", [0], 0, [0], sample=False)])
+        log.info("draft model %s (%s weights%s); its KV pool %.0f MiB (%s)", draft.name,
+                 draft.weights, ", shared with the target" if draft.shared else "",
+                 pool.nbytes() / 2**20, pool.dtype)
+
+        def path_for(rows: int) -> str:
+            return TILED if cfg.batch_invariant else self.kernel_policy.path_for(rows)
+
+        return DraftProposer(draft, runner, BlockManager(cfg.num_kv_blocks, cfg.block_size,
+                                                         enable_prefix_caching=False),
+                             cfg.max_num_batched_tokens, path_for)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -468,6 +501,7 @@ class Engine:
             verify_rows=sum(g.num_rows for g in plan.groups if g.phase == "verify"),
             draft_tokens=sum(len(g.drafts) for g in plan.groups),
             accepted_tokens=accepted_tokens, speculation=speculation,
+            propose_time=self._propose_time,
             kv_blocks_total=bm.num_blocks, kv_blocks_used=kv_used, kv_blocks_free=kv_free,
             kv_blocks_cached=kv_cached,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -477,7 +511,7 @@ class Engine:
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
         t3 = time.perf_counter()
         record.wall_time = t3 - t0
-        record.scheduler_time = (t1 - t0) + (t3 - t2)
+        record.scheduler_time = (t1 - t0 - self._propose_time) + (t3 - t2)
         self.steps.append(record)
 
     def _window_savings(self, plan: SchedulerOutput) -> dict[str, int]:
@@ -511,6 +545,7 @@ class Engine:
         """Drafts for the running requests in decode, and the step's speculation state (see
         StepRecord.speculation): past `speculative_max_batch` running requests, none."""
         spec = self.speculation
+        self._propose_time = 0.0
         if not spec.enabled:
             return {}, ""
         running = self.scheduler.running
@@ -525,7 +560,9 @@ class Engine:
                        self.max_model_len - seq.num_tokens - 1)
             if room >= 1:
                 wanted.append((seq.seq_id, seq.token_ids, room))
+        t0 = time.perf_counter()
         drafts = self.proposer.propose(wanted) if wanted else {}
+        self._propose_time = time.perf_counter() - t0
         rooms = {seq_id: room for seq_id, _, room in wanted}
         return {s: d[:rooms[s]] for s, d in drafts.items() if d and s in rooms}, "on"
 
@@ -574,6 +611,11 @@ class Engine:
         self._requests.pop(seq.seq_id, None)
         self._release_held(seq.seq_id, None)
         self.scheduler.finish(seq, reason)  # frees the blocks whatever happens next
+        # The proposer's own state for it (a draft model's KV blocks). Proposers written
+        # before release existed (scripted ones in tests) keep nothing and have none.
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(seq.seq_id)
         # Text held back for a possible stop string is released with the finish.
         tail = req.output.flush() if reason in ("length", "stop") else ""
         self._emit(req, FinishEvent(

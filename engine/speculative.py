@@ -7,8 +7,9 @@ bits a decoded one would (engine/attention.py, engine/native/paged_attention.h).
 (engine/model_runner.py) then keeps the longest prefix of drafts the target agrees with, plus
 the target's own next token; the engine trims the blocks the rejected rows took.
 
-Proposers are pure Python (no MLX): prompt lookup matches the last n tokens of a request
-against its own earlier tokens, as vLLM's "ngram" method does.
+Prompt lookup is pure Python (no MLX): it matches the last n tokens of a request against its
+own earlier tokens, as vLLM's "ngram" method does. The draft-model proposer (engine/draft.py)
+runs a smaller model on the engine thread, with its own paged KV.
 """
 
 from __future__ import annotations
@@ -19,20 +20,25 @@ from typing import Protocol
 
 import numpy as np
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "draft")
+# --draft-model LAYERS_PREFIX + N: the target's own first N decoder layers, final norm and head
+# (engine/draft.py); anything else is "embedded" or a local mlx-lm folder.
+LAYERS_PREFIX = "layers:"
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """The speculation settings, checked (their defaults live in EngineConfig alone)."""
 
-    method: str  # "off" or "ngram"
+    method: str  # "off", "ngram" or "draft"
     num_tokens: int  # drafts per step per request (k)
     lookup_min: int  # shortest n-gram matched (prompt lookup)
     lookup_max: int  # longest n-gram matched, tried first
     # Speculate only while at most this many requests run (benchmarks/speculative.py: on open
     # questions drafts cost throughput from 4 streams on).
     max_batch: int
+    # method "draft": "layers:N" (the target's first N layers), "embedded" or a model folder.
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -45,6 +51,14 @@ class SpeculativeConfig:
         if self.lookup_min > self.lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.lookup_min}) is more than "
                              f"prompt_lookup_max ({self.lookup_max})")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative 'draft' needs a draft model: --draft-model PATH, "
+                             "'embedded' or layers:N")
+        if self.draft_model is not None and self.method != "draft":
+            raise ValueError(f"a draft model ({self.draft_model!r}) is used by speculative "
+                             f"'draft' only, got speculative {self.method!r}")
+        if self.draft_model is not None:
+            draft_layers(self.draft_model)  # raises on a bad layers:N
 
     @property
     def enabled(self) -> bool:
@@ -53,14 +67,32 @@ class SpeculativeConfig:
     def describe(self) -> str:
         if not self.enabled:
             return "off"
-        return (f"{self.method}, k={self.num_tokens}, n-gram {self.lookup_min}-{self.lookup_max}"
-                f", up to {self.max_batch} running requests")
+        how = (f"n-gram {self.lookup_min}-{self.lookup_max}" if self.method == "ngram"
+               else f"draft model {self.draft_model}")
+        return f"{self.method}, k={self.num_tokens}, {how}, up to {self.max_batch} running requests"
+
+
+def draft_layers(draft_model: str) -> int | None:
+    """N of a "layers:N" draft (None: a model to load); ValueError when N is not a positive
+    whole number."""
+    if not draft_model.startswith(LAYERS_PREFIX):
+        return None
+    n = draft_model[len(LAYERS_PREFIX):]
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"draft model {draft_model!r}: layers:N takes a positive number of "
+                         "the target's decoder layers")
+    return int(n)
 
 
 class Proposer(Protocol):
     def propose(self, wanted: Seq[tuple[str, list[int], int]]) -> dict[str, list[int]]:
         """wanted: (seq_id, its tokens so far, most drafts it may take) for every request that
-        speculates this step; returns seq_id -> drafts (absent or [] for none)."""
+        speculates this step; returns seq_id -> drafts (absent or [] for none). Called on the
+        engine thread, before the step is scheduled."""
+
+    def release(self, seq_id: str) -> None:
+        """The request has finished (any reason: also cancelled or failed): drop what is kept
+        for it. The engine calls it for every request it finishes."""
 
 
 class NgramProposer:
@@ -74,8 +106,13 @@ class NgramProposer:
         return {seq_id: propose_ngram(tokens, k, c.lookup_min, c.lookup_max)
                 for seq_id, tokens, k in wanted}
 
+    def release(self, seq_id: str) -> None:
+        pass  # keeps nothing per request
+
 
 def proposer_for(config: SpeculativeConfig) -> Proposer | None:
+    """The method's proposer when it needs no model; "draft" is made by the engine once its
+    model is loaded (engine/draft.py)."""
     return NgramProposer(config) if config.method == "ngram" else None
 
 

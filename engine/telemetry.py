@@ -30,7 +30,7 @@ class StepRecord:
     started_at: float  # epoch seconds
     wall_time: float  # seconds, whole step
     model_time: float  # forward + sampling, evaluated
-    scheduler_time: float  # scheduling + bookkeeping + events (everything else)
+    scheduler_time: float  # scheduling + bookkeeping + events (all else but propose_time)
     entries: list[StepEntry]
     total_rows: int
     prefill_rows: int
@@ -49,6 +49,9 @@ class StepRecord:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     speculation: str = ""
+    # Seconds the proposer took to draft for the step (a draft model's forwards; not counted
+    # in scheduler_time or model_time, which is the target's forward).
+    propose_time: float = 0.0
     # "gemm": one batched call per linear layer; "gemv": one per row; "tiled": calls of a
     # fixed number of rows (batch-invariant mode)
     kernel_path: str = "gemm"

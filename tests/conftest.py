@@ -27,9 +27,10 @@ def make_engine():
     """Start engines on the tiny random model; all are stopped after the test."""
     engines = []
 
-    def factory(loader=tiny_model, proposer=None, **config):
+    def factory(loader=tiny_model, proposer=None, draft_loader=None, **config):
         config.setdefault("num_kv_blocks", 128)
-        engine = Engine(EngineConfig(**config), loader=loader, proposer=proposer).start()
+        engine = Engine(EngineConfig(**config), loader=loader, proposer=proposer,
+                        draft_loader=draft_loader).start()
         engines.append(engine)
         return engine
 

@@ -10,8 +10,11 @@ A side is a comma-separated list of key=value settings:
   join=K                         they join at the step computing the target's token #K
                                  (0, the default: together with the target's prompt)
   others_tokens=N                tokens each other request generates (default 16)
-  speculative=off|ngram, k=N     speculative decoding (prompt lookup, N drafts a step), on
-                                 whatever shares the batch
+  speculative=off|ngram|draft, k=N
+                                 speculative decoding (prompt lookup, or a draft model's
+                                 greedy tokens; N drafts a step), on whatever shares the batch
+  draft=layers:N|embedded|PATH   with speculative=draft: the draft model (default:
+                                 --draft-model), as the engine's --draft-model takes it
   max_batched=N, max_seqs=N, block_size=N, batch_invariant=1   engine settings
 
 examples:
@@ -27,6 +30,9 @@ examples:
   # prefill joins while the target verifies its drafts (float32: mixed steps take BLAS GEMM)
   batchscope diverge --chat "Repeat exactly: ..." --weights f32 --a speculative=ngram \
       --b speculative=ngram,alongside=120,join=4
+  # prompt lookup against the target's first 8 layers drafting for it, both q4
+  batchscope diverge "Once upon a time" --weights q4 --draft-model layers:8 \
+      --a speculative=ngram,k=4 --b speculative=draft,k=4
   # how often does it fork here? 20 built-in prompts, or one prompt a line from FILE
   batchscope diverge --search --a policy=gemm --b policy=gemv
   # save it in the server's runs database: listed at /divergence, its sides at /runs
@@ -62,6 +68,10 @@ def add_diverge_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="weights of both sides unless a spec says otherwise (default f32: on "
                         "a CPU, 4-bit rows are computed alike on every path)")
     p.add_argument("--model", default="embedded", help="'embedded' or an mlx-lm model folder")
+    p.add_argument("--draft-model", default=None, metavar="SPEC",
+                   help="the draft model of sides with speculative=draft unless a side says "
+                        "draft=...: layers:N (the target's first N layers), 'embedded' (4-bit) "
+                        "or an mlx-lm folder with the target's tokenizer")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per side")
     p.add_argument("--top-k", type=int, default=5, help="tokens per side in the fork table")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -85,7 +95,7 @@ def add_diverge_command(subparsers: Any) -> argparse.ArgumentParser:
 def sides(args: argparse.Namespace) -> tuple[Any, Any]:
     from app.lab.divergence import SideConfig
 
-    base = SideConfig(weights=args.weights)
+    base = SideConfig(weights=args.weights, draft_model=args.draft_model)
     out = []
     for spec, extra in ((args.a, args.a_alongside), (args.b, args.b_alongside)):
         if extra is not None:
@@ -213,7 +223,8 @@ def _speculation_lines(r: dict) -> list[str]:
         s = r["sides"][name].get("speculation")
         if s:
             rate = "–" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
-            out.append(f"{name.upper()} drafts: {s['accepted']} of {s['drafted']} accepted "
+            by = f" from {s['draft_model']}" if s.get("draft_model") else ""
+            out.append(f"{name.upper()} drafts{by}: {s['accepted']} of {s['drafted']} accepted "
                        f"({rate}) over {s['verify_steps']} verify steps")
     return out
 

@@ -38,12 +38,17 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                       "(native when available)", NATIVE_SETTING),
     "speculative": ("speculative decoding: drafted tokens verified inside the shared step; "
                     "ngram proposes what followed the request's last tokens earlier in its own "
-                    "prompt and output (see docs/engine.md)", SPECULATIVE_METHODS),
+                    "prompt and output, draft the greedy tokens of --draft-model (see "
+                    "docs/engine.md)", SPECULATIVE_METHODS),
     "num_speculative_tokens": ("drafts per request per step", None),
     "prompt_lookup_min": ("--speculative ngram: the shortest n-gram matched", None),
     "prompt_lookup_max": ("--speculative ngram: the longest n-gram matched (tried first)", None),
     "speculative_max_batch": ("speculate only while at most this many requests run (past it "
                               "the verify rows cost more than they save)", None),
+    "draft_model": ("--speculative draft: the model that drafts: layers:N (the target's own "
+                    "first N layers, final norm and head: no download, no weight memory), "
+                    "'embedded' (the embedded model at its 4-bit weights, for an f32 target) "
+                    "or a local mlx-lm folder with the target's tokenizer", None),
 }
 SWITCHES = {  # boolean fields: the flag flips the default
     "enable_prefix_caching": ("--no-prefix-caching", "turn prefix caching off"),
@@ -59,7 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (help_text, choices) in FLAGS.items():
         default = fields[name].default
         kind = str if name in ("model", "weights", "kv_dtype", "kernel_policy", "attention",
-                               "decode_matmul", "speculative") else int
+                               "decode_matmul", "speculative", "draft_model") else int
         shown = f" (default: {default})" if default is not None and choices is None else ""
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=default,
                            type=kind, choices=choices, help=help_text + shown)

@@ -37,6 +37,7 @@ from engine.engine import Engine, EngineError, Submission
 from engine.events import FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
 from engine.speculative import METHODS as SPECULATIVE_METHODS
+from engine.speculative import draft_layers
 from engine.telemetry import StepRecord
 
 Progress = Callable[[str], None] | None
@@ -97,10 +98,13 @@ class SideConfig:
     batch_invariant: bool = False  # the engine's tiled, batch-invariant path (if it has one)
     # Few-row float32 gemm steps: the native kernel ("auto"/"native") or MLX's matmul ("mlx").
     decode_matmul: str = "auto"
-    # Speculative decoding of the target (and the others): "off" or "ngram", k drafts a step.
-    # A side speculates whatever shares its steps (no automatic turn-down).
+    # Speculative decoding of the target (and the others): "off", "ngram" or "draft", k drafts
+    # a step. A side speculates whatever shares its steps (no automatic turn-down).
     speculative: str = "off"
     num_speculative_tokens: int = 4
+    # speculative "draft": the draft model, as the engine's --draft-model takes it (layers:N,
+    # "embedded" or a folder); ignored by the other methods.
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -111,6 +115,11 @@ class SideConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative!r}")
+        if self.speculative == "draft":
+            if not self.draft_model:
+                raise ValueError("speculative=draft needs a draft model: draft=layers:N (or "
+                                 "'embedded', or a folder) in the side, or --draft-model")
+            draft_layers(self.draft_model)  # raises on a bad layers:N
         alongside = tuple(self.alongside)
         if len(alongside) > MAX_ALONGSIDE:
             raise ValueError(f"at most {MAX_ALONGSIDE} other requests, got {len(alongside)}")
@@ -142,13 +151,20 @@ class SideConfig:
         matmul = "" if self.decode_matmul == "auto" else f" · matmul {self.decode_matmul}"
         spec = ("" if self.speculative == "off"
                 else f" · {self.speculative} k={self.num_speculative_tokens}")
+        if self.speculative == "draft":
+            spec += f" ({self.draft_model})"
         return f"{self.weights} · {path}{matmul}{spec} · {context}"
 
     def engine_key(self) -> tuple:
         """Sides with equal keys share an engine (the kernel policy is set per run)."""
         return (self.weights, self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
                 self.batch_invariant, self.decode_matmul, self.speculative,
-                self.num_speculative_tokens)
+                self.num_speculative_tokens, self.engine_draft_model)
+
+    @property
+    def engine_draft_model(self) -> str | None:
+        """The engine's draft_model: this side's, when it drafts with a model."""
+        return self.draft_model if self.speculative == "draft" else None
 
     def to_dict(self) -> dict:
         return {**asdict(self), "alongside": list(self.alongside), "label": self.label()}
@@ -183,7 +199,8 @@ class SideConfig:
             if name == "alongside":
                 changes[name] = _lengths(value)
                 list_key = name
-            elif name in ("weights", "kernel_policy", "decode_matmul", "speculative"):
+            elif name in ("weights", "kernel_policy", "decode_matmul", "speculative",
+                          "draft_model"):
                 changes[name] = value
             elif name == "batch_invariant":
                 changes[name] = value.lower() in ("1", "true", "yes", "on")
@@ -207,6 +224,7 @@ SPEC_KEYS = {
     "batch_invariant": "batch_invariant", "matmul": "decode_matmul",
     "decode_matmul": "decode_matmul", "speculative": "speculative", "spec": "speculative",
     "k": "num_speculative_tokens", "num_speculative_tokens": "num_speculative_tokens",
+    "draft": "draft_model", "draft_model": "draft_model",
 }
 
 
@@ -309,7 +327,8 @@ class DivergenceRunner:
             num_kv_blocks=max(blocks, 16), enable_prefix_caching=False, step_history=4096,
             decode_matmul=side.decode_matmul, speculative=side.speculative,
             num_speculative_tokens=side.num_speculative_tokens,
-            speculative_max_batch=side.max_num_seqs, **extra)
+            speculative_max_batch=side.max_num_seqs, draft_model=side.engine_draft_model,
+            **extra)
         loader = None
         if self.loader is not None:
             user_loader, weights = self.loader, side.weights
@@ -650,6 +669,7 @@ def _speculation(run: SideRun) -> dict | None:
     drafted = sum(s.get("target_drafted", 0) for s in run.steps)
     accepted = sum(s.get("target_accepted", 0) for s in run.steps)
     return {"method": run.side.speculative, "k": run.side.num_speculative_tokens,
+            "draft_model": run.side.engine_draft_model,
             "verify_steps": sum(1 for s in run.steps if s.get("target_phase") == "verify"),
             "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else None}

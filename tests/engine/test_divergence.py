@@ -280,8 +280,46 @@ def test_speculating_sides_are_bit_identical_to_plain_decoding_on_four_bit_rows(
     assert r["sides"]["b"]["speculation"] is None
 
 
+def test_a_draft_model_side_is_bit_identical_to_a_prompt_lookup_side():
+    """speculative=draft: the target's first layer drafts (layers:1); the side's engine gets
+    the draft model, and its drafts change no bit of the target's rows."""
+    prompt = "0101010101"
+    a = SideConfig.parse("weights=q4,speculative=draft,k=3,draft=layers:1")
+    b = SideConfig.parse("weights=q4,speculative=ngram,k=3")
+    assert "draft k=3 (layers:1)" in a.label() and a.engine_key() != b.engine_key()
+    assert SideConfig.parse("weights=q4,speculative=ngram,k=3",
+                            SideConfig(draft_model="layers:1")).engine_key() \
+        == b.engine_key()  # a draft model given to every side matters to draft sides only
+    r = run_experiment(prompt, a, b, max_tokens=24, loader=loader)
+    assert r["bit_identical"], r["verdict"]
+    spec = r["sides"]["a"]["speculation"]
+    assert spec["method"] == "draft" and spec["draft_model"] == "layers:1"
+    assert spec["drafted"] > spec["accepted"] > 0
+    assert r["sides"]["a"]["engine"]["draft_model"] == "layers:1"
+
+
+def test_the_commands_draft_model_reaches_the_draft_sides():
+    from app.cli import build_parser
+    from app.cli.diverge import sides
+
+    parser = build_parser()
+    args = parser.parse_args(["diverge", "hi", "--draft-model", "layers:1",
+                              "--a", "speculative=draft,k=2", "--b", "speculative=ngram"])
+    a, b = sides(args)
+    assert (a.engine_draft_model, b.engine_draft_model) == ("layers:1", None)
+    args = parser.parse_args(["diverge", "hi", "--draft-model", "layers:1",
+                              "--a", "speculative=draft,draft=layers:2"])
+    assert sides(args)[0].engine_draft_model == "layers:2"  # the side's own comes first
+    with pytest.raises(ValueError, match="speculative=draft needs a draft model"):
+        sides(parser.parse_args(["diverge", "hi", "--a", "speculative=draft"]))
+
+
 def test_bad_speculative_side_settings_are_refused():
     with pytest.raises(ValueError, match="speculative must be one of"):
         SideConfig.parse("speculative=medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive"):
         SideConfig.parse("speculative=ngram,k=0")
+    with pytest.raises(ValueError, match="speculative=draft needs a draft model"):
+        SideConfig.parse("speculative=draft")
+    with pytest.raises(ValueError, match="layers:N takes a positive number"):
+        SideConfig.parse("speculative=draft,draft=layers:none")

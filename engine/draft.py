@@ -1,0 +1,239 @@
+"""The draft-model proposer (--speculative draft): a smaller model guesses the target's next
+tokens greedily, on the engine thread, batched across the requests that speculate.
+
+The draft has its own ModelRunner (the same kernels as the target's), its own paged KVPool and
+its own BlockManager; its block tables are per request, like the target's. One `propose` call
+is at most k forwards of the draft:
+
+    round 1     every request: the tokens the draft has not seen yet (a prefill chunk, one row
+                after an ordinary step), sampled greedily at its last row -> d1
+    rounds 2..k one row per request (its previous draft) -> d2 .. dk
+
+Rollback needs no hook in the engine: the proposer remembers which tokens its cache holds for
+each request, and at the next call keeps the longest common prefix of those and the request's
+tokens (the accepted drafts and the target's token follow it), trimming the blocks past it.
+A preempted request keeps its draft cache (its tokens do not change); `release` frees it when
+the request finishes, is cancelled or fails. When the draft's pool runs out of blocks, caches
+of requests that are not speculating now are dropped (least recently used first); if that is
+not enough, the request gets the drafts made so far (none when its catch-up does not fit). A
+draft never fails a step: an error inside the draft drops its caches and the step goes on
+without drafts.
+
+Greedy drafts are point proposals, so the acceptance rules in engine/model_runner.py keep the
+target's output exact, greedy or sampled.
+
+Drafts: "layers:N" is the target's own first N decoder layers with its final norm and head
+(its weights shared, no memory added but the draft's KV); "embedded" is the embedded model at
+its shipped 4-bit weights (a draft for a float32 target); anything else a local mlx-lm folder,
+loaded as `--weights auto` loads one. A loaded draft must use the target's vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.model_loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner, RowGroup
+from engine.models import Family, UnsupportedModelError, family_for
+from engine.speculative import draft_layers
+
+log = logging.getLogger("batchscope.engine")
+
+# Families whose decoder layers depend on all the others (per-layer inputs sized for every
+# layer, keys and values shared from later layers' sources): no layers:N draft.
+NOT_TRUNCATABLE = ("gemma4",)
+
+
+@dataclass
+class DraftModel:
+    """The model that drafts, as the proposer runs it."""
+
+    model: object  # the mlx-lm model (for layers:N, the target's own)
+    family: Family  # its adapter (for layers:N, cut to the first N layers)
+    name: str  # for the start-up log and describe()
+    weights: str
+    max_context: int
+    shared: bool  # the target's own weights (layers:N)
+
+
+def load_draft(spec: str, target: LoadedModel, target_family: Family,
+               loader: Callable[[str], LoadedModel] | None = None) -> DraftModel:
+    """The draft model `spec` names (--draft-model), checked against the target. loader:
+    builds a draft to load (default: the project's loader; "embedded" at its shipped q4)."""
+    n = draft_layers(spec)
+    if n is not None:
+        return truncated(target, target_family, n)
+    if loader is not None:
+        loaded = loader(spec)
+    else:
+        loaded = load_model(spec, "q4" if spec == "embedded" else "auto")
+    check_vocabulary(target, loaded)
+    family = family_for(loaded.model, loaded.config)
+    return DraftModel(loaded.model, family, loaded.name, loaded.weights,
+                      loaded.max_context or target.max_context, shared=False)
+
+
+def truncated(target: LoadedModel, target_family: Family, n: int) -> DraftModel:
+    """The target's first n decoder layers, its final norm and its head: the same modules, so
+    the same weights (the draft adds its own KV pool, nothing else)."""
+    total = len(target_family.layers)
+    if not 1 <= n < total:
+        raise ValueError(f"draft model layers:{n}: the target {target.name} has {total} decoder "
+                         f"layers; a layers:N draft takes 1 to {total - 1} of them")
+    if target_family.name in NOT_TRUNCATABLE:
+        raise UnsupportedModelError(f"draft model layers:{n}: {target_family.name}'s layers "
+                                    "read per-layer inputs and shared keys of later layers, so "
+                                    "its first layers are not a model of their own")
+    family = family_for(target.model, target.config)
+    family.layers = family.layers[:n]
+    return DraftModel(target.model, family, f"layers:{n} (the first {n} of {total} layers of "
+                      f"{target.name})", target.weights, target.max_context, shared=True)
+
+
+def vocabulary_rows(loaded: LoadedModel) -> int:
+    """Rows of the model's output head: the tokens it scores (its embedding's when tied)."""
+    model = loaded.model
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = model.model.embed_tokens
+    return int(head.weight.shape[0])
+
+
+def check_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft proposes token ids of the target's vocabulary: refuse one whose embeddings or
+    tokenizer (its vocabulary, its end-of-sequence ids) differ, naming both."""
+    names = f"draft model {draft.name!r} and target {target.name!r}"
+    rows_d, rows_t = vocabulary_rows(draft), vocabulary_rows(target)
+    embed_d = int(draft.model.model.embed_tokens.weight.shape[0])
+    embed_t = int(target.model.model.embed_tokens.weight.shape[0])
+    if (rows_d, embed_d) != (rows_t, embed_t):
+        raise ValueError(f"{names} have different vocabularies: the draft scores {rows_d} "
+                         f"tokens (embeddings of {embed_d}), the target {rows_t} (embeddings "
+                         f"of {embed_t}); a draft must share the target's tokenizer")
+    tok_d, tok_t = draft.tokenizer, target.tokenizer
+    vocab_d, vocab_t = _tokenizer_vocab(tok_d), _tokenizer_vocab(tok_t)
+    if vocab_d != vocab_t:
+        size_d = vocab_d if isinstance(vocab_d, int) else len(vocab_d)
+        size_t = vocab_t if isinstance(vocab_t, int) else len(vocab_t)
+        detail = (f"{size_d} against {size_t} entries" if size_d != size_t
+                  else f"both {size_d} entries, but not the same tokens at the same ids")
+        raise ValueError(f"{names} have different tokenizers ({detail}); a draft must share "
+                         "the target's tokenizer")
+    eos_d, eos_t = sorted(tok_d.eos_token_ids), sorted(tok_t.eos_token_ids)
+    if eos_d != eos_t:
+        raise ValueError(f"{names} end sequences on different tokens: the draft on {eos_d}, "
+                         f"the target on {eos_t}")
+
+
+def _tokenizer_vocab(tokenizer) -> dict | int:
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    return get_vocab() if get_vocab is not None else int(tokenizer.vocab_size)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class DraftProposer:
+    """Drafts from a draft model (see the module docstring). Engine-thread only."""
+
+    def __init__(self, draft: DraftModel, runner: ModelRunner, block_manager: BlockManager,
+                 max_rows: int, path_for: Callable[[int], str]):
+        """runner: a ModelRunner of the draft over its own pool; block_manager: the draft
+        pool's tables (no prefix caching: blocks are trimmed back to any length); max_rows:
+        rows one catch-up forward may hold (the engine's step budget); path_for: the kernel
+        path of a forward of that many rows (the engine's rule for its own steps)."""
+        self.draft = draft
+        self.runner = runner
+        self.block_manager = block_manager
+        self.max_rows = max_rows
+        self.path_for = path_for
+        # seq_id -> the tokens whose keys and values the draft's cache holds (a prefix of the
+        # request's tokens plus drafts), least recently used first.
+        self._seen: OrderedDict[str, list[int]] = OrderedDict()
+        self.forwards = 0  # draft forwards run so far (at most k per propose call)
+
+    @property
+    def cached_requests(self) -> list[str]:
+        return list(self._seen)
+
+    def release(self, seq_id: str) -> None:
+        self._seen.pop(seq_id, None)
+        self.block_manager.free(seq_id)
+
+    def propose(self, wanted: Seq[tuple[str, list[int], int]]) -> dict[str, list[int]]:
+        try:
+            return self._propose(wanted)
+        except Exception:
+            log.exception("draft model failed: no drafts this step; its caches are dropped")
+            self._reset()
+            return {}
+
+    def _reset(self) -> None:
+        bm = self.block_manager
+        self.block_manager = BlockManager(bm.num_blocks, bm.block_size, False)
+        self._seen.clear()
+        self.runner.pool.reset()
+
+    def _propose(self, wanted: Seq[tuple[str, list[int], int]]) -> dict[str, list[int]]:
+        bm = self.block_manager
+        protect = {seq_id for seq_id, _, _ in wanted}
+        # Round 1: catch each request's cache up to its tokens; its last row gives d1.
+        groups, rooms, budget = [], {}, self.max_rows
+        for seq_id, tokens, k in wanted:
+            seen = self._seen.pop(seq_id, [])
+            keep = min(_common_prefix(seen, tokens), len(tokens) - 1)
+            if bm.block_table(seq_id):
+                bm.trim(seq_id, keep)
+            self._seen[seq_id] = tokens[:keep]  # most recently used now
+            k = min(k, self.draft.max_context - len(tokens))
+            rows = min(len(tokens) - keep, budget)
+            if k < 1 or rows < 1 or not self._allocate(seq_id, keep + rows, protect):
+                continue
+            budget -= rows
+            end = keep + rows
+            groups.append(RowGroup(seq_id, tokens[keep:end], keep, bm.block_table(seq_id),
+                                   sample=end == len(tokens)))
+            rooms[seq_id] = k
+        drafts: dict[str, list[int]] = {}
+        while groups:
+            out = self.runner.run(groups, self.path_for(sum(g.num_rows for g in groups)))
+            self.forwards += 1
+            step, groups = groups, []
+            for g in step:
+                seen = self._seen[g.seq_id]
+                seen.extend(g.token_ids)
+                if not g.sample:
+                    continue  # a catch-up chunk: drafts from a later step
+                mine = drafts.setdefault(g.seq_id, [])
+                mine.append(out.samples[g.seq_id][0].token_id)
+                # The next round: one row, the draft just made (its KV is not written yet).
+                if len(mine) < rooms[g.seq_id] and self._allocate(g.seq_id, len(seen) + 1,
+                                                                  protect):
+                    groups.append(RowGroup(g.seq_id, [mine[-1]], len(seen),
+                                           bm.block_table(g.seq_id), sample=True))
+        return drafts
+
+    def _allocate(self, seq_id: str, num_tokens: int, protect: set[str]) -> bool:
+        """Grow seq_id's table to num_tokens, dropping the caches of requests not in `protect`
+        (least recently used first) when the pool is short; False when it cannot fit."""
+        bm = self.block_manager
+        needed = bm.blocks_needed(seq_id, num_tokens)
+        victims = [s for s in self._seen if s not in protect]
+        held = sum(len(bm.block_table(s)) for s in victims)
+        if needed > bm.num_free_blocks + held:
+            return False
+        while not bm.can_allocate(needed):
+            self.release(victims.pop(0))
+        bm.allocate(seq_id, num_tokens)
+        return True
