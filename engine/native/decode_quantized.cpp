@@ -160,6 +160,21 @@ __attribute__((target("f16c"))) inline float scale_x86(const void* p, ScaleType 
   }
 }
 
+// n scales (or biases) from index `at` as float32 into dst, the values scale_x86 gives;
+// float16 sixteen at a time.
+__attribute__((target("avx512f,f16c"))) inline void to_float(const void* p, ScaleType t,
+                                                               size_t at, int n, float* dst) {
+  int i = 0;
+  if (t == ScaleType::f16) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + at;
+    for (; i + 16 <= n; i += 16) {
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(h + i))));
+    }
+  }
+  for (; i < n; ++i) dst[i] = scale_x86(p, t, at + i);
+}
+
 // ---- AVX2 + FMA: a 16-lane vector is two 8-float registers --------------------------------
 
 #define BATCHSCOPE_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -382,12 +397,23 @@ struct Avx512 {
     // computes, so the same bits), looked up by the nibble: one permute per 16 weights where
     // the conversion and the fma were three instructions (benchmarks/decode_linear.py).
     const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    // The tile's scales and biases as float32, converted once up front: a conversion and a
+    // broadcast per group and output in the loop cost as much as the group's weights (one
+    // 576-wide layer, one thread, 1 row: 8.7 against 15 Gweights/s).
+    thread_local std::vector<float> converted;
+    converted.resize(static_cast<size_t>(2 * nr) * groups);
+    float* sc = converted.data();
+    float* bi = sc + static_cast<size_t>(nr) * groups;
+    for (int j = 0; j < nr; ++j) {
+      const size_t at = static_cast<size_t>(n0 + j) * groups;
+      to_float(p.scales, p.scale_type, at, groups, sc + static_cast<size_t>(j) * groups);
+      to_float(p.biases, p.scale_type, at, groups, bi + static_cast<size_t>(j) * groups);
+    }
     for (int g = 0; g < groups; ++g) {
       __m512 s[nr], b[nr];
       for (int j = 0; j < nr; ++j) {
-        const size_t at = static_cast<size_t>(n0 + j) * groups + g;
-        s[j] = _mm512_set1_ps(scale_x86(p.scales, p.scale_type, at));
-        b[j] = _mm512_set1_ps(scale_x86(p.biases, p.scale_type, at));
+        s[j] = _mm512_set1_ps(sc[static_cast<size_t>(j) * groups + g]);
+        b[j] = _mm512_set1_ps(bi[static_cast<size_t>(j) * groups + g]);
         if constexpr (BITS == 4) s[j] = _mm512_fmadd_ps(nibbles, s[j], b[j]);  // the table
       }
       const int k0 = g * p.group_size;
