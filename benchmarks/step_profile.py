@@ -1,11 +1,12 @@
 """Where a decode step's time goes, at 1, 4, 8 and 16 rows.
 
 The step as the engine runs it (ModelRunner.run on decode rows at a context of ~100 tokens),
-split into building the MLX graph in Python and evaluating it; then the evaluation's parts, each
-timed alone over all layers with the step's own shapes and kernels: the linear layers (as the
+split into building the MLX graph in Python and evaluating it, and the same step with the
+fused decoder layer turned off (engine/native/decoder_layer.h: each layer's ~25 ops
+dispatched one by one). Then the parts of the op-by-op layers, each timed alone over all
+layers with the step's own shapes and kernels, dispatch included: the linear layers (as the
 step calls them: q/k/v and gate/up stacked), the head, attention with its KV write, the RMS
-norms and RoPE. "other" is what the parts leave of the whole (residual adds, the activation,
-reshapes, the sampler). Scheduling (the engine's own bookkeeping per step, outside the model) comes
+norms and RoPE. Scheduling (the engine's own bookkeeping per step, outside the model) comes
 from the step records of an engine run. Medians of --rounds.
 
     .venv/bin/python benchmarks/step_profile.py [--weights q4] [--rows 1 4 8 16]
@@ -83,6 +84,12 @@ def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, fl
     finally:
         mx.eval = real_eval
     step, evaluated = statistics.median(steps) * 1e3, statistics.median(evals) * 1e3
+    # The same step with every layer op by op (no fused decoder layer), for comparison.
+    fused, runner.layer_kernel = runner.layer_kernel, None
+    try:
+        unfused = median_ms(lambda: runner.run(decode), rounds)
+    finally:
+        runner.layer_kernel = fused
 
     layers = family.layers
     hidden = layers[0].mlp.down_proj.weight.shape[0]
@@ -120,8 +127,9 @@ def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, fl
              "head": median_ms(lambda: mx.eval(family.head(sample, x)), rounds),
              "attention + KV write": median_ms(attention, rounds),
              "RMS norms": median_ms(norms, rounds), "RoPE": median_ms(rope, rounds)}
-    return {"step": step, "graph building": step - evaluated, "evaluation": evaluated,
-            **parts, "other": evaluated - sum(parts.values())}
+    return {"step": step, "step, layers op by op": unfused,
+            "graph building": step - evaluated, "evaluation": evaluated,
+            **{f"{name}, alone op by op": ms for name, ms in parts.items()}}
 
 
 def copy_bandwidth(rounds: int = 5, size: int = 512 * 2**20) -> float:
@@ -190,10 +198,11 @@ def main() -> int:
                  + " | ".join(f"{sched[n]:.1f}" for n in args.rows) + " |")
     if 1 in table:
         mb = weight_bytes(loaded.model) / 1e6
-        read = mb / (table[1]["linear layers"] + table[1]["head"])  # MB per ms = GB/s
+        lin = table[1]["linear layers, alone op by op"] + table[1]["head, alone op by op"]
+        read = mb / lin  # MB per ms = GB/s
         copy = copy_bandwidth()
         lines += ["", f"At 1 row the linear layers and the head read {mb:.0f} MB of weights in "
-                  f"{table[1]['linear layers'] + table[1]['head']:.1f} ms: {read:.1f} GB/s, "
+                  f"{lin:.1f} ms: {read:.1f} GB/s, "
                   f"{read / copy:.0%} of this machine's memory-copy bandwidth ({copy:.1f} GB/s "
                   "read + written by one thread's numpy copy of 512 MB)."]
     text = "\n".join(lines) + "\n"
