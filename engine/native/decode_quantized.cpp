@@ -175,6 +175,16 @@ __attribute__((target("avx512f,f16c"))) inline void to_float(const void* p, Scal
   for (; i < n; ++i) dst[i] = scale_x86(p, t, at + i);
 }
 
+// lane_sum's tree on a register, in vector adds (each add the one lane_sum does, so the same
+// bits): a spill and sixteen scalar loads per output cost as much as a short row's weights.
+__attribute__((target("avx512f"))) inline float lane_sum_512(__m512 a) {
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // c0 + c2, c1 + c3
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
 // ---- AVX2 + FMA: a 16-lane vector is two 8-float registers --------------------------------
 
 #define BATCHSCOPE_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -445,9 +455,7 @@ struct Avx512 {
     }
     for (int i = 0; i < mr; ++i) {
       for (int j = 0; j < nr; ++j) {
-        float lanes[16];
-        _mm512_storeu_ps(lanes, acc[i][j]);
-        p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum(lanes);
+        p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum_512(acc[i][j]);
       }
     }
   }

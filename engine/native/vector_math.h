@@ -30,11 +30,9 @@ inline float exp_nonpositive(float x) {
 }
 
 // exp(x) for any x by MLX's CPU exp formula (the one above, with its NaN, overflow and
-// underflow cases), as mlx.core.exp and MLX's sigmoid compute it.
+// underflow cases), as mlx.core.exp and MLX's sigmoid compute it. Branch-free, so a loop over
+// it vectorizes: the integer part is clamped where the result is replaced anyway.
 inline float exp_mlx(float x) {
-  if (std::isnan(x)) return x;
-  if (x > 88.0f) return INFINITY;
-  if (x < -88.0f) return 0.0f;
   const float t = x * 1.442695f;
   const float ipart = std::floor(t + 0.5f);
   const float f = t - ipart;
@@ -45,10 +43,14 @@ inline float exp_mlx(float x) {
   p = std::fma(p, f, 2.402264791363012e-1f);
   p = std::fma(p, f, 6.931472028550421e-1f);
   p = std::fma(p, f, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(ipart) + 127) << 23;
+  const float clamped = std::fmin(std::fmax(ipart, -127.0f), 127.0f);  // |x| <= 88: as is
+  const int32_t bits = (static_cast<int32_t>(clamped) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return scale * p;
+  float r = scale * p;
+  r = x > 88.0f ? INFINITY : r;
+  r = x < -88.0f ? 0.0f : r;
+  return x != x ? x : r;  // NaN
 }
 
 }  // namespace batchscope
