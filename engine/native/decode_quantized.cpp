@@ -626,12 +626,6 @@ void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("decode_quantized_linear: " + message);
 }
 
-std::string shape_str(const mx::array& a) {
-  std::string s = "(";
-  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + ")";
-}
-
 }  // namespace
 
 std::string decode_quantized_isa() {

@@ -29,12 +29,6 @@ void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("decoder_layer: " + message);
 }
 
-std::string shape_str(const mx::array& a) {
-  std::string s = "(";
-  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + ")";
-}
-
 // Where the inputs after the linear layers sit (DecoderLayerSpec::first holds the linears').
 struct Layout {
   int bias, qk_norm, pool;  // pool: k_pool, v_pool, slots, positions, [inv_freqs], tables...

@@ -1,5 +1,8 @@
-// How the native ops take their inputs: row-contiguous, as their kernels read them.
+// How the native ops take their inputs: row-contiguous, as their kernels read them; and how
+// their errors name a shape.
 #pragma once
+
+#include <string>
 
 #include "mlx/ops.h"
 
@@ -13,6 +16,13 @@ namespace mx = mlx::core;
 inline mx::array row_contiguous(const mx::array& a, mx::Stream s) {
   if (a.is_available() && a.flags().row_contiguous) return a;
   return mx::contiguous(a, false, s);
+}
+
+// "(2, 3)": an array's shape in an error message.
+inline std::string shape_str(const mx::array& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + ")";
 }
 
 }  // namespace batchscope
