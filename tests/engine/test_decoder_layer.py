@@ -20,20 +20,29 @@ from engine.testing import FAMILY_CONFIGS, make_family_folder
 FAMILIES = ["llama", "llama-sliding", "qwen2", "qwen3", "smollm3"]
 
 
+class Folders:
+    """Tiny folders of the families the op computes, made on first use: folders[name][weights]
+    is the loaded model."""
+
+    def __init__(self, root):
+        self.root, self.made = root, {}
+
+    def __getitem__(self, name):
+        if name not in self.made:
+            module_name, config = FAMILY_CONFIGS[name]
+            module = importlib.import_module(f"mlx_lm.models.{module_name}")
+            path = self.root / name
+            self.made[name] = {
+                "f32": load_model(str(make_family_folder(path / "f32", module, config)), "f32"),
+                "q4": load_model(str(make_family_folder(path / "q4", module, config,
+                                                        quantize=True)), "q4")}
+        return self.made[name]
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """name -> {weights: loaded model} for the families whose layers the op computes."""
     native_op("decoder_layer")
-    out = {}
-    for name in FAMILIES:
-        module_name, config = FAMILY_CONFIGS[name]
-        module = importlib.import_module(f"mlx_lm.models.{module_name}")
-        root = tmp_path_factory.mktemp(name)
-        out[name] = {
-            "f32": load_model(str(make_family_folder(root / "f32", module, config)), "f32"),
-            "q4": load_model(str(make_family_folder(root / "q4", module, config,
-                                                    quantize=True)), "q4")}
-    return out
+    return Folders(tmp_path_factory.mktemp("families"))
 
 
 def steps(lens=(37, 5, 20)):
@@ -78,8 +87,13 @@ def run_steps(loaded, fused: bool, kv_dtype=None, path: str = "gemm"):
     return samples, pool, counting.calls
 
 
+# llama and qwen3 (q/k norms) in every tier; the other families in `make test` (slow).
+FAMILY_CASES = [pytest.param(name, marks=() if name in ("llama", "qwen3") else pytest.mark.slow)
+                for name in FAMILIES]
+
+
 @pytest.mark.parametrize("weights", ["f32", "q4"])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILY_CASES)
 def test_fused_layer_has_the_bits_of_the_layer_op_by_op(folders, name, weights):
     loaded = folders[name][weights]
     fused, fused_pool, calls = run_steps(loaded, True)
