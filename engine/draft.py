@@ -40,7 +40,7 @@ from engine.block_manager import BlockManager
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, RowGroup
 from engine.models import Family, UnsupportedModelError, family_for
-from engine.speculative import draft_layers
+from engine.speculative import common_prefix, draft_layers
 
 log = logging.getLogger("batchscope.engine")
 
@@ -135,15 +135,6 @@ def _tokenizer_vocab(tokenizer) -> dict | int:
     return get_vocab() if get_vocab is not None else int(tokenizer.vocab_size)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class DraftProposer:
     """Drafts from a draft model (see the module docstring). Engine-thread only."""
 
@@ -192,7 +183,7 @@ class DraftProposer:
         groups, rooms, budget = [], {}, self.max_rows
         for seq_id, tokens, k in wanted:
             seen = self._seen.pop(seq_id, [])
-            keep = min(_common_prefix(seen, tokens), len(tokens) - 1)
+            keep = min(common_prefix(seen, tokens), len(tokens) - 1)
             if bm.block_table(seq_id):
                 bm.trim(seq_id, keep)
             self._seen[seq_id] = tokens[:keep]  # most recently used now

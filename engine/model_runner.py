@@ -125,8 +125,7 @@ class Step:
         self.rows = len(tokens)
         self.pos = mx.array(positions, dtype=mx.int32)
         slots = np.concatenate(write_slots)
-        self.write = mx.array(slots)
-        self.write32 = mx.array(slots.astype(np.int32))  # for the fused layer op
+        self.write = mx.array(slots.astype(np.int32))  # pool slots (int32: the fused op's)
         self._plans: dict[tuple[int | None, bool], StepAttention] = {}  # (window, sinks)
         self.expert_choices: list[tuple[int, int, mx.array]] = []  # (layer, experts, indices)
 
@@ -364,7 +363,7 @@ class ModelRunner:
         # The op writes the rows' keys and values into these arrays when it is evaluated
         # (decoder_layer.h): the step's output depends on it, and _forward evaluates that.
         k_pool, v_pool = pool.writable(kv.pool_layer, x.dtype)
-        return op(x[0], *head, k_pool, v_pool, step.write32, step.pos, *tail, plan.tables,
+        return op(x[0], *head, k_pool, v_pool, step.write, step.pos, *tail, plan.tables,
                   plan.lens, plan.query_lens, *found[3:], plan.window or 0)[None]
 
     def _layer_op(self, i: int, layer, qk_norm: bool, rope: bool) -> tuple | None:

@@ -133,10 +133,17 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
     return []
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
     """Greedy verification: how many leading drafts equal the target's choices (targets[i] is
     what the target picks after drafts[:i])."""
-    a = 0
-    while a < len(drafts) and drafts[a] == targets[a]:
-        a += 1
-    return a
+    return common_prefix(drafts, targets)

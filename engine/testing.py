@@ -43,6 +43,18 @@ class ByteTokenizer:
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
+def cancel_after_tokens(handles, counts) -> None:
+    """Read each request's events and cancel it once it has produced counts[i] tokens (a
+    request that finishes sooner is left as it is); handles past len(counts) are not touched."""
+    for handle, n in zip(handles, counts, strict=False):
+        tokens = 0
+        for event in handle:
+            tokens += hasattr(event, "token_id")
+            if tokens >= n:
+                handle.cancel()
+                break
+
+
 def tiny_config(**overrides) -> dict:
     config = {
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,

@@ -176,7 +176,7 @@ __attribute__((target("avx512f,f16c"))) inline void to_float(const void* p, Scal
 }
 
 // lane_sum's tree on a register, in vector adds (each add the one lane_sum does, so the same
-// bits): a spill and sixteen scalar loads per output cost as much as a short row's weights.
+// bits), where a spill and sixteen scalar loads per output were.
 __attribute__((target("avx512f"))) inline float lane_sum_512(__m512 a) {
   const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(a),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -407,9 +407,9 @@ struct Avx512 {
     // computes, so the same bits), looked up by the nibble: one permute per 16 weights where
     // the conversion and the fma were three instructions (benchmarks/decode_linear.py).
     const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    // The tile's scales and biases as float32, converted once up front: a conversion and a
-    // broadcast per group and output in the loop cost as much as the group's weights (one
-    // 576-wide layer, one thread, 1 row: 8.7 against 15 Gweights/s).
+    // The tile's scales and biases as float32, converted once up front rather than a
+    // conversion and a broadcast per group and output inside the loop
+    // (benchmarks/decode_linear.py --weights q4 times the kernel).
     thread_local std::vector<float> converted;
     converted.resize(static_cast<size_t>(2 * nr) * groups);
     float* sc = converted.data();

@@ -127,24 +127,15 @@ void run_layer(const DecoderLayerSpec& s, const std::vector<mx::array>& in,
   const int32_t* ctx_lens = in[tables_at + 1].data<int32_t>();
   const int32_t* q_lens = in[tables_at + 2].data<int32_t>();
 
-  // The block tables are checked before the pool is written (paged_attention_rows checks
-  // them again before reading): a bad table must not touch the pool.
+  // The tables and slots are checked before the pool is written: a bad one must not touch it.
   const int seqs = static_cast<int>(tables.shape(0)), max_blocks = static_cast<int>(tables.shape(1));
-  const int blocks = static_cast<int>(k_pool.shape(1)) / s.block_size;
   for (int r = 0; r < rows; ++r) {
     check(slots[r] >= 0 && slots[r] < static_cast<int>(k_pool.shape(1)),
           "a write slot is out of the pool");
   }
   const int32_t* table = tables.data<int32_t>();
-  for (int i = 0; i < seqs; ++i) {
-    const int len = ctx_lens[i];
-    check(len >= 1 && (len + s.block_size - 1) / s.block_size <= max_blocks,
-          "a context length is out of range");
-    for (int b = 0; b < (len + s.block_size - 1) / s.block_size; ++b) {
-      const int id = table[static_cast<size_t>(i) * max_blocks + b];
-      check(id >= 0 && id < blocks, "a block id is out of range");
-    }
-  }
+  check_block_tables(table, ctx_lens, q_lens, seqs, max_blocks, s.block_size,
+                     static_cast<int>(k_pool.shape(1)));
 
   // The evaluating thread's scratch, named through a reference: worker threads running the
   // lambdas below must see this thread's buffers, not their own thread_local ones.

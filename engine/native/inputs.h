@@ -12,7 +12,7 @@ namespace mx = mlx::core;
 
 // `a` as it is when it is already evaluated and row-contiguous (weights, pools, arrays made
 // from host data), else through mx::contiguous. That node copies nothing for a contiguous
-// input, but it is still an op to schedule (~2 us here), and a step has hundreds of inputs.
+// input, but it is still an op to schedule, and a step has hundreds of inputs.
 inline mx::array row_contiguous(const mx::array& a, mx::Stream s) {
   if (a.is_available() && a.flags().row_contiguous) return a;
   return mx::contiguous(a, false, s);

@@ -666,6 +666,28 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
                    std::move(inputs));
 }
 
+void check_block_tables(const int32_t* tables, const int32_t* context_lens,
+                        const int32_t* query_lens, int seqs, int max_blocks, int block_size,
+                        int slots) {
+  const int blocks = slots / block_size;
+  for (int i = 0; i < seqs; ++i) {
+    const int len = context_lens[i], qlen = query_lens[i];
+    if (len < 1 || (len + block_size - 1) / block_size > max_blocks) {
+      throw std::invalid_argument("paged_attention: a context length is out of range");
+    }
+    if (qlen < 1 || qlen > len) {
+      throw std::invalid_argument(
+          "paged_attention: a query length is out of range (1 to its context length)");
+    }
+    for (int b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int id = tables[static_cast<size_t>(i) * max_blocks + b];
+      if (id < 0 || id >= blocks) {
+        throw std::invalid_argument("paged_attention: a block id is out of range");
+      }
+    }
+  }
+}
+
 void paged_attention_rows(const PagedAttentionArgs& a) {
   const Shapes s{a.rows,       a.seqs,       a.heads,      a.kv_heads,
                  a.dim,        a.slots,      a.max_blocks, a.block_size,
@@ -675,26 +697,13 @@ void paged_attention_rows(const PagedAttentionArgs& a) {
   const int32_t* len_ptr = a.context_lens;
   const int32_t* qlen_ptr = a.query_lens;
   // Bad tables would read outside the pool: check everything before touching it.
-  const int blocks = s.slots / s.block_size;
+  check_block_tables(table_ptr, len_ptr, qlen_ptr, s.seqs, s.max_blocks, s.block_size, s.slots);
   long total_rows = 0;
   std::vector<int> row0s(s.seqs);
   std::vector<Unit> units;
   const int rep = s.heads / s.kv_heads;
   for (int i = 0; i < s.seqs; ++i) {
     const int len = len_ptr[i], qlen = qlen_ptr[i];
-    if (len < 1 || (len + s.block_size - 1) / s.block_size > s.max_blocks) {
-      throw std::invalid_argument("paged_attention: a context length is out of range");
-    }
-    if (qlen < 1 || qlen > len) {
-      throw std::invalid_argument(
-          "paged_attention: a query length is out of range (1 to its context length)");
-    }
-    for (int b = 0; b < (len + s.block_size - 1) / s.block_size; ++b) {
-      const int id = table_ptr[static_cast<size_t>(i) * s.max_blocks + b];
-      if (id < 0 || id >= blocks) {
-        throw std::invalid_argument("paged_attention: a block id is out of range");
-      }
-    }
     row0s[i] = static_cast<int>(total_rows);
     total_rows += qlen;
     for (int g = 0; g < s.kv_heads; ++g) {

@@ -58,6 +58,12 @@ struct PagedAttentionArgs {
 };
 void paged_attention_rows(const PagedAttentionArgs& args);
 
+// Throws std::invalid_argument naming the first bad context length, query length or block id
+// (outside a pool of `slots` slots); paged_attention_rows calls it before reading the pool.
+void check_block_tables(const int32_t* tables, const int32_t* context_lens,
+                        const int32_t* query_lens, int seqs, int max_blocks, int block_size,
+                        int slots);
+
 class PagedAttention : public mx::Primitive {
  public:
   PagedAttention(mx::Stream stream, float scale, int block_size, int window)

@@ -21,7 +21,7 @@ from engine.draft import DraftProposer, check_vocabulary, load_draft
 from engine.model_runner import ModelRunner, pool_for
 from engine.models import family_for
 from engine.sampling import SamplingParams
-from engine.testing import ByteTokenizer, tiny_model
+from engine.testing import ByteTokenizer, cancel_after_tokens, tiny_model
 
 PROMPTS = ["a", "hello there", "The quick brown fox jumps", "0123456789" * 3,
            "x" * 47, "paged attention!", "zz", "once upon a time, in a land far away"]
@@ -312,13 +312,7 @@ def test_no_block_leaks_in_target_or_draft(make_engine, draft, k, sampled, seed,
     params = [greedy(temperature=0.8, seed=rng.randrange(100)) if sampled and rng.random() < 0.5
               else greedy() for _ in PROMPTS]
     handles = [engine.submit(p, q) for p, q in zip(PROMPTS, params, strict=True)]
-    for handle, n in zip(handles, cancel_after, strict=False):
-        tokens = 0
-        for event in handle:  # cancel once the request has produced n tokens (or finished)
-            tokens += hasattr(event, "token_id")
-            if tokens >= n:
-                handle.cancel()
-                break
+    cancel_after_tokens(handles, cancel_after)
     for prompt, p, h in zip(PROMPTS, params, handles, strict=True):
         f = h.result()
         assert f.reason in ("length", "cancelled")

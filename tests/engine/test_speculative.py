@@ -27,7 +27,7 @@ from engine.speculative import (
     accepted_prefix,
     propose_ngram,
 )
-from engine.testing import tiny_model
+from engine.testing import cancel_after_tokens, tiny_model
 
 PROMPTS = ["a", "hello there", "The quick brown fox jumps", "0123456789" * 3,
            "x" * 47, "paged attention!", "zz", "once upon a time, in a land far away"]
@@ -234,13 +234,7 @@ def test_no_block_leaks_through_drafts_cancels_and_preemptions(make_engine, wron
     engine = make_engine(block_size=4, num_kv_blocks=num_blocks, max_num_batched_tokens=24,
                          **SPEC, proposer=Oracle(expected, wrong, seed))
     handles = [engine.submit(p, greedy()) for p in PROMPTS]
-    for handle, n in zip(handles, cancel_after, strict=False):
-        tokens = 0
-        for event in handle:  # cancel once the request has produced n tokens (or finished)
-            tokens += hasattr(event, "token_id")
-            if tokens >= n:
-                handle.cancel()
-                break
+    cancel_after_tokens(handles, cancel_after)
     finishes = [h.result() for h in handles]
     for f, continuation in zip(finishes, expected.values(), strict=True):
         if f.reason == "length":
