@@ -15,7 +15,9 @@ batchscope  the engine in process (prefix caching off, a KV pool that holds N + 
 llama.cpp   when built (./scripts/build-llama-cpp.sh), on the GGUF the embedded model loads:
             `llama-bench -p N -n 0` (prompt processing tok/s; its TTFT is N / that rate) and
             `llama-bench -p 0 -n D -d N` (generation tok/s after N tokens in the cache), -r
-            --llama-repetitions each. Without a build it says so and measures batchscope only.
+            --llama-repetitions each, with flash attention off and on (-fa 0,1): the faster
+            setting counts (on a CPU, on wins long prompts and off generation at depth).
+            Without a build it says so and measures batchscope only.
 
 Per length llama.cpp runs first, then batchscope, so drift over the run shows. Writes
 context_length.md, .json and .svg to --out-dir (benchmarks/results); progress on stderr.
@@ -54,7 +56,7 @@ DECODE_TOKENS = 64
 BLOCK_SIZE = 16
 # Goals: TTFT at this length no longer than llama.cpp's; the prefill rate at PREFILL_LONG keeps
 # at least PREFILL_KEEP of the rate at PREFILL_SHORT.
-TTFT_GOAL_LENGTH = 4096
+TTFT_GOAL_LENGTH = 4096  # also the depth where decode must keep up with llama.cpp's tg
 PREFILL_SHORT, PREFILL_LONG, PREFILL_KEEP = 512, 4096, 0.7
 
 
@@ -62,24 +64,31 @@ PREFILL_SHORT, PREFILL_LONG, PREFILL_KEEP = 512, 4096, 0.7
 
 
 def parse_llama_bench(text: str, n_prompt: int, n_gen: int, n_depth: int) -> dict:
-    """The one test of `llama-bench -o json` output: its mean tok/s (avg_ts) and samples."""
+    """The tests of `llama-bench -o json` output (one per flash-attention setting): the best
+    one's mean tok/s (avg_ts), its samples and its setting, and every setting's mean."""
     try:
         tests = json.loads(text)
-        (test,) = tests
-        shape = (test["n_prompt"], test["n_gen"], test["n_depth"])
-        rate = float(test["avg_ts"])
-        samples = [float(s) for s in test.get("samples_ts", [])]
+        runs = []
+        for test in tests:
+            shape = (test["n_prompt"], test["n_gen"], test["n_depth"])
+            if shape != (n_prompt, n_gen, n_depth):
+                raise RuntimeError(
+                    f"llama-bench ran p/n/d {shape}, not {(n_prompt, n_gen, n_depth)}")
+            runs.append({"tps": float(test["avg_ts"]),
+                         "samples_tps": [float(s) for s in test.get("samples_ts", [])],
+                         "flash_attn": int(test.get("flash_attn", -1))})
+        best = max(runs, key=lambda r: r["tps"])
     except (ValueError, TypeError, KeyError) as e:
         raise RuntimeError(f"could not read llama-bench's JSON ({e!r}):\n{text[-2000:]}") from e
-    if shape != (n_prompt, n_gen, n_depth):
-        raise RuntimeError(f"llama-bench ran p/n/d {shape}, not {(n_prompt, n_gen, n_depth)}")
-    return {"tps": rate, "samples_tps": samples}
+    return best | {"tps_by_flash_attn": {r["flash_attn"]: r["tps"] for r in runs}}
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, reps: int, n_prompt: int, n_gen: int,
                 n_depth: int = 0) -> dict:
+    """llama.cpp at its best: with flash attention off and on (on a CPU neither wins
+    everywhere: on is faster for long prompts, off for generation at depth), the faster."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(n_prompt), "-n", str(n_gen),
-           "-d", str(n_depth), "-t", str(threads), "-r", str(reps), "-o", "json"]
+           "-d", str(n_depth), "-t", str(threads), "-r", str(reps), "-fa", "0,1", "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed ({done.returncode}):\n"
@@ -140,6 +149,10 @@ def _f(v, fmt: str, suffix: str = "") -> str:
     return "–" if v is None else f"{v:{fmt}}{suffix}"
 
 
+def _fa(setting: int | None) -> str:
+    return "" if setting is None else f" (fa {setting})"
+
+
 def goals(data: dict) -> list[dict]:
     """The goal lines for the lengths measured (by prompt tokens)."""
     by_n = {r["prompt_tokens"]: r for r in data["rows"]}
@@ -150,6 +163,11 @@ def goals(data: dict) -> list[dict]:
                     "met": r["ttft_s"] <= r["llama_ttft_s"],
                     "detail": f"batchscope {r['ttft_s']:.2f} s, llama.cpp {r['llama_ttft_s']:.2f} "
                               f"s ({r['ttft_ratio']:.2f}x)"})
+    if r is not None and r.get("llama_tg_tps") is not None:
+        out.append({"goal": f"decode at depth {TTFT_GOAL_LENGTH // 1024}k >= llama.cpp's tg",
+                    "met": r["decode_tps"] >= r["llama_tg_tps"],
+                    "detail": f"batchscope {r['decode_tps']:.1f} tok/s, llama.cpp "
+                              f"{r['llama_tg_tps']:.1f} ({r['decode_ratio']:.2f}x)"})
     short, long = by_n.get(PREFILL_SHORT), by_n.get(PREFILL_LONG)
     if short is not None and long is not None:
         keep = long["prefill_tps"] / short["prefill_tps"]
@@ -182,7 +200,9 @@ def render(data: dict) -> str:
         f"{data['repeats']}. Bytes per decoded token: the weights a step reads plus the "
         "context's keys and values at that depth; GB/s is that times the decode rate. "
         "llama.cpp: `llama-bench -p N -n 0` (TTFT = N / its tok/s) and `llama-bench -p 0 -n "
-        f"{data['decode_tokens']} -d N`. Ratios above 1 favour batchscope.", "",
+        f"{data['decode_tokens']} -d N`, each with `-fa 0,1` (flash attention off and on), "
+        "the faster setting's mean (the setting in brackets). Ratios above 1 favour "
+        "batchscope.", "",
         "| prompt tokens | batchscope TTFT s | prefill tok/s | llama.cpp pp tok/s "
         "| TTFT ratio (llama.cpp time / ours) | decode tok/s at depth | llama.cpp tg at depth "
         "| decode ratio (ours / llama.cpp) | MB read per token (weights + KV) | GB/s |",
@@ -194,8 +214,10 @@ def render(data: dict) -> str:
             n += f" (asked {r['requested']})"
         lines.append(
             f"| {n} | {r['ttft_s']:.3f} | {r['prefill_tps']:.0f} | "
-            f"{_f(r.get('llama_pp_tps'), '.0f')} | {_f(r.get('ttft_ratio'), '.2f', 'x')} | "
-            f"{r['decode_tps']:.1f} | {_f(r.get('llama_tg_tps'), '.1f')} | "
+            f"{_f(r.get('llama_pp_tps'), '.0f')}{_fa(r.get('llama_pp_fa'))} | "
+            f"{_f(r.get('ttft_ratio'), '.2f', 'x')} | "
+            f"{r['decode_tps']:.1f} | "
+            f"{_f(r.get('llama_tg_tps'), '.1f')}{_fa(r.get('llama_tg_fa'))} | "
             f"{_f(r.get('decode_ratio'), '.2f', 'x')} | {_f(mb, '.0f')} | "
             f"{_f(mb and mb * r['decode_tps'] / 1e3, '.1f')} |")
     g = data.get("goals") or []
@@ -318,11 +340,15 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{n} tokens: llama-bench -p 0 -n {D} -d {n}...")
                 tg = llama_bench(bin_dir, gguf, args.threads, args.llama_repetitions, 0, D, n)
                 row |= {"llama_pp_tps": pp["tps"], "llama_pp_runs": pp["samples_tps"],
+                        "llama_pp_fa": pp["flash_attn"],
+                        "llama_pp_by_fa": pp["tps_by_flash_attn"],
                         "llama_ttft_s": n / pp["tps"], "llama_tg_tps": tg["tps"],
-                        "llama_tg_runs": tg["samples_tps"],
+                        "llama_tg_runs": tg["samples_tps"], "llama_tg_fa": tg["flash_attn"],
+                        "llama_tg_by_fa": tg["tps_by_flash_attn"],
                         "llama_ms_per_token": 1000 / tg["tps"]}
-                log(f"{n} tokens: llama.cpp pp {pp['tps']:.0f} tok/s (TTFT "
-                    f"{row['llama_ttft_s']:.3f} s), tg at depth {tg['tps']:.1f} tok/s")
+                log(f"{n} tokens: llama.cpp pp {pp['tps']:.0f} tok/s (-fa {pp['flash_attn']}; "
+                    f"TTFT {row['llama_ttft_s']:.3f} s), tg at depth {tg['tps']:.1f} tok/s "
+                    f"(-fa {tg['flash_attn']})")
             log(f"{n} tokens: batchscope...")
             ids = make_prompt(tokenizer, n, f"{n} tokens, asked for {requested}")
             row |= engine_at(eng, ids, D, args.repeats)

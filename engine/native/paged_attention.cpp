@@ -647,9 +647,10 @@ void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_
   const size_t acc_size = static_cast<size_t>(s.dim16) * LANES;
   w.acc.assign(rep * acc_size, 0.0f);
   for (int t0 = 0; t0 < n; t0 += KEY_BLOCK) {
+    const int t1 = std::min(n, t0 + KEY_BLOCK);
     for (int h = 0; h < rep; ++h) {
-      values_across_rows(w.scores.data() + h * s_size, w.vrow.data(), t0,
-                         std::min(n, t0 + KEY_BLOCK), w.acc.data() + h * acc_size, s.dim16);
+      values_across_rows(w.scores.data() + h * s_size, w.vrow.data(), t0, t1,
+                         w.acc.data() + h * acc_size, s.dim16);
     }
   }
   for (int h = 0; h < rep; ++h) {
@@ -667,7 +668,8 @@ void run_units(const std::vector<Unit>& units, const std::vector<int>& row0s, co
                const T* k, const T* v, const int32_t* tables, const int32_t* ctx_lens,
                const int32_t* q_lens, R* out, const Shapes& s) {
   auto part = [&](int begin, int end) {
-    thread_local Scratch w;
+    thread_local Scratch scratch;
+    Scratch& w = scratch;  // one lookup of the thread's scratch, not one per use
     for (int i = begin; i < end; ++i) {
       const Unit& u = units[i];
       const int32_t* table = tables + static_cast<size_t>(u.seq) * s.max_blocks;

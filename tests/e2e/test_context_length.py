@@ -49,11 +49,28 @@ TG_JSON = PP_JSON.replace('"n_prompt": 16', '"n_prompt": 0').replace(
     '"samples_ts": [ 264.079 ]', '"samples_ts": [ 107.325, 116.632 ]')
 
 
+def both_settings(one_test: str, other_ts: float) -> str:
+    """`-fa 0,1` output: the test with flash attention off, then the same on at other_ts."""
+    test = one_test.strip()[1:-1].strip()
+    on = test.replace('"flash_attn": -1', '"flash_attn": 1')
+    on = on[:on.index('"avg_ts"')] + f'"avg_ts": {other_ts},' + on[on.index('"stddev_ts"') - 1:]
+    return "[" + test.replace('"flash_attn": -1', '"flash_attn": 0') + ",\n" + on + "]"
+
+
 def test_llama_bench_json_is_read_as_printed():
-    assert cl.parse_llama_bench(PP_JSON, 16, 0, 0) == {"tps": 264.079454,
-                                                       "samples_tps": [264.079]}
-    assert cl.parse_llama_bench(TG_JSON, 0, 4, 16) == {"tps": 111.978211,
-                                                       "samples_tps": [107.325, 116.632]}
+    assert cl.parse_llama_bench(PP_JSON, 16, 0, 0) == {
+        "tps": 264.079454, "samples_tps": [264.079], "flash_attn": -1,
+        "tps_by_flash_attn": {-1: 264.079454}}
+    assert cl.parse_llama_bench(TG_JSON, 0, 4, 16) == {
+        "tps": 111.978211, "samples_tps": [107.325, 116.632], "flash_attn": -1,
+        "tps_by_flash_attn": {-1: 111.978211}}
+    # -fa 0,1: the faster setting counts, whichever it is.
+    faster_on = cl.parse_llama_bench(both_settings(PP_JSON, 300.5), 16, 0, 0)
+    assert faster_on["tps"] == 300.5 and faster_on["flash_attn"] == 1
+    assert faster_on["tps_by_flash_attn"] == {0: 264.079454, 1: 300.5}
+    faster_off = cl.parse_llama_bench(both_settings(TG_JSON, 50.0), 0, 4, 16)
+    assert faster_off["tps"] == 111.978211 and faster_off["flash_attn"] == 0
+    assert faster_off["samples_tps"] == [107.325, 116.632]
     with pytest.raises(RuntimeError, match=r"llama-bench ran p/n/d \(16, 0, 0\)"):
         cl.parse_llama_bench(PP_JSON, 32, 0, 0)
     with pytest.raises(RuntimeError, match="could not read llama-bench's JSON"):
@@ -91,21 +108,28 @@ def test_the_table_and_goals_render_met_and_not_met():
     # keeps 205 / 256 = 80% of the rate at 512 (512 / 2 s).
     data = result([row(512, 2.0, 60.0, 250.0, 70.0), row(4096, 20.0, 40.0, 250.0, 50.0),
                    row(8127, 50.0, 30.0, 200.0, 40.0, requested=8192)])
+    data["rows"][2] |= {"llama_pp_fa": 1, "llama_tg_fa": 0}
     text = cl.render(data)
     assert "`.venv/bin/python benchmarks/context_length.py`" in text
+    assert "| 8127 (asked 8192) | 50.000 | 163 | 200 (fa 1) | 0.81x | 30.0 | 40.0 (fa 0) |" in text
     assert "backend cpu, BLAS openblas" in text and "2 CPUs" in text
     assert "| 512 | 2.000 | 256 | 250 | 1.02x | 60.0 | 70.0 | 0.86x |" in text
     assert "| 4096 | 20.000 | 205 | 250 | 0.82x | 40.0 | 50.0 | 0.80x |" in text
-    assert "| 8127 (asked 8192) | 50.000 | 163 | 200 | 0.81x |" in text
     assert ("- TTFT at 4k <= llama.cpp's: not met (batchscope 20.00 s, llama.cpp 16.38 s "
             "(0.82x))") in text
     assert ("- prefill rate at 4096 within 30% of the rate at 512: met (205 vs 256 tok/s "
             "(80% of it; goal >= 70%))") in text
+    assert ("- decode at depth 4k >= llama.cpp's tg: not met (batchscope 40.0 tok/s, llama.cpp "
+            "50.0 (0.80x))") in text
 
     faster = result([row(512, 2.0, 60.0, 250.0, 70.0), row(4096, 40.0, 40.0, 90.0, 50.0)])
     text = cl.render(faster)
     assert "- TTFT at 4k <= llama.cpp's: met (batchscope 40.00 s, llama.cpp 45.51 s" in text
     assert "- prefill rate at 4096 within 30% of the rate at 512: not met (102 vs 256" in text
+    assert "- decode at depth 4k >= llama.cpp's tg: not met" in text
+    keeps_up = result([row(512, 2.0, 60.0, 250.0, 70.0), row(4096, 20.0, 50.0, 250.0, 50.0)])
+    assert "- decode at depth 4k >= llama.cpp's tg: met (batchscope 50.0 tok/s" in cl.render(
+        keeps_up)
 
 
 def test_without_llama_cpp_or_the_goal_lengths_no_goal_is_claimed():
