@@ -24,7 +24,8 @@
 //   q' = round_R(q * scale); the score of key t is round_R(dot(q', k_t)), where dot is 8
 //   partial sums (lane j takes d = j, j + 8, ... in increasing d, one fma each, from 0) and
 //   then the tree (j + 4, then j + 2, then j + 1); m = the maximum score; e_t = exp(s_t - m)
-//   by MLX's exp formula (vector_math.h); sum = the e_t added one after another in t order;
+//   by MLX's exp formula (vector_math.h); sum = 16 partial sums by t mod 16 (each in t order),
+//   then their tree (partial_sum);
 //   p_t = round_R(e_t * (1 / sum)); out[d] = the fmas p_t * v_t[d] in t order, from 0.
 // round_R rounds to q's dtype, where MLX's own attention keeps its intermediates (a no-op for
 // float32). Decode rows (one per sequence) run it with the dot across dim (8 keys' trees done
@@ -322,6 +323,33 @@ void locate_rows(const T* pool, int g, const int32_t* table, int lo, int hi, con
   }
 }
 
+// The softmax's sum: 16 partial sums, partial j taking the keys t = j (mod 16) in t order from
+// 0, then the tree over them (j + 8, then j + 4, j + 2, j + 1). The partials are one vector's
+// lanes for a decode row and 16 vectors for a tile's rows. A tree that pairs partials 8, 4, 2
+// and 1 apart gives the same sum for any rotation of them, so a tile and a decode row agree
+// whatever key each counts from; a masked or absent key adds an exact zero (the partials are
+// sums of non-negative numbers).
+inline float lane_tree(V v) {
+  alignas(64) float p[LANES];
+  v.store(p);
+  for (int j = 0; j < 8; ++j) p[j] += p[j + 8];
+  for (int j = 0; j < 4; ++j) p[j] += p[j + 4];
+  for (int j = 0; j < 2; ++j) p[j] += p[j + 2];
+  return p[0] + p[1];
+}
+
+inline float partial_sum(const float* e, int n) {
+  V acc = V::zero();
+  int t = 0;
+  for (; t + LANES <= n; t += LANES) acc = add(acc, V::load(e + t));
+  if (t < n) {
+    alignas(64) float tail[LANES] = {};
+    std::copy(e + t, e + n, tail);
+    acc = add(acc, V::load(tail));
+  }
+  return lane_tree(acc);
+}
+
 // Softmax of one row's scores in place, as the header describes: p_t = round_R(e_t / sum).
 template <typename R>
 void softmax_row(float* s, int n) {
@@ -331,9 +359,7 @@ void softmax_row(float* s, int n) {
   int t = 0;
   for (; t + LANES <= n; t += LANES) exp_lanes(sub(V::load(s + t), mv)).store(s + t);
   for (; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
-  float sum = 0.0f;
-  for (t = 0; t < n; ++t) sum += s[t];
-  const float inv = 1.0f / sum;
+  const float inv = 1.0f / partial_sum(s, n);
   for (t = 0; t < n; ++t) s[t] = round_to<R>(s[t] * inv);
 }
 
@@ -342,15 +368,20 @@ void softmax_row(float* s, int n) {
 // (they become exact zeros).
 template <typename R>
 void softmax_lanes(float* s, int n, V m) {
-  V sum = V::zero();
+  V part[LANES];
+  for (int j = 0; j < LANES; ++j) part[j] = V::zero();
   for (int t = 0; t < n; ++t) {
     float* row = s + static_cast<size_t>(t) * LANES;
     const V e = exp_lanes(sub(V::load(row), m));
     e.store(row);
-    sum = add(sum, e);
+    V& p = part[t % LANES];
+    p = add(p, e);
   }
+  for (int j = 0; j < 8; ++j) part[j] = add(part[j], part[j + 8]);
+  for (int j = 0; j < 4; ++j) part[j] = add(part[j], part[j + 4]);
+  for (int j = 0; j < 2; ++j) part[j] = add(part[j], part[j + 2]);
   alignas(64) float inv[LANES];
-  sum.store(inv);
+  add(part[0], part[1]).store(inv);
   for (int l = 0; l < LANES; ++l) inv[l] = 1.0f / inv[l];
   const V iv = V::load(inv);
   for (int t = 0; t < n; ++t) {

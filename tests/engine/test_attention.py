@@ -221,6 +221,24 @@ def test_native_kernel_gives_a_row_the_same_bits_alone_and_with_any_company(dtyp
     assert not mx.array_equal(short, together[0:1]).item()
 
 
+@pytest.mark.parametrize("window", [0, 300])
+def test_native_kernel_long_rows_have_the_bits_of_decode_rows(window):
+    """Rows of long runs, whose windows start at every offset within a block: the softmax's sum
+    (16 partial sums, then a tree) is the decode row's, whatever key the tile counts from."""
+    kernel = native_kernel()
+    rows_of, lens = [37, 16], [700, 333]
+    pool, tables = fragmented_pool(lens, mx.float32, seed=9)
+    q = mx.random.normal((sum(rows_of), 9, 64), key=mx.random.key(8))
+    together = kernel_call(kernel, q, pool, tables, lens, rows_of, window)
+    row = 0
+    for rows, n, table in zip(rows_of, lens, tables, strict=True):
+        for i in range(rows):
+            decoded = kernel_call(kernel, q[row + i:row + i + 1], pool, [table],
+                                  [n - rows + i + 1], [1], window)
+            assert mx.array_equal(decoded, together[row + i:row + i + 1]).item(), (n, i)
+        row += rows
+
+
 def test_native_kernel_refuses_bad_tables_and_shapes_with_errors():
     kernel = native_kernel()
     pool, tables = fragmented_pool([20], mx.float32)
