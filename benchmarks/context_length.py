@@ -1,7 +1,7 @@
 """Time to first token and decode speed against prompt length: batchscope and llama.cpp.
 
     .venv/bin/python benchmarks/context_length.py [--lengths 512 1024 2048 4096 8192]
-        [--decode-tokens 64] [--weights auto] [--repeats 1] [--threads N] [--kv-dtype D]
+        [--decode-tokens 64] [--weights auto] [--repeats 3] [--threads N] [--kv-dtype D]
 
 For each prompt length N:
 
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS,
                     help="D: tokens decoded after the first for the decode rate")
     ap.add_argument("--weights", default="auto", help="the engine's weights (auto, q4, f32, bf16)")
-    ap.add_argument("--repeats", type=int, default=1, help="engine rounds per length (median)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="engine rounds per length (their median damps machine noise)")
     ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                     help="the KV pool's dtype (EngineConfig.kv_dtype)")
     ap.add_argument("--max-num-batched-tokens", type=int,
