@@ -466,6 +466,10 @@ void write_out(const float* acc, R* out, int dim) {
   for (int d = 0; d < dim; ++d) out[d] = static_cast<R>(acc[d]);
 }
 
+// Keys (and values) per block of a decode row: a 16-bit pool's rows are widened a block at a
+// time into scratch that stays in the cache, so memory carries only the pool's own bytes.
+constexpr int DECODE_BLOCK = 128;
+
 // A decode row: its query heads of kv head g over the keys of its range.
 template <typename R, typename T>
 void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
@@ -481,36 +485,41 @@ void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
       w.q[h * s.dim16 + d] = round_to<R>(static_cast<float>(qr[h * s.dim + d]) * s.scale);
     }
   }
-  locate_rows(k_pool, u.g, table, first, ctx - 1, s, w.keys, w.krow);
   w.scores.resize(static_cast<size_t>(rep) * n);
-  int t = 0;
+  for (int t0 = 0; t0 < n; t0 += DECODE_BLOCK) {
+    const int t1 = std::min(n, t0 + DECODE_BLOCK);
+    locate_rows(k_pool, u.g, table, first + t0, first + t1 - 1, s, w.keys, w.krow);
+    const float* const* krow = w.krow.data();  // key t at krow[t - t0]
+    int t = t0;
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; t + 8 <= n; t += 8) {
-    for (int c = 8; c < 16 && t + c < n; ++c) prefetch_row(w.krow[t + c], s.dim);
-    for (int h = 0; h < rep; ++h) {
-      float* out = w.scores.data() + static_cast<size_t>(h) * n + t;
-      dot8_keys8(w.q.data() + h * s.dim16, w.krow.data() + t, s.dim8, out);
-      if constexpr (!std::is_same_v<R, float>) {
-        for (int c = 0; c < 8; ++c) out[c] = round_to<R>(out[c]);
+    for (; t + 8 <= t1; t += 8) {
+      for (int c = 8; c < 16 && t + c < t1; ++c) prefetch_row(krow[t - t0 + c], s.dim);
+      for (int h = 0; h < rep; ++h) {
+        float* out = w.scores.data() + static_cast<size_t>(h) * n + t;
+        dot8_keys8(w.q.data() + h * s.dim16, krow + (t - t0), s.dim8, out);
+        if constexpr (!std::is_same_v<R, float>) {
+          for (int c = 0; c < 8; ++c) out[c] = round_to<R>(out[c]);
+        }
       }
     }
-  }
 #endif
-  for (; t < n; ++t) {
-    for (int h = 0; h < rep; ++h) {
-      w.scores[static_cast<size_t>(h) * n + t] =
-          round_to<R>(dot8(w.q.data() + h * s.dim16, w.krow[t], s.dim8));
+    for (; t < t1; ++t) {
+      for (int h = 0; h < rep; ++h) {
+        w.scores[static_cast<size_t>(h) * n + t] =
+            round_to<R>(dot8(w.q.data() + h * s.dim16, krow[t - t0], s.dim8));
+      }
     }
   }
   std::vector<const float*>& probs = w.probs;
   probs.resize(rep);
-  for (int h = 0; h < rep; ++h) {
-    softmax_row<R>(w.scores.data() + static_cast<size_t>(h) * n, n);
-    probs[h] = w.scores.data() + static_cast<size_t>(h) * n;
-  }
-  locate_rows(v_pool, u.g, table, first, ctx - 1, s, w.values, w.vrow);
+  for (int h = 0; h < rep; ++h) softmax_row<R>(w.scores.data() + static_cast<size_t>(h) * n, n);
   w.acc.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
-  values(probs.data(), 1, w.vrow.data(), 0, n, w.acc.data(), rep, s.dim16);
+  for (int t0 = 0; t0 < n; t0 += DECODE_BLOCK) {
+    const int t1 = std::min(n, t0 + DECODE_BLOCK);
+    locate_rows(v_pool, u.g, table, first + t0, first + t1 - 1, s, w.values, w.vrow);
+    for (int h = 0; h < rep; ++h) probs[h] = w.scores.data() + static_cast<size_t>(h) * n + t0;
+    values(probs.data(), 1, w.vrow.data(), 0, t1 - t0, w.acc.data(), rep, s.dim16);
+  }
   R* o = out + (static_cast<size_t>(u.row_begin) * s.heads + head0) * s.dim;
   for (int h = 0; h < rep; ++h) write_out(w.acc.data() + h * s.dim16, o + h * s.dim, s.dim);
 }
@@ -605,8 +614,6 @@ void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_
   const int n = last - lo + 1;
   // Keys every row of the tile sees (lanes past u.rows are padding; their values are unused).
   const int all_from = first_of(last) - lo, all_to = p0 - lo;
-  locate_rows(k_pool, u.g, table, lo, last, s, w.keys, w.krow);
-  locate_rows(v_pool, u.g, table, lo, last, s, w.values, w.vrow);
   // Scores for n keys padded to whole passes of scores_across_rows (the padding keys are zero
   // rows, their scores never read).
   const int n_pad = (n + KEYS_AT_ONCE - 1) / KEYS_AT_ONCE * KEYS_AT_ONCE;
@@ -633,10 +640,13 @@ void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_
   w.row_max.assign(static_cast<size_t>(rep) * LANES, -inf);
   for (int t0 = 0; t0 < n; t0 += KEY_BLOCK) {
     const int t1 = std::min(n, t0 + KEY_BLOCK), t1_pad = std::min(n_pad, t0 + KEY_BLOCK);
+    // A block at a time, so a 16-bit pool is widened in scratch that stays in the cache.
+    locate_rows(k_pool, u.g, table, lo + t0, lo + t1 - 1, s, w.keys, w.krow);
     for (int t = t0; t < t1_pad; ++t) {
       float* dst = w.key_block.data() + static_cast<size_t>(t - t0) * stride;
       if (t < t1) {
-        for (int d = 0; d < s.dim16; d += LANES) V::load(w.krow[t] + d).store(dst + d);
+        const float* src = w.krow[t - t0];
+        for (int d = 0; d < s.dim16; d += LANES) V::load(src + d).store(dst + d);
       } else {
         std::fill(dst, dst + s.dim16, 0.0f);
       }
@@ -679,9 +689,10 @@ void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_
   w.acc.assign(rep * acc_size, 0.0f);
   for (int t0 = 0; t0 < n; t0 += KEY_BLOCK) {
     const int t1 = std::min(n, t0 + KEY_BLOCK);
+    locate_rows(v_pool, u.g, table, lo + t0, lo + t1 - 1, s, w.values, w.vrow);
     for (int h = 0; h < rep; ++h) {
-      values_across_rows(w.scores.data() + h * s_size, w.vrow.data(), t0, t1,
-                         w.acc.data() + h * acc_size, s.dim16);
+      values_across_rows(w.scores.data() + h * s_size + static_cast<size_t>(t0) * LANES,
+                         w.vrow.data(), 0, t1 - t0, w.acc.data() + h * acc_size, s.dim16);
     }
   }
   for (int h = 0; h < rep; ++h) {
