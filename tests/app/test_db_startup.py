@@ -82,7 +82,9 @@ def migrated(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture(params=sorted(COMMANDS))
+# `serve` starts the whole server process (~3 s each): the slow tier, which CI runs.
+@pytest.fixture(params=[pytest.param(c, marks=pytest.mark.slow) if c == "serve" else c
+                        for c in sorted(COMMANDS)])
 def command(request) -> str:
     return request.param
 
