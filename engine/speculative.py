@@ -133,8 +133,8 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
     return []
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading items a and b share."""
+def common_prefix(a: Seq, b: Seq) -> int:
+    """How many leading items a and b share (token lists, or strings)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

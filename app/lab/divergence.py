@@ -37,7 +37,7 @@ from engine.engine import Engine, EngineError, Submission
 from engine.events import FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
 from engine.speculative import METHODS as SPECULATIVE_METHODS
-from engine.speculative import draft_layers
+from engine.speculative import common_prefix, draft_layers
 from engine.telemetry import StepRecord
 
 Progress = Callable[[str], None] | None
@@ -611,7 +611,7 @@ def compare(a: SideRun, b: SideRun, decode: Callable[[list[int]], str], top_k: i
     text_a, text_b = a.finish.text, b.finish.text
     fork_record = None
     if fork is not None:
-        char = _common_prefix(text_a, text_b)
+        char = common_prefix(text_a, text_b)
         fork_record = {
             "token_index": fork, "char_offset": char, "shared_text": text_a[:char],
             "continuation_a": text_a[char:], "continuation_b": text_b[char:],
@@ -673,15 +673,6 @@ def _speculation(run: SideRun) -> dict | None:
             "verify_steps": sum(1 for s in run.steps if s.get("target_phase") == "verify"),
             "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else None}
-
-
-def _common_prefix(x: str, y: str) -> int:
-    n = 0
-    for cx, cy in zip(x, y, strict=False):
-        if cx != cy:
-            break
-        n += 1
-    return n
 
 
 def _fork_table(la: np.ndarray, lb: np.ndarray, top_k: int,

@@ -16,6 +16,7 @@
 #include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "vector_math.h"
 #include "workers.h"
 
 // The arithmetic, the same on every path (so every path gives the same bits):
@@ -60,14 +61,6 @@ inline float scale_at(const void* p, ScaleType t, size_t i) {
     case ScaleType::bf16: return static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
   }
-}
-
-// The same tree as decode_linear's: lane i + lane i + 8, then + 4, then (0 + 2) + (1 + 3).
-inline float lane_sum(const float* a) {
-  float b[8], c[4];
-  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
-  return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 // Prefetch the packed weights of the outputs this many rows ahead: memory bounds a few-row

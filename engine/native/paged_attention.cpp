@@ -30,7 +30,7 @@
 // round_R rounds to q's dtype, where MLX's own attention keeps its intermediates (a no-op for
 // float32). Decode rows (one per sequence) run it with the dot across dim (8 keys' trees done
 // together); runs of rows (prefill chunks) 16 rows at a time, one row per vector lane, for the
-// dot (one partial sum of 12 keys at a time, each key element broadcast into its fma), the
+// dot (one partial sum of KEYS_AT_ONCE keys at a time, each key element broadcast), the
 // softmax and the values (16 of d at a time, each value broadcast): the same operations on the
 // same numbers, so the same bits. Rows outside a key's range take exact zeros (probability 0 adds
 // nothing to a sum). The file is built with -ffp-contract=off: no fma but the written ones.
@@ -324,20 +324,11 @@ void locate_rows(const T* pool, int g, const int32_t* table, int lo, int hi, con
 }
 
 // The softmax's sum: 16 partial sums, partial j taking the keys t = j (mod 16) in t order from
-// 0, then the tree over them (j + 8, then j + 4, j + 2, j + 1). The partials are one vector's
-// lanes for a decode row and 16 vectors for a tile's rows. A tree that pairs partials 8, 4, 2
-// and 1 apart gives the same sum for any rotation of them, so a tile and a decode row agree
-// whatever key each counts from; a masked or absent key adds an exact zero (the partials are
-// sums of non-negative numbers).
-inline float lane_tree(V v) {
-  alignas(64) float p[LANES];
-  v.store(p);
-  for (int j = 0; j < 8; ++j) p[j] += p[j + 8];
-  for (int j = 0; j < 4; ++j) p[j] += p[j + 4];
-  for (int j = 0; j < 2; ++j) p[j] += p[j + 2];
-  return p[0] + p[1];
-}
-
+// 0, then lane_sum's tree over them (vector_math.h). The partials are one vector's lanes for a
+// decode row and 16 vectors for a tile's rows. A tree that pairs partials 8, 4, 2 and 1 apart
+// gives the same sum for any rotation of them, so a tile and a decode row agree whatever key
+// each counts from; a masked or absent key adds an exact zero (the partials are sums of
+// non-negative numbers).
 inline float partial_sum(const float* e, int n) {
   V acc = V::zero();
   int t = 0;
@@ -347,7 +338,9 @@ inline float partial_sum(const float* e, int n) {
     std::copy(e + t, e + n, tail);
     acc = add(acc, V::load(tail));
   }
-  return lane_tree(acc);
+  alignas(64) float lanes[LANES];
+  acc.store(lanes);
+  return lane_sum(lanes);
 }
 
 // Softmax of one row's scores in place, as the header describes: p_t = round_R(e_t / sum).
@@ -395,9 +388,9 @@ void softmax_lanes(float* s, int n, V m) {
 }
 
 // acc[g] (dim16 floats each, for G rows) += p_g(t) * v_t for t in [t0, t1), in t order,
-// continuing the sums acc holds; row g's probability for key t at probs[g][t * stride].
+// continuing the sums acc holds; row g's probability for key t at probs[g][t].
 template <int NV, int G>
-void values_fixed(const float* const* probs, int stride, const float* const* vrow, int t0,
+void values_fixed(const float* const* probs, const float* const* vrow, int t0,
                   int t1, float* acc, int dim16) {
   V a[G][NV];
   for (int g = 0; g < G; ++g) {
@@ -409,7 +402,7 @@ void values_fixed(const float* const* probs, int stride, const float* const* vro
     V vt[NV];
     for (int j = 0; j < NV; ++j) vt[j] = V::load(v + j * LANES);
     for (int g = 0; g < G; ++g) {
-      const V p = V::bcast(probs[g][static_cast<size_t>(t) * stride]);
+      const V p = V::bcast(probs[g][t]);
       for (int j = 0; j < NV; ++j) a[g][j] = fma(p, vt[j], a[g][j]);
     }
   }
@@ -418,10 +411,10 @@ void values_fixed(const float* const* probs, int stride, const float* const* vro
   }
 }
 
-void values_any(const float* const* probs, int stride, const float* const* vrow, int t0, int t1,
+void values_any(const float* const* probs, const float* const* vrow, int t0, int t1,
                 float* acc, int dim16) {
   for (int t = t0; t < t1; ++t) {
-    const V p = V::bcast(probs[0][static_cast<size_t>(t) * stride]);
+    const V p = V::bcast(probs[0][t]);
     for (int j = 0; j < dim16; j += LANES) fma(p, V::load(vrow[t] + j), V::load(acc + j)).store(acc + j);
   }
 }
@@ -434,7 +427,7 @@ constexpr bool MANY_REGISTERS = true;
 constexpr bool MANY_REGISTERS = false;
 #endif
 
-void values(const float* const* probs, int stride, const float* const* vrow, int t0, int t1,
+void values(const float* const* probs, const float* const* vrow, int t0, int t1,
             float* acc, int rows, int dim16) {
   const int nv = dim16 / LANES;
   for (int g = 0; g < rows;) {
@@ -442,21 +435,21 @@ void values(const float* const* probs, int stride, const float* const* vrow, int
     float* a = acc + static_cast<size_t>(g) * dim16;
     const int left = rows - g;
     if (MANY_REGISTERS && nv == 4 && left >= 4) {
-      values_fixed<4, 4>(p, stride, vrow, t0, t1, a, dim16), g += 4;
+      values_fixed<4, 4>(p, vrow, t0, t1, a, dim16), g += 4;
     } else if (MANY_REGISTERS && nv == 4 && left == 3) {
-      values_fixed<4, 3>(p, stride, vrow, t0, t1, a, dim16), g += 3;
+      values_fixed<4, 3>(p, vrow, t0, t1, a, dim16), g += 3;
     } else if (MANY_REGISTERS && nv == 4 && left == 2) {
-      values_fixed<4, 2>(p, stride, vrow, t0, t1, a, dim16), g += 2;
+      values_fixed<4, 2>(p, vrow, t0, t1, a, dim16), g += 2;
     } else if (nv == 4) {
-      values_fixed<4, 1>(p, stride, vrow, t0, t1, a, dim16), g += 1;
+      values_fixed<4, 1>(p, vrow, t0, t1, a, dim16), g += 1;
     } else if (MANY_REGISTERS && nv == 8 && left >= 2) {
-      values_fixed<8, 2>(p, stride, vrow, t0, t1, a, dim16), g += 2;
+      values_fixed<8, 2>(p, vrow, t0, t1, a, dim16), g += 2;
     } else if (nv == 8) {
-      values_fixed<8, 1>(p, stride, vrow, t0, t1, a, dim16), g += 1;
+      values_fixed<8, 1>(p, vrow, t0, t1, a, dim16), g += 1;
     } else if (MANY_REGISTERS && nv == 16) {
-      values_fixed<16, 1>(p, stride, vrow, t0, t1, a, dim16), g += 1;
+      values_fixed<16, 1>(p, vrow, t0, t1, a, dim16), g += 1;
     } else {
-      values_any(p, stride, vrow, t0, t1, a, dim16), g += 1;
+      values_any(p, vrow, t0, t1, a, dim16), g += 1;
     }
   }
 }
@@ -518,7 +511,7 @@ void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
     const int t1 = std::min(n, t0 + DECODE_BLOCK);
     locate_rows(v_pool, u.g, table, first + t0, first + t1 - 1, s, w.values, w.vrow);
     for (int h = 0; h < rep; ++h) probs[h] = w.scores.data() + static_cast<size_t>(h) * n + t0;
-    values(probs.data(), 1, w.vrow.data(), 0, t1 - t0, w.acc.data(), rep, s.dim16);
+    values(probs.data(), w.vrow.data(), 0, t1 - t0, w.acc.data(), rep, s.dim16);
   }
   R* o = out + (static_cast<size_t>(u.row_begin) * s.heads + head0) * s.dim;
   for (int h = 0; h < rep; ++h) write_out(w.acc.data() + h * s.dim16, o + h * s.dim, s.dim);
@@ -563,8 +556,8 @@ constexpr int KEYS_AT_ONCE = 12;
 constexpr int KEYS_AT_ONCE = 6;
 #endif
 
-// Keys are taken in blocks of this many, copied next to each other (KEY_STRIDE floats apart)
-// and used by all of a unit's heads while they are in the L1 cache (24 KiB for a 64-dim head).
+// Keys are taken in blocks of this many, copied `stride` floats apart, and used by all of a
+// unit's heads while they are in the L1 cache (with AVX-512, 24 KiB for a 64-dim head).
 constexpr int KEY_BLOCK = 8 * KEYS_AT_ONCE;
 
 // The scores of one head's 16 rows against keys [t0, t1) of the key block at kb (t1 - t0 a

@@ -1,4 +1,4 @@
-// Elementwise math shared by the native ops, written so the compiler can vectorize the loops
+// Elementwise math and a fixed-order lane sum shared by the native ops, written so the compiler can vectorize the loops
 // that call it without changing a bit (each lane does the scalar code's operations). The
 // files that include it are built with -ffp-contract=off.
 #pragma once
@@ -50,6 +50,15 @@ inline float exp_mlx(float x) {
   r = x > 88.0f ? INFINITY : r;
   r = x < -88.0f ? 0.0f : r;
   return x != x ? x : r;  // NaN
+}
+
+// The sum of 16 lanes by a fixed tree: lane i + lane i + 8, then + 4, then (0 + 2) + (1 + 3)
+// (decode_linear's tree, and the paged attention's softmax sum).
+inline float lane_sum(const float* a) {
+  float b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 }  // namespace batchscope
