@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -160,12 +161,68 @@ inline V exp_lanes(V x) {
 }
 #endif
 
+// Exact conversions of the pool's storage to float32.
+inline float to_float(float x) { return x; }
+inline float to_float(mx::float16_t x) {
+#if defined(__F16C__)
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(x);
+#endif
+}
+inline float to_float(mx::bfloat16_t x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 floats of a pool row as float32 (exact).
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<T, mx::float16_t>) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+#endif
+
+// 16 floats of a pool row as float32 (exact: a 16-bit float widens without rounding), so a
+// decode row reads a 16-bit pool's own bytes with no copy.
+template <typename T>
+inline V load_row(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return V::load(p);
+  } else {
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<T, mx::float16_t>) return {_mm512_cvtph_ps(h)};
+    else return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+#elif defined(__AVX2__) && defined(__FMA__)
+    return {load8(p), load8(p + 8)};
+#else
+    V r;
+    for (int l = 0; l < LANES; ++l) r.x[l] = to_float(p[l]);
+    return r;
+#endif
+  }
+}
+
 // dot(q, k) over dim_pad (a multiple of 8, zero-padded): 8 partial sums, then the tree.
-inline float dot8(const float* q, const float* k, int dim_pad) {
+template <typename T = float>
+inline float dot8(const float* q, const T* k, int dim_pad) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   for (int d = 0; d < dim_pad; d += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
   }
   __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -174,7 +231,7 @@ inline float dot8(const float* q, const float* k, int dim_pad) {
 #else
   float acc[8] = {};
   for (int d = 0; d < dim_pad; d += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] = std::fma(q[d + j], k[d + j], acc[j]);
+    for (int j = 0; j < 8; ++j) acc[j] = std::fma(q[d + j], to_float(k[d + j]), acc[j]);
   }
   for (int w = 4; w >= 1; w /= 2) {
     for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
@@ -186,13 +243,14 @@ inline float dot8(const float* q, const float* k, int dim_pad) {
 #if defined(__AVX2__) && defined(__FMA__)
 // dot8 of q against 8 keys at once, into out[0..8) in key order: the same fmas per key, and the
 // same tree (the halves, then lanes j and j + 2, then j and j + 1) done for 8 keys together.
-inline void dot8_keys8(const float* q, const float* const* k, int dim8, float* out) {
+template <typename T = float>
+inline void dot8_keys8(const float* q, const T* const* k, int dim8, float* out) {
   __m256 a[8];
   for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
   for (int d = 0; d < dim8; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[c] + d), a[c]);
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qv, load8(k[c] + d), a[c]);
   }
   __m256 x[4];  // x[i] = [keys 2i: lanes j + (j + 4) | key 2i + 1: the same]
   for (int i = 0; i < 4; ++i) {
@@ -221,28 +279,9 @@ inline float round_to(float x) {
 }
 
 // Asks for a row of floats (from the pool or scratch) ahead of its use.
-inline void prefetch_row(const float* row, int dim) {
-  for (int d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
-}
-
-// Exact conversions of the pool's storage to float32.
-inline float to_float(float x) { return x; }
-inline float to_float(mx::float16_t x) {
-#if defined(__F16C__)
-  uint16_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(x);
-#endif
-}
-inline float to_float(mx::bfloat16_t x) {
-  uint16_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
+template <typename T>
+inline void prefetch_row(const T* row, int dim) {
+  for (int d = 0; d < dim; d += 64 / sizeof(T)) __builtin_prefetch(row + d);
 }
 
 // Widens the leading multiple of 16 of n 16-bit floats to float32 with vector instructions
@@ -292,7 +331,29 @@ struct Unit {
 struct Scratch {
   std::vector<float> q, scores, keys, values, acc, part, key_block, row_max;
   std::vector<const float*> krow, vrow, probs;
+  std::vector<const mx::float16_t*> krow_f16, vrow_f16;  // a decode row's rows in a 16-bit pool
+  std::vector<const mx::bfloat16_t*> krow_bf16, vrow_bf16;
 };
+
+// Where a decode row keeps pointers to pool rows of type T: keys, then values.
+template <typename T>
+std::pair<std::vector<const T*>*, std::vector<const T*>*> row_pointers(Scratch& w) {
+  if constexpr (std::is_same_v<T, float>) return {&w.krow, &w.vrow};
+  else if constexpr (std::is_same_v<T, mx::float16_t>) return {&w.krow_f16, &w.vrow_f16};
+  else return {&w.krow_bf16, &w.vrow_bf16};
+}
+
+// Key/value rows [lo, hi] of kv head g, read in place in the pool (dim a multiple of 16).
+template <typename T>
+void pool_rows(const T* pool, int g, const int32_t* table, int lo, int hi, const Shapes& s,
+               std::vector<const T*>& rows) {
+  rows.resize(hi - lo + 1);
+  const T* base = pool + static_cast<size_t>(g) * s.slots * s.dim;
+  for (int p = lo; p <= hi; ++p) {
+    const size_t slot = static_cast<size_t>(table[p / s.block_size]) * s.block_size + p % s.block_size;
+    rows[p - lo] = base + slot * s.dim;
+  }
+}
 
 // Where key/value rows [lo, hi] of kv head g live as float32 rows of dim16 readable floats
 // (zero beyond dim): straight in the pool when it is float32 with dim a multiple of 16, else
@@ -389,18 +450,18 @@ void softmax_lanes(float* s, int n, V m) {
 
 // acc[g] (dim16 floats each, for G rows) += p_g(t) * v_t for t in [t0, t1), in t order,
 // continuing the sums acc holds; row g's probability for key t at probs[g][t].
-template <int NV, int G>
-void values_fixed(const float* const* probs, const float* const* vrow, int t0,
+template <int NV, int G, typename T>
+void values_fixed(const float* const* probs, const T* const* vrow, int t0,
                   int t1, float* acc, int dim16) {
   V a[G][NV];
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < NV; ++j) a[g][j] = V::load(acc + static_cast<size_t>(g) * dim16 + j * LANES);
   }
   for (int t = t0; t < t1; ++t) {
-    const float* v = vrow[t];
+    const T* v = vrow[t];
     if (t + 8 < t1) prefetch_row(vrow[t + 8], NV * LANES);
     V vt[NV];
-    for (int j = 0; j < NV; ++j) vt[j] = V::load(v + j * LANES);
+    for (int j = 0; j < NV; ++j) vt[j] = load_row(v + j * LANES);
     for (int g = 0; g < G; ++g) {
       const V p = V::bcast(probs[g][t]);
       for (int j = 0; j < NV; ++j) a[g][j] = fma(p, vt[j], a[g][j]);
@@ -411,11 +472,12 @@ void values_fixed(const float* const* probs, const float* const* vrow, int t0,
   }
 }
 
-void values_any(const float* const* probs, const float* const* vrow, int t0, int t1,
+template <typename T>
+void values_any(const float* const* probs, const T* const* vrow, int t0, int t1,
                 float* acc, int dim16) {
   for (int t = t0; t < t1; ++t) {
     const V p = V::bcast(probs[0][t]);
-    for (int j = 0; j < dim16; j += LANES) fma(p, V::load(vrow[t] + j), V::load(acc + j)).store(acc + j);
+    for (int j = 0; j < dim16; j += LANES) fma(p, load_row(vrow[t] + j), V::load(acc + j)).store(acc + j);
   }
 }
 
@@ -427,7 +489,8 @@ constexpr bool MANY_REGISTERS = true;
 constexpr bool MANY_REGISTERS = false;
 #endif
 
-void values(const float* const* probs, const float* const* vrow, int t0, int t1,
+template <typename T>
+void values(const float* const* probs, const T* const* vrow, int t0, int t1,
             float* acc, int rows, int dim16) {
   const int nv = dim16 / LANES;
   for (int g = 0; g < rows;) {
@@ -459,14 +522,24 @@ void write_out(const float* acc, R* out, int dim) {
   for (int d = 0; d < dim; ++d) out[d] = static_cast<R>(acc[d]);
 }
 
-// Keys (and values) per block of a decode row: a 16-bit pool's rows are widened a block at a
-// time into scratch that stays in the cache, so memory carries only the pool's own bytes.
+// Keys (and values) per block of a decode row: the block's row pointers are looked up together
+// (and, for a head dim that is not a multiple of 16, its rows widened into scratch that stays
+// in the cache).
 constexpr int DECODE_BLOCK = 128;
 
-// A decode row: its query heads of kv head g over the keys of its range.
-template <typename R, typename T>
-void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
-                 const int32_t* table, int ctx, R* out, const Shapes& s, Scratch& w) {
+// A decode row: its query heads of kv head g over the keys of its range. IN_PLACE: the
+// arithmetic reads the pool's rows (any dtype, widened in registers) where they are; else
+// float32 copies with zeros to dim16.
+template <typename R, typename T, bool IN_PLACE>
+void decode_unit_rows(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
+                      const int32_t* table, int ctx, R* out, const Shapes& s, Scratch& w) {
+  using U = std::conditional_t<IN_PLACE, T, float>;
+  auto [krows, vrows] = row_pointers<U>(w);
+  auto fetch = [&](const T* pool, int lo, int hi, std::vector<float>& buf,
+                   std::vector<const U*>& rows) {
+    if constexpr (IN_PLACE) pool_rows(pool, u.g, table, lo, hi, s, rows);
+    else locate_rows(pool, u.g, table, lo, hi, s, buf, rows);
+  };
   const int rep = s.heads / s.kv_heads;
   const int first = s.window > 0 ? std::max(0, ctx - s.window) : 0;
   const int n = ctx - first;
@@ -481,8 +554,8 @@ void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
   w.scores.resize(static_cast<size_t>(rep) * n);
   for (int t0 = 0; t0 < n; t0 += DECODE_BLOCK) {
     const int t1 = std::min(n, t0 + DECODE_BLOCK);
-    locate_rows(k_pool, u.g, table, first + t0, first + t1 - 1, s, w.keys, w.krow);
-    const float* const* krow = w.krow.data();  // key t at krow[t - t0]
+    fetch(k_pool, first + t0, first + t1 - 1, w.keys, *krows);
+    const U* const* krow = krows->data();  // key t at krow[t - t0]
     int t = t0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; t + 8 <= t1; t += 8) {
@@ -509,12 +582,19 @@ void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
   w.acc.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
   for (int t0 = 0; t0 < n; t0 += DECODE_BLOCK) {
     const int t1 = std::min(n, t0 + DECODE_BLOCK);
-    locate_rows(v_pool, u.g, table, first + t0, first + t1 - 1, s, w.values, w.vrow);
+    fetch(v_pool, first + t0, first + t1 - 1, w.values, *vrows);
     for (int h = 0; h < rep; ++h) probs[h] = w.scores.data() + static_cast<size_t>(h) * n + t0;
-    values(probs.data(), w.vrow.data(), 0, t1 - t0, w.acc.data(), rep, s.dim16);
+    values(probs.data(), vrows->data(), 0, t1 - t0, w.acc.data(), rep, s.dim16);
   }
   R* o = out + (static_cast<size_t>(u.row_begin) * s.heads + head0) * s.dim;
   for (int h = 0; h < rep; ++h) write_out(w.acc.data() + h * s.dim16, o + h * s.dim, s.dim);
+}
+
+template <typename R, typename T>
+void decode_unit(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
+                 const int32_t* table, int ctx, R* out, const Shapes& s, Scratch& w) {
+  if (s.dim == s.dim16) decode_unit_rows<R, T, true>(u, q, k_pool, v_pool, table, ctx, out, s, w);
+  else decode_unit_rows<R, T, false>(u, q, k_pool, v_pool, table, ctx, out, s, w);
 }
 
 // The scores of 16 rows (lanes) against C keys, rows of a key block `stride` floats apart
