@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -241,31 +242,66 @@ inline float dot8(const float* q, const T* k, int dim_pad) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// dot8 of q against 8 keys at once, into out[0..8) in key order: the same fmas per key, and the
-// same tree (the halves, then lanes j and j + 2, then j and j + 1) done for 8 keys together.
-template <typename T = float>
-inline void dot8_keys8(const float* q, const T* const* k, int dim8, float* out) {
-  __m256 a[8];
-  for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+// dot8 of H heads' queries (q + h * q_stride) against 8 keys at once, into out + h * out_stride
+// [0..8) in key order: the same fmas per (head, key), and the same tree (the halves, then lanes
+// j and j + 2, then j and j + 1) done for 8 keys together. Each key chunk is loaded (and a
+// 16-bit one widened) once for the H heads.
+template <int H, typename T>
+inline void dot8_keys8(const float* q, int q_stride, const T* const* k, int dim8, float* out,
+                       int out_stride) {
+  __m256 a[H][8];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < 8; ++c) a[h][c] = _mm256_setzero_ps();
   for (int d = 0; d < dim8; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
+    __m256 qv[H];
+    for (int h = 0; h < H; ++h) qv[h] = _mm256_loadu_ps(q + h * q_stride + d);
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qv, load8(k[c] + d), a[c]);
+    for (int c = 0; c < 8; ++c) {
+      const __m256 kc = load8(k[c] + d);
+      for (int h = 0; h < H; ++h) a[h][c] = _mm256_fmadd_ps(qv[h], kc, a[h][c]);
+    }
   }
-  __m256 x[4];  // x[i] = [keys 2i: lanes j + (j + 4) | key 2i + 1: the same]
-  for (int i = 0; i < 4; ++i) {
-    x[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  for (int h = 0; h < H; ++h) {
+    __m256 x[4];  // x[i] = [keys 2i: lanes j + (j + 4) | key 2i + 1: the same]
+    for (int i = 0; i < 4; ++i) {
+      x[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[h][2 * i], a[h][2 * i + 1], 0x20),
+                           _mm256_permute2f128_ps(a[h][2 * i], a[h][2 * i + 1], 0x31));
+    }
+    __m256 y[2];  // lanes j + (j + 2), two per key
+    for (int i = 0; i < 2; ++i) {
+      y[i] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                           _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    }
+    // keys in the lanes as 0, 2, 4, 6 | 1, 3, 5, 7
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], 0x88),
+                                   _mm256_shuffle_ps(y[0], y[1], 0xDD));
+    _mm256_storeu_ps(out + static_cast<size_t>(h) * out_stride,
+                     _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   }
-  __m256 y[2];  // lanes j + (j + 2), two per key
-  for (int i = 0; i < 2; ++i) {
-    y[i] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
-                         _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+}
+
+// Query heads per pass of dot8_keys8: 8 keys x H accumulators, H queries and a key chunk in the
+// registers (AVX-512's 32 ymm registers: 3; AVX2's 16: 1).
+#if defined(__AVX512VL__)
+constexpr int DOT_HEADS = 3;
+#else
+constexpr int DOT_HEADS = 1;
+#endif
+
+// dot8_keys8 for heads [0, rep), DOT_HEADS at a time.
+template <typename T>
+inline void dot8_keys8_heads(const float* q, int q_stride, int rep, const T* const* k, int dim8,
+                             float* out, int out_stride) {
+  auto at = [&](int h) { return out + static_cast<size_t>(h) * out_stride; };
+  int h = 0;
+  for (; h + DOT_HEADS <= rep; h += DOT_HEADS) {
+    dot8_keys8<DOT_HEADS>(q + h * q_stride, q_stride, k, dim8, at(h), out_stride);
   }
-  // keys in the lanes as 0, 2, 4, 6 | 1, 3, 5, 7
-  const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], 0x88),
-                                 _mm256_shuffle_ps(y[0], y[1], 0xDD));
-  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  if (DOT_HEADS == 3 && rep - h == 2) {
+    dot8_keys8<2>(q + h * q_stride, q_stride, k, dim8, at(h), out_stride);
+    return;
+  }
+  for (; h < rep; ++h) dot8_keys8<1>(q + h * q_stride, q_stride, k, dim8, at(h), out_stride);
 }
 #endif
 
@@ -349,9 +385,11 @@ void pool_rows(const T* pool, int g, const int32_t* table, int lo, int hi, const
                std::vector<const T*>& rows) {
   rows.resize(hi - lo + 1);
   const T* base = pool + static_cast<size_t>(g) * s.slots * s.dim;
-  for (int p = lo; p <= hi; ++p) {
-    const size_t slot = static_cast<size_t>(table[p / s.block_size]) * s.block_size + p % s.block_size;
-    rows[p - lo] = base + slot * s.dim;
+  // A block at a time: one table lookup (and no division) per block, not per row.
+  for (int p = lo; p <= hi;) {
+    const int b = p / s.block_size, end = std::min(hi, (b + 1) * s.block_size - 1);
+    const T* row = base + (static_cast<size_t>(table[b]) * s.block_size + p % s.block_size) * s.dim;
+    for (; p <= end; ++p, row += s.dim) rows[p - lo] = row;
   }
 }
 
@@ -477,7 +515,9 @@ void values_any(const float* const* probs, const T* const* vrow, int t0, int t1,
                 float* acc, int dim16) {
   for (int t = t0; t < t1; ++t) {
     const V p = V::bcast(probs[0][t]);
-    for (int j = 0; j < dim16; j += LANES) fma(p, load_row(vrow[t] + j), V::load(acc + j)).store(acc + j);
+    for (int j = 0; j < dim16; j += LANES) {
+      fma(p, load_row(vrow[t] + j), V::load(acc + j)).store(acc + j);
+    }
   }
 }
 
@@ -560,10 +600,10 @@ void decode_unit_rows(const Unit& u, const R* q, const T* k_pool, const T* v_poo
 #if defined(__AVX2__) && defined(__FMA__)
     for (; t + 8 <= t1; t += 8) {
       for (int c = 8; c < 16 && t + c < t1; ++c) prefetch_row(krow[t - t0 + c], s.dim);
-      for (int h = 0; h < rep; ++h) {
-        float* out = w.scores.data() + static_cast<size_t>(h) * n + t;
-        dot8_keys8(w.q.data() + h * s.dim16, krow + (t - t0), s.dim8, out);
-        if constexpr (!std::is_same_v<R, float>) {
+      dot8_keys8_heads(w.q.data(), s.dim16, rep, krow + (t - t0), s.dim8, w.scores.data() + t, n);
+      if constexpr (!std::is_same_v<R, float>) {
+        for (int h = 0; h < rep; ++h) {
+          float* out = w.scores.data() + static_cast<size_t>(h) * n + t;
           for (int c = 0; c < 8; ++c) out[c] = round_to<R>(out[c]);
         }
       }

@@ -222,13 +222,16 @@ def test_native_kernel_gives_a_row_the_same_bits_alone_and_with_any_company(dtyp
 
 
 @pytest.mark.parametrize("window", [0, 300])
-def test_native_kernel_long_rows_have_the_bits_of_decode_rows(window):
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (10, 2), (4, 4)])
+def test_native_kernel_long_rows_have_the_bits_of_decode_rows(window, heads, kv_heads):
     """Rows of long runs, whose windows start at every offset within a block: the softmax's sum
-    (16 partial sums, then a tree) is the decode row's, whatever key the tile counts from."""
+    (16 partial sums, then a tree) is the decode row's, whatever key the tile counts from; and
+    a decode row's scores, taken for up to 3 query heads of a kv head at once, are each head's
+    own (GQA ratios 1, 3, 4 and 5)."""
     kernel = native_kernel()
     rows_of, lens = [37, 16], [700, 333]
-    pool, tables = fragmented_pool(lens, mx.float32, seed=9)
-    q = mx.random.normal((sum(rows_of), 9, 64), key=mx.random.key(8))
+    pool, tables = fragmented_pool(lens, mx.float32, kv_heads=kv_heads, seed=9)
+    q = mx.random.normal((sum(rows_of), heads, 64), key=mx.random.key(8))
     together = kernel_call(kernel, q, pool, tables, lens, rows_of, window)
     row = 0
     for rows, n, table in zip(rows_of, lens, tables, strict=True):
