@@ -1,7 +1,8 @@
 """Time to first token and decode speed against prompt length: batchscope and llama.cpp.
 
     .venv/bin/python benchmarks/context_length.py [--lengths 512 1024 2048 4096 8192]
-        [--decode-tokens 64] [--weights auto] [--repeats 3] [--threads N] [--kv-dtype D]
+        [--decode-tokens 64] [--weights auto] [--repeats 3] [--threads N]
+        [--kv-dtype auto float16]
 
 For each prompt length N:
 
@@ -12,6 +13,8 @@ batchscope  the engine in process (prefix caching off, a KV pool that holds N + 
             over the time from the first token to the last; prefill tok/s = N / TTFT. Median
             of --repeats rounds. The embedded model has 8192 positions: a length that leaves no
             room for 1 + D tokens is cut to context - D - 1 (the table gives the real count).
+            One engine per --kv-dtype (default: auto, the model's dtype as mlx-lm's cache,
+            and float16, the KV type llama-bench runs with), each measured at every length.
 llama.cpp   when built (./scripts/build-llama-cpp.sh), on the GGUF the embedded model loads:
             `llama-bench -p N -n 0` (prompt processing tok/s; its TTFT is N / that rate) and
             `llama-bench -p 0 -n D -d N` (generation tok/s after N tokens in the cache), -r
@@ -19,7 +22,7 @@ llama.cpp   when built (./scripts/build-llama-cpp.sh), on the GGUF the embedded 
             setting counts (which one wins differs between the two tests; the table says).
             Without a build it says so and measures batchscope only.
 
-Per length llama.cpp runs first, then batchscope, so drift over the run shows. Writes
+Per length llama.cpp runs first, then batchscope's engines, so drift over the run shows. Writes
 context_length.md, .json and .svg to --out-dir (benchmarks/results); progress on stderr.
 """
 
@@ -109,14 +112,20 @@ def make_prompt(tokenizer, n: int, tag: str) -> list[int]:
     return (head + body * (n // len(body) + 1))[:n]
 
 
-def engine_config(args, lengths: list[int]) -> EngineConfig:
+def engine_config(args, lengths: list[int], kv_dtype: str) -> EngineConfig:
     """One sequence at a time, prefix caching off (the max_tokens=1+D request must prefill
     again, and no length may reuse another's blocks), a pool for the longest request."""
     tokens = max(lengths) + args.decode_tokens + 1
     return EngineConfig(weights=args.weights, max_num_seqs=1,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=BLOCK_SIZE, num_kv_blocks=-(-tokens // BLOCK_SIZE) + 1,
-                        enable_prefix_caching=False, kv_dtype=args.kv_dtype)
+                        enable_prefix_caching=False, kv_dtype=kv_dtype)
+
+
+def pool_dtype_name(eng: Engine) -> str:
+    """The pool's dtype as the table shows it: "float16", or "auto (float32)"."""
+    name = str(eng.pool.dtype).removeprefix("mlx.core.")
+    return name if eng.config.kv_dtype == name else f"{eng.config.kv_dtype} ({name})"
 
 
 def kv_bytes(eng: Engine, depth: int) -> int:
@@ -155,8 +164,16 @@ def _fa(setting: int | None) -> str:
 
 
 def goals(data: dict) -> list[dict]:
-    """The goal lines for the lengths measured (by prompt tokens)."""
-    by_n = {r["prompt_tokens"]: r for r in data["rows"]}
+    """The goal lines for the lengths measured (by prompt tokens), per KV dtype measured."""
+    out = []
+    for kv in dict.fromkeys(r["kv"] for r in data["rows"]):
+        rows = [r for r in data["rows"] if r["kv"] == kv]
+        out += [g | {"goal": f"{g['goal']} (KV {kv})"} for g in goals_of(rows)]
+    return out
+
+
+def goals_of(rows: list[dict]) -> list[dict]:
+    by_n = {r["prompt_tokens"]: r for r in rows}
     out = []
     r = by_n.get(GOAL_LENGTH)
     if r is not None and r.get("llama_ttft_s") is not None:
@@ -186,14 +203,13 @@ def render(data: dict) -> str:
             f"{data['threads']} threads, `llama-bench -r {data['llama_repetitions']}`"
             if data["llama_cpp"] else "llama.cpp not built (./scripts/build-llama-cpp.sh): "
             "batchscope only")
-    kv = f", KV dtype {data['kv_dtype']}"
     paths = "".join(f", {k.replace('_', ' ')} {v}"
                     for k, v in (data.get("engine_paths") or {}).items())
     lines = [
         "# Context length: batchscope and llama.cpp", "",
         f"`{data['command']}`, run {data['started']}: backend {m['backend']}, BLAS {m['blas']}, "
         f"native quantized path {m['quantized_isa']}, {m['cpus']} CPUs; batchscope weights "
-        f"{data['weights']} (asked: {data['weights_asked']}){kv}, prefill chunks of "
+        f"{data['weights']} (asked: {data['weights_asked']}), prefill chunks of "
         f"{data['max_num_batched_tokens']} tokens{paths}; {peer} on {data['gguf']}.", "",
         f"batchscope: one greedy request of max_tokens={data['decode_tokens'] + 1} "
         "(ignore-eos) per round, timed by the engine's events: TTFT from arrival to the first "
@@ -204,17 +220,17 @@ def render(data: dict) -> str:
         f"{data['decode_tokens']} -d N`, each with `-fa 0,1` (flash attention off and on), "
         "the faster setting's mean (the setting in brackets). Ratios above 1 favour "
         "batchscope.", "",
-        "| prompt tokens | batchscope TTFT s | prefill tok/s | llama.cpp pp tok/s "
+        "| prompt tokens | KV dtype | batchscope TTFT s | prefill tok/s | llama.cpp pp tok/s "
         "| TTFT ratio (llama.cpp time / ours) | decode tok/s at depth | llama.cpp tg at depth "
         "| decode ratio (ours / llama.cpp) | MB read per token (weights + KV) | GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         mb = r["bytes_per_token"] / 1e6 if r.get("bytes_per_token") else None
         n = str(r["prompt_tokens"])
         if r["prompt_tokens"] != r["requested"]:
             n += f" (asked {r['requested']})"
         lines.append(
-            f"| {n} | {r['ttft_s']:.3f} | {r['prefill_tps']:.0f} | "
+            f"| {n} | {r['kv']} | {r['ttft_s']:.3f} | {r['prefill_tps']:.0f} | "
             f"{_f(r.get('llama_pp_tps'), '.0f')}{_fa(r.get('llama_pp_fa'))} | "
             f"{_f(r.get('ttft_ratio'), '.2f', 'x')} | "
             f"{r['decode_tps']:.1f} | "
@@ -263,15 +279,21 @@ def plot(data: dict) -> str:
         return Series(name, [Point(x, y, tip=f"{x} tokens: {y:.3g} {unit}")
                              for x, y in pts if y is not None], color=color, marker=3.5)
 
-    ttft = [series("batchscope", PALETTE[0], [(r["prompt_tokens"], r["ttft_s"]) for r in rows],
-                   "s")]
-    tpot = [series("batchscope", PALETTE[0],
-                   [(r["prompt_tokens"], r["ms_per_token"]) for r in rows], "ms")]
+    kvs = list(dict.fromkeys(r["kv"] for r in rows))
+    ttft, tpot = [], []
+    for i, kv in enumerate(kvs):
+        mine = [r for r in rows if r["kv"] == kv]
+        name = f"batchscope, KV {kv}"
+        ttft.append(series(name, PALETTE[2 * i],
+                           [(r["prompt_tokens"], r["ttft_s"]) for r in mine], "s"))
+        tpot.append(series(name, PALETTE[2 * i],
+                           [(r["prompt_tokens"], r["ms_per_token"]) for r in mine], "ms"))
     if data["llama_cpp"]:
+        once = [r for r in rows if r["kv"] == kvs[0]]  # the same llama.cpp run on every KV row
         ttft.append(series("llama.cpp", PALETTE[1],
-                           [(r["prompt_tokens"], r.get("llama_ttft_s")) for r in rows], "s"))
+                           [(r["prompt_tokens"], r.get("llama_ttft_s")) for r in once], "s"))
         tpot.append(series("llama.cpp", PALETTE[1],
-                           [(r["prompt_tokens"], r.get("llama_ms_per_token")) for r in rows],
+                           [(r["prompt_tokens"], r.get("llama_ms_per_token")) for r in once],
                            "ms"))
     return panels_svg(
         f"Time against context length ({data['gguf']}, batchscope weights {data['weights']})",
@@ -294,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="auto", help="the engine's weights (auto, q4, f32, bf16)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="engine rounds per length (their median damps machine noise)")
-    ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
-                    help="the KV pool's dtype (EngineConfig.kv_dtype)")
+    ap.add_argument("--kv-dtype", nargs="+", default=["auto", "float16"], choices=KV_DTYPES,
+                    help="the KV pool's dtypes (EngineConfig.kv_dtype), an engine each")
     ap.add_argument("--max-num-batched-tokens", type=int,
                     default=EngineConfig.max_num_batched_tokens,
                     help="the engine's prefill chunk (default: EngineConfig's)")
@@ -316,17 +338,22 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     D = args.decode_tokens
 
-    eng = Engine(engine_config(args, args.lengths)).start()
+    engines = {}
     rows = []
     try:
+        for kv_dtype in dict.fromkeys(args.kv_dtype):
+            engines[kv_dtype] = Engine(engine_config(args, args.lengths, kv_dtype)).start()
+        eng = next(iter(engines.values()))
         tokenizer = eng.loaded.tokenizer
         cap = eng.max_model_len - D - 1
+        kvs = ", ".join(map(pool_dtype_name, engines.values()))
         log(f"batchscope: weights {eng.loaded.weights}, context {eng.max_model_len}, "
-            f"prompts capped at {cap} tokens; warm-up...")
+            f"prompts capped at {cap} tokens, KV {kvs}; warm-up...")
         # One prompt of more than a prefill chunk (where the lengths go that far), in the pool.
         warm_n = min(cap, max(args.lengths), args.max_num_batched_tokens + 64)
         warm = make_prompt(tokenizer, warm_n, "warm-up")
-        eb.run_engine(eng, [warm], 4)
+        for e in engines.values():
+            eb.run_engine(e, [warm], 4)
         weight_bytes = sum(a.nbytes for _, a in tree_flatten(eng.loaded.model.parameters()))
         seen = set()
         for requested in args.lengths:
@@ -335,13 +362,13 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{requested} tokens: cut to {n}, already measured; skipped")
                 continue
             seen.add(n)
-            row = {"requested": requested, "prompt_tokens": n}
+            peer = {}
             if bin_dir is not None:
                 log(f"{n} tokens: llama-bench -p {n} -n 0...")
                 pp = llama_bench(bin_dir, gguf, args.threads, args.llama_repetitions, n, 0)
                 log(f"{n} tokens: llama-bench -p 0 -n {D} -d {n}...")
                 tg = llama_bench(bin_dir, gguf, args.threads, args.llama_repetitions, 0, D, n)
-                row |= {"llama_pp_tps": pp["tps"], "llama_pp_runs": pp["samples_tps"],
+                peer = {"llama_pp_tps": pp["tps"], "llama_pp_runs": pp["samples_tps"],
                         "llama_pp_fa": pp["flash_attn"],
                         "llama_pp_by_fa": pp["tps_by_flash_attn"],
                         "llama_ttft_s": n / pp["tps"], "llama_tg_tps": tg["tps"],
@@ -349,26 +376,31 @@ def main(argv: list[str] | None = None) -> int:
                         "llama_tg_by_fa": tg["tps_by_flash_attn"],
                         "llama_ms_per_token": 1000 / tg["tps"]}
                 log(f"{n} tokens: llama.cpp pp {pp['tps']:.0f} tok/s (-fa {pp['flash_attn']}; "
-                    f"TTFT {row['llama_ttft_s']:.3f} s), tg at depth {tg['tps']:.1f} tok/s "
+                    f"TTFT {peer['llama_ttft_s']:.3f} s), tg at depth {tg['tps']:.1f} tok/s "
                     f"(-fa {tg['flash_attn']})")
-            log(f"{n} tokens: batchscope...")
             ids = make_prompt(tokenizer, n, f"{n} tokens, asked for {requested}")
-            row |= engine_at(eng, ids, D, args.repeats)
-            row["bytes_per_token"] = weight_bytes + kv_bytes(eng, n + D // 2)
-            if bin_dir is not None:
-                row["ttft_ratio"] = row["llama_ttft_s"] / row["ttft_s"]
-                row["decode_ratio"] = row["decode_tps"] / row["llama_tg_tps"]
-            log(f"{n} tokens: batchscope TTFT {row['ttft_s']:.3f} s ({row['prefill_tps']:.0f} "
-                f"tok/s), decode at depth {row['decode_tps']:.1f} tok/s")
-            rows.append(row)
+            for e in engines.values():
+                kv = pool_dtype_name(e)
+                log(f"{n} tokens: batchscope, KV {kv}...")
+                row = {"requested": requested, "prompt_tokens": n, "kv": kv} | peer
+                row |= engine_at(e, ids, D, args.repeats)
+                row["bytes_per_token"] = weight_bytes + kv_bytes(e, n + D // 2)
+                if bin_dir is not None:
+                    row["ttft_ratio"] = row["llama_ttft_s"] / row["ttft_s"]
+                    row["decode_ratio"] = row["decode_tps"] / row["llama_tg_tps"]
+                log(f"{n} tokens: batchscope, KV {kv}: TTFT {row['ttft_s']:.3f} s "
+                    f"({row['prefill_tps']:.0f} tok/s), decode at depth "
+                    f"{row['decode_tps']:.1f} tok/s")
+                rows.append(row)
         weights = eng.loaded.weights
         paths = {"attention": eng.attention, "decode_matmul": eng.decode_matmul}
     finally:
-        eng.stop()
+        for e in engines.values():
+            e.stop()
 
     data = {"command": shlex.join([".venv/bin/python", "benchmarks/context_length.py", *argv]),
             "started": started, "gguf": gguf.name, "weights": weights,
-            "weights_asked": args.weights, "kv_dtype": args.kv_dtype,
+            "weights_asked": args.weights,
             "decode_tokens": D, "repeats": args.repeats,
             "max_num_batched_tokens": args.max_num_batched_tokens, "engine_paths": paths,
             "llama_cpp": bin_dir is not None, "threads": args.threads,

@@ -80,8 +80,9 @@ def test_llama_bench_json_is_read_as_printed():
 
 
 def row(n: int, ttft: float, decode: float, llama_pp: float | None = None,
-        llama_tg: float | None = None, requested: int | None = None) -> dict:
-    r = {"requested": requested or n, "prompt_tokens": n, "ttft_s": ttft,
+        llama_tg: float | None = None, requested: int | None = None,
+        kv: str = "auto (float32)") -> dict:
+    r = {"requested": requested or n, "prompt_tokens": n, "kv": kv, "ttft_s": ttft,
          "prefill_tps": n / ttft, "decode_tps": decode, "ms_per_token": 1000 / decode}
     if llama_pp is not None:
         r |= {"llama_pp_tps": llama_pp, "llama_ttft_s": n / llama_pp, "llama_tg_tps": llama_tg,
@@ -92,7 +93,7 @@ def row(n: int, ttft: float, decode: float, llama_pp: float | None = None,
 
 def result(rows: list[dict], llama: bool = True) -> dict:
     data = {"command": ".venv/bin/python benchmarks/context_length.py", "started": "now",
-            "gguf": "model.gguf", "weights": "q4", "weights_asked": "auto", "kv_dtype": "auto",
+            "gguf": "model.gguf", "weights": "q4", "weights_asked": "auto",
             "decode_tokens": 64, "repeats": 1, "max_num_batched_tokens": 512,
             "llama_cpp": llama, "threads": 2, "llama_repetitions": 2,
             "llama_cpp_python": "0.3.36" if llama else None,
@@ -103,6 +104,9 @@ def result(rows: list[dict], llama: bool = True) -> dict:
     return data
 
 
+F32 = "(KV auto (float32))"  # how a goal line names the KV dtype of the rows it judges
+
+
 def test_the_table_and_goals_render_met_and_not_met():
     # 4096: ours 20 s against llama.cpp's 4096 / 250 = 16.4 s; prefill 4096 / 20 = 205 tok/s
     # keeps 205 / 256 = 80% of the rate at 512 (512 / 2 s).
@@ -111,25 +115,26 @@ def test_the_table_and_goals_render_met_and_not_met():
     data["rows"][2] |= {"llama_pp_fa": 1, "llama_tg_fa": 0}
     text = cl.render(data)
     assert "`.venv/bin/python benchmarks/context_length.py`" in text
-    assert "| 8127 (asked 8192) | 50.000 | 163 | 200 (fa 1) | 0.81x | 30.0 | 40.0 (fa 0) |" in text
+    assert ("| 8127 (asked 8192) | auto (float32) | 50.000 | 163 | 200 (fa 1) | 0.81x | 30.0 | "
+            "40.0 (fa 0) |") in text
     assert "backend cpu, BLAS openblas" in text and "2 CPUs" in text
-    assert "| 512 | 2.000 | 256 | 250 | 1.02x | 60.0 | 70.0 | 0.86x |" in text
-    assert "| 4096 | 20.000 | 205 | 250 | 0.82x | 40.0 | 50.0 | 0.80x |" in text
-    assert ("- TTFT at 4k <= llama.cpp's: not met (batchscope 20.00 s, llama.cpp 16.38 s "
+    assert "| 512 | auto (float32) | 2.000 | 256 | 250 | 1.02x | 60.0 | 70.0 | 0.86x |" in text
+    assert "| 4096 | auto (float32) | 20.000 | 205 | 250 | 0.82x | 40.0 | 50.0 | 0.80x |" in text
+    assert (f"- TTFT at 4k <= llama.cpp's {F32}: not met (batchscope 20.00 s, llama.cpp 16.38 s "
             "(0.82x))") in text
-    assert ("- prefill rate at 4096 within 30% of the rate at 512: met (205 vs 256 tok/s "
+    assert (f"- prefill rate at 4096 within 30% of the rate at 512 {F32}: met (205 vs 256 tok/s "
             "(80% of it; goal >= 70%))") in text
-    assert ("- decode at depth 4k >= llama.cpp's tg: not met (batchscope 40.0 tok/s, llama.cpp "
-            "50.0 (0.80x))") in text
+    assert (f"- decode at depth 4k >= llama.cpp's tg {F32}: not met (batchscope 40.0 tok/s, "
+            "llama.cpp 50.0 (0.80x))") in text
 
     faster = result([row(512, 2.0, 60.0, 250.0, 70.0), row(4096, 40.0, 40.0, 90.0, 50.0)])
     text = cl.render(faster)
-    assert "- TTFT at 4k <= llama.cpp's: met (batchscope 40.00 s, llama.cpp 45.51 s" in text
-    assert "- prefill rate at 4096 within 30% of the rate at 512: not met (102 vs 256" in text
-    assert "- decode at depth 4k >= llama.cpp's tg: not met" in text
+    assert f"- TTFT at 4k <= llama.cpp's {F32}: met (batchscope 40.00 s, llama.cpp 45.51 s" in text
+    assert f"- prefill rate at 4096 within 30% of the rate at 512 {F32}: not met (102 vs" in text
+    assert f"- decode at depth 4k >= llama.cpp's tg {F32}: not met" in text
     keeps_up = result([row(512, 2.0, 60.0, 250.0, 70.0), row(4096, 20.0, 50.0, 250.0, 50.0)])
-    assert "- decode at depth 4k >= llama.cpp's tg: met (batchscope 50.0 tok/s" in cl.render(
-        keeps_up)
+    met = f"- decode at depth 4k >= llama.cpp's tg {F32}: met (batchscope 50.0 tok/s"
+    assert met in cl.render(keeps_up)
 
 
 def test_without_llama_cpp_or_the_goal_lengths_no_goal_is_claimed():
@@ -138,9 +143,9 @@ def test_without_llama_cpp_or_the_goal_lengths_no_goal_is_claimed():
     text = cl.render(data)
     assert "llama.cpp not built" in text
     assert ", attention native paged attention, decode matmul mlx;" in text
-    assert "| 4096 | 20.000 | 205 | – | – | 40.0 | – | – |" in text
+    assert "| 4096 | auto (float32) | 20.000 | 205 | – | – | 40.0 | – | – |" in text
     assert "TTFT at 4k" not in text
-    assert "prefill rate at 4096 within 30% of the rate at 512: met" in text
+    assert f"prefill rate at 4096 within 30% of the rate at 512 {F32}: met" in text
     assert cl.goals(result([row(256, 1.0, 60.0, 250.0, 70.0), row(512, 2.0, 60.0, 250.0,
                                                                    70.0)])) == []
 
@@ -153,3 +158,20 @@ def test_the_plot_has_both_panels_and_both_systems():
     assert "1024 tokens: 5 s" in svg and "512 tokens: 14.3 ms" in svg
     only_ours = cl.plot(result([row(512, 2.0, 60.0)], llama=False))
     assert "llama.cpp" not in only_ours.split("</title>", 1)[1]
+
+
+def test_each_kv_dtype_gets_its_rows_goals_and_lines():
+    """--kv-dtype auto float16: a row per length and dtype (llama.cpp's numbers on both), goals
+    judged per dtype, a line per dtype in the plot and llama.cpp's drawn once."""
+    data = result([row(512, 2.0, 60.0, 250.0, 70.0),
+                   row(512, 2.1, 61.0, 250.0, 70.0, kv="float16"),
+                   row(4096, 20.0, 40.0, 250.0, 50.0),
+                   row(4096, 19.0, 55.0, 250.0, 50.0, kv="float16")])
+    text = cl.render(data)
+    assert "| 4096 | float16 | 19.000 | 216 | 250 | 0.86x | 55.0 | 50.0 | 1.10x |" in text
+    assert f"- decode at depth 4k >= llama.cpp's tg {F32}: not met" in text
+    assert "- decode at depth 4k >= llama.cpp's tg (KV float16): met (batchscope 55.0" in text
+    assert len(data["goals"]) == 6
+    svg = cl.plot(data)
+    assert svg.count("<polyline") == 6
+    assert "batchscope, KV float16" in svg and "batchscope, KV auto (float32)" in svg
