@@ -4,12 +4,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <utility>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -314,39 +313,10 @@ inline float round_to(float x) {
   }
 }
 
-// Asks for a row of floats (from the pool or scratch) ahead of its use.
+// Asks for a row (from the pool or scratch) ahead of its use, a cache line at a time.
 template <typename T>
 inline void prefetch_row(const T* row, int dim) {
   for (int d = 0; d < dim; d += 64 / sizeof(T)) __builtin_prefetch(row + d);
-}
-
-// Widens the leading multiple of 16 of n 16-bit floats to float32 with vector instructions
-// (exact, as to_float); returns how many it did.
-template <typename T>
-inline int widen16(const T* src, float* dst, int n) {
-  int d = 0;
-#if defined(__AVX512F__)
-  for (; d + 16 <= n; d += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-    if constexpr (std::is_same_v<T, mx::float16_t>) {
-      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(h));
-    } else {
-      _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(h), 16)));
-    }
-  }
-#elif defined(__AVX2__) && defined(__F16C__)
-  for (; d + 8 <= n; d += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
-    if constexpr (std::is_same_v<T, mx::float16_t>) {
-      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(h));
-    } else {
-      _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                    _mm256_cvtepu16_epi32(h), 16)));
-    }
-  }
-#endif
-  return d;
 }
 
 struct Shapes {
@@ -363,20 +333,36 @@ struct Unit {
   double cost;
 };
 
+// Pointers to the key and value rows a unit reads, of type T: a 16-bit pool's own rows, or
+// float32 ones (a float32 pool's, or scratch's).
+template <typename T>
+struct RowPointers {
+  std::vector<const T*> keys, values;
+};
+
 // Per-thread scratch.
 struct Scratch {
   std::vector<float> q, scores, keys, values, acc, part, key_block, row_max;
-  std::vector<const float*> krow, vrow, probs;
-  std::vector<const mx::float16_t*> krow_f16, vrow_f16;  // a decode row's rows in a 16-bit pool
-  std::vector<const mx::bfloat16_t*> krow_bf16, vrow_bf16;
+  std::vector<const float*> probs;
+  std::tuple<RowPointers<float>, RowPointers<mx::float16_t>, RowPointers<mx::bfloat16_t>> rows;
+
+  template <typename T>
+  RowPointers<T>& rows_of() {
+    return std::get<RowPointers<T>>(rows);
+  }
 };
 
-// Where a decode row keeps pointers to pool rows of type T: keys, then values.
-template <typename T>
-std::pair<std::vector<const T*>*, std::vector<const T*>*> row_pointers(Scratch& w) {
-  if constexpr (std::is_same_v<T, float>) return {&w.krow, &w.vrow};
-  else if constexpr (std::is_same_v<T, mx::float16_t>) return {&w.krow_f16, &w.vrow_f16};
-  else return {&w.krow_bf16, &w.vrow_bf16};
+// Calls f(i, row) for the rows of positions [lo, hi] of kv head g in the pool (i = position -
+// lo): one table lookup (and no division) per block, not per row.
+template <typename T, typename F>
+void for_pool_rows(const T* pool, int g, const int32_t* table, int lo, int hi, const Shapes& s,
+                   F&& f) {
+  const T* base = pool + static_cast<size_t>(g) * s.slots * s.dim;
+  for (int p = lo; p <= hi;) {
+    const int b = p / s.block_size, end = std::min(hi, (b + 1) * s.block_size - 1);
+    const T* row = base + (static_cast<size_t>(table[b]) * s.block_size + p % s.block_size) * s.dim;
+    for (; p <= end; ++p, row += s.dim) f(p - lo, row);
+  }
 }
 
 // Key/value rows [lo, hi] of kv head g, read in place in the pool (dim a multiple of 16).
@@ -384,13 +370,7 @@ template <typename T>
 void pool_rows(const T* pool, int g, const int32_t* table, int lo, int hi, const Shapes& s,
                std::vector<const T*>& rows) {
   rows.resize(hi - lo + 1);
-  const T* base = pool + static_cast<size_t>(g) * s.slots * s.dim;
-  // A block at a time: one table lookup (and no division) per block, not per row.
-  for (int p = lo; p <= hi;) {
-    const int b = p / s.block_size, end = std::min(hi, (b + 1) * s.block_size - 1);
-    const T* row = base + (static_cast<size_t>(table[b]) * s.block_size + p % s.block_size) * s.dim;
-    for (; p <= end; ++p, row += s.dim) rows[p - lo] = row;
-  }
+  for_pool_rows(pool, g, table, lo, hi, s, [&](int i, const T* row) { rows[i] = row; });
 }
 
 // Where key/value rows [lo, hi] of kv head g live as float32 rows of dim16 readable floats
@@ -399,27 +379,19 @@ void pool_rows(const T* pool, int g, const int32_t* table, int lo, int hi, const
 template <typename T>
 void locate_rows(const T* pool, int g, const int32_t* table, int lo, int hi, const Shapes& s,
                  std::vector<float>& buf, std::vector<const float*>& rows) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (s.dim == s.dim16) return pool_rows(pool, g, table, lo, hi, s, rows);
+  }
   const int n = hi - lo + 1;
   rows.resize(n);
-  const T* base = pool + static_cast<size_t>(g) * s.slots * s.dim;
-  auto slot = [&](int p) {
-    return static_cast<size_t>(table[p / s.block_size]) * s.block_size + p % s.block_size;
-  };
-  if constexpr (std::is_same_v<T, float>) {
-    if (s.dim == s.dim16) {
-      for (int i = 0; i < n; ++i) rows[i] = base + slot(lo + i) * s.dim;
-      return;
-    }
-  }
   buf.assign(static_cast<size_t>(n) * s.dim16, 0.0f);
-  for (int i = 0; i < n; ++i) {
-    const T* src = base + slot(lo + i) * s.dim;
+  for_pool_rows(pool, g, table, lo, hi, s, [&](int i, const T* src) {
     float* dst = buf.data() + static_cast<size_t>(i) * s.dim16;
     int d = 0;
-    if constexpr (!std::is_same_v<T, float>) d = widen16(src, dst, s.dim);
+    for (; d + LANES <= s.dim; d += LANES) load_row(src + d).store(dst + d);
     for (; d < s.dim; ++d) dst[d] = to_float(src[d]);
     rows[i] = dst;
-  }
+  });
 }
 
 // The softmax's sum: 16 partial sums, partial j taking the keys t = j (mod 16) in t order from
@@ -493,7 +465,8 @@ void values_fixed(const float* const* probs, const T* const* vrow, int t0,
                   int t1, float* acc, int dim16) {
   V a[G][NV];
   for (int g = 0; g < G; ++g) {
-    for (int j = 0; j < NV; ++j) a[g][j] = V::load(acc + static_cast<size_t>(g) * dim16 + j * LANES);
+    const float* ag = acc + static_cast<size_t>(g) * dim16;
+    for (int j = 0; j < NV; ++j) a[g][j] = V::load(ag + j * LANES);
   }
   for (int t = t0; t < t1; ++t) {
     const T* v = vrow[t];
@@ -574,7 +547,7 @@ template <typename R, typename T, bool IN_PLACE>
 void decode_unit_rows(const Unit& u, const R* q, const T* k_pool, const T* v_pool,
                       const int32_t* table, int ctx, R* out, const Shapes& s, Scratch& w) {
   using U = std::conditional_t<IN_PLACE, T, float>;
-  auto [krows, vrows] = row_pointers<U>(w);
+  RowPointers<U>& rows = w.rows_of<U>();
   auto fetch = [&](const T* pool, int lo, int hi, std::vector<float>& buf,
                    std::vector<const U*>& rows) {
     if constexpr (IN_PLACE) pool_rows(pool, u.g, table, lo, hi, s, rows);
@@ -594,8 +567,8 @@ void decode_unit_rows(const Unit& u, const R* q, const T* k_pool, const T* v_poo
   w.scores.resize(static_cast<size_t>(rep) * n);
   for (int t0 = 0; t0 < n; t0 += DECODE_BLOCK) {
     const int t1 = std::min(n, t0 + DECODE_BLOCK);
-    fetch(k_pool, first + t0, first + t1 - 1, w.keys, *krows);
-    const U* const* krow = krows->data();  // key t at krow[t - t0]
+    fetch(k_pool, first + t0, first + t1 - 1, w.keys, rows.keys);
+    const U* const* krow = rows.keys.data();  // key t at krow[t - t0]
     int t = t0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; t + 8 <= t1; t += 8) {
@@ -622,9 +595,9 @@ void decode_unit_rows(const Unit& u, const R* q, const T* k_pool, const T* v_poo
   w.acc.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
   for (int t0 = 0; t0 < n; t0 += DECODE_BLOCK) {
     const int t1 = std::min(n, t0 + DECODE_BLOCK);
-    fetch(v_pool, first + t0, first + t1 - 1, w.values, *vrows);
+    fetch(v_pool, first + t0, first + t1 - 1, w.values, rows.values);
     for (int h = 0; h < rep; ++h) probs[h] = w.scores.data() + static_cast<size_t>(h) * n + t0;
-    values(probs.data(), vrows->data(), 0, t1 - t0, w.acc.data(), rep, s.dim16);
+    values(probs.data(), rows.values.data(), 0, t1 - t0, w.acc.data(), rep, s.dim16);
   }
   R* o = out + (static_cast<size_t>(u.row_begin) * s.heads + head0) * s.dim;
   for (int h = 0; h < rep; ++h) write_out(w.acc.data() + h * s.dim16, o + h * s.dim, s.dim);
@@ -719,6 +692,7 @@ inline void values_across_rows(const float* probs, const float* const* vrow, int
 template <typename R, typename T>
 void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_pool,
                const int32_t* table, int ctx, int qlen, R* out, const Shapes& s, Scratch& w) {
+  RowPointers<float>& rows = w.rows_of<float>();
   const int rep = s.heads / s.kv_heads;
   const int p0 = ctx - qlen + u.row_begin;  // the tile's first position
   const int last = p0 + u.rows - 1;
@@ -730,7 +704,8 @@ void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_
   // Scores for n keys padded to whole passes of scores_across_rows (the padding keys are zero
   // rows, their scores never read).
   const int n_pad = (n + KEYS_AT_ONCE - 1) / KEYS_AT_ONCE * KEYS_AT_ONCE;
-  const size_t q_size = static_cast<size_t>(s.dim8) * LANES, s_size = static_cast<size_t>(n_pad) * LANES;
+  const size_t q_size = static_cast<size_t>(s.dim8) * LANES;
+  const size_t s_size = static_cast<size_t>(n_pad) * LANES;
   // The queries, dim-major: q[h][d][l] is row l's q'[d] (zero for padding rows and d >= dim).
   w.q.assign(rep * q_size, 0.0f);
   for (int h = 0; h < rep; ++h) {
@@ -754,11 +729,11 @@ void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_
   for (int t0 = 0; t0 < n; t0 += KEY_BLOCK) {
     const int t1 = std::min(n, t0 + KEY_BLOCK), t1_pad = std::min(n_pad, t0 + KEY_BLOCK);
     // A block at a time, so a 16-bit pool is widened in scratch that stays in the cache.
-    locate_rows(k_pool, u.g, table, lo + t0, lo + t1 - 1, s, w.keys, w.krow);
+    locate_rows(k_pool, u.g, table, lo + t0, lo + t1 - 1, s, w.keys, rows.keys);
     for (int t = t0; t < t1_pad; ++t) {
       float* dst = w.key_block.data() + static_cast<size_t>(t - t0) * stride;
       if (t < t1) {
-        const float* src = w.krow[t - t0];
+        const float* src = rows.keys[t - t0];
         for (int d = 0; d < s.dim16; d += LANES) V::load(src + d).store(dst + d);
       } else {
         std::fill(dst, dst + s.dim16, 0.0f);
@@ -802,10 +777,10 @@ void tile_unit(const Unit& u, int row0, const R* q, const T* k_pool, const T* v_
   w.acc.assign(rep * acc_size, 0.0f);
   for (int t0 = 0; t0 < n; t0 += KEY_BLOCK) {
     const int t1 = std::min(n, t0 + KEY_BLOCK);
-    locate_rows(v_pool, u.g, table, lo + t0, lo + t1 - 1, s, w.values, w.vrow);
+    locate_rows(v_pool, u.g, table, lo + t0, lo + t1 - 1, s, w.values, rows.values);
     for (int h = 0; h < rep; ++h) {
       values_across_rows(w.scores.data() + h * s_size + static_cast<size_t>(t0) * LANES,
-                         w.vrow.data(), 0, t1 - t0, w.acc.data() + h * acc_size, s.dim16);
+                         rows.values.data(), 0, t1 - t0, w.acc.data() + h * acc_size, s.dim16);
     }
   }
   for (int h = 0; h < rep; ++h) {

@@ -1,6 +1,6 @@
-// Elementwise math and a fixed-order lane sum shared by the native ops, written so the compiler can vectorize the loops
-// that call it without changing a bit (each lane does the scalar code's operations). The
-// files that include it are built with -ffp-contract=off.
+// Elementwise math and a fixed-order lane sum shared by the native ops, written so the compiler
+// can vectorize the loops that call it without changing a bit (each lane does the scalar code's
+// operations). The files that include it are built with -ffp-contract=off.
 #pragma once
 
 #include <cmath>
