@@ -14,9 +14,14 @@ Two measurements, each interleaved round by round so that machine noise hits all
 3. One layer's attention for a prefill chunk (--chunk rows, 512 by default) at the end of a
    context of N tokens (--prefill-contexts): the native kernel against the MLX-ops path
    (gather + masked matmuls + softmax), with the arithmetic rate each reaches.
+4. One decode row at a depth of N tokens (--decode-depths) through the native kernel in 30
+   layers (the model's count: their keys and values do not stay in the cache between steps),
+   for a float32, float16 and bfloat16 pool (--kv-dtype), with the bytes of keys and values
+   read per second.
 
     .venv/bin/python benchmarks/attention.py [--weights f32] [--concurrency 4 8 16] [--rounds 15]
         [--layers-only] [--prefill-contexts 512 2048 4096 8192] [--chunk 512]
+        [--decode-depths 1024 4096 8192]
 """
 
 from __future__ import annotations
@@ -153,6 +158,37 @@ def prefill_layer(ctx: int, chunk: int, rounds: int, heads=9, kv_heads=3, dim=64
     return times, {name: flop / min(ts) / 1e9 for name, ts in times.items()}
 
 
+DEPTH_LAYERS = 30
+POOL_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def decode_depth(depth: int, rounds: int, kernel, heads=9, kv_heads=3, dim=64):
+    """One decode row at `depth` through DEPTH_LAYERS layers of each pool dtype (same contents,
+    rounded to the dtype, fragmented blocks), interleaved: times and GB/s of keys and values."""
+    rng = np.random.default_rng(depth)
+    nb = -(-depth // BLOCK)
+    num_blocks = nb + 4
+    fill = rng.standard_normal((num_blocks * BLOCK, kv_heads, dim)).astype(np.float32)
+    table = mx.array(np.asarray([rng.permutation(num_blocks)[:nb]], np.int32))
+    q = mx.array(rng.standard_normal((1, heads, dim)).astype(np.float32))
+    lens, qlens = mx.array([depth], dtype=mx.int32), mx.array([1], dtype=mx.int32)
+    variants, nbytes = {}, {}
+    for name, dtype in POOL_DTYPES.items():
+        pool = KVPool(DEPTH_LAYERS, num_blocks, BLOCK, kv_heads, dim, dtype=dtype)
+        for layer in range(DEPTH_LAYERS):
+            pool.write(layer, mx.arange(num_blocks * BLOCK), mx.array(fill),
+                       mx.array(fill * 0.5))
+
+        def step(pool=pool):
+            mx.eval([kernel(q, *pool.layer(i), table, lens, qlens, dim ** -0.5, BLOCK)
+                     for i in range(DEPTH_LAYERS)])
+
+        variants[f"{name} pool"] = step
+        nbytes[f"{name} pool"] = 2 * DEPTH_LAYERS * depth * kv_heads * dim * dtype.size
+    times = timed_rounds(variants, rounds)
+    return times, {name: nbytes[name] / min(ts) / 1e9 for name, ts in times.items()}
+
+
 def decode_step(loaded, c: int, rounds: int):
     """The real model's decode step at c rows: engine forward (with and without attention) and
     mlx-lm's batched forward, over the same context lengths."""
@@ -213,21 +249,24 @@ def table(title: str, times: dict[str, list[float]], unit=1e3) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--weights", default="f32")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[4, 8, 16],
+                    help="decode rows of the short-context measurements (none: skip them)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", default="benchmarks/results/attention.md")
     ap.add_argument("--layers-only", action="store_true",
                     help="only the one-layer measurements (no model, no whole steps)")
     ap.add_argument("--prefill-contexts", type=int, nargs="*", default=[512, 2048, 4096, 8192])
     ap.add_argument("--chunk", type=int, default=512, help="rows of the prefill chunk")
+    ap.add_argument("--decode-depths", type=int, nargs="*", default=[1024, 4096, 8192],
+                    help="contexts of the decode-at-depth measurement (none: skip it)")
     args = ap.parse_args()
 
     loaded = None if args.layers_only else load_model("embedded", args.weights)
     kernel = "built" if native.paged_attention() else f"unavailable: {native.why_not()}"
     model = "one layer only" if loaded is None else f"Model {loaded.name}, weights {loaded.weights}"
-    out = [f"{model}, backend {mx.default_device()}; "
-           f"{args.rounds} interleaved rounds; contexts of 52-152 tokens; native kernel {kernel}.",
-           ""]
+    short = "; decode rows at contexts of 52-152 tokens" if args.concurrency else ""
+    out = [f"{model}, backend {mx.default_device()}; {args.rounds} interleaved rounds{short}; "
+           f"native kernel {kernel}.", ""]
     for c in args.concurrency:
         print(f"# {c} decode rows: one layer's attention...", file=sys.stderr, flush=True)
         layer, deltas = layer_attention(c, args.rounds)
@@ -253,6 +292,17 @@ def main() -> int:
             ops, kernel = rates.values()
             out.append(f"native kernel / MLX ops: {kernel / ops:.2f}x")
         out.append("")
+    paged = native.paged_attention()
+    for depth in args.decode_depths if paged is not None else []:
+        print(f"# a decode row at depth {depth}, {DEPTH_LAYERS} layers...", file=sys.stderr,
+              flush=True)
+        times, rates = decode_depth(depth, args.rounds, paged)
+        out += [f"### One decode row at depth {depth}, {DEPTH_LAYERS} layers, native kernel", ""]
+        out += table(f"{DEPTH_LAYERS} layers", times) + [""]
+        out += [f"GB/s of keys and values (fastest round), {name}: {r:.1f}"
+                for name, r in rates.items()]
+        f32, f16 = min(times["float32 pool"]), min(times["float16 pool"])
+        out += [f"float32 pool time / float16 pool time: {f32 / f16:.2f}x", ""]
     text = "\n".join(out)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
