@@ -8,7 +8,7 @@ that check the requests and the answers (app/web/api/schemas.py), and the pages'
 (vocabulary size, context window, --max-tokens-limit, --max-waiting-requests) are filled in from
 the running app, so the document describes this server, not a generic one.
 
-tests/app/test_openapi.py runs schemathesis against a live server with it, checking that no
+tests/app/web/test_openapi.py runs schemathesis against a live server with it, checking that no
 input makes a 5xx, that responses match these schemas, and that bodies the schemas forbid are
 refused with a 4xx.
 """

@@ -22,7 +22,7 @@ import pytest
 
 from app.db import open_database
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def batchscope(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

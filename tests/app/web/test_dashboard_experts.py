@@ -1,6 +1,6 @@
 """Expert load end to end on a tiny mixture-of-experts model: the step records, the dashboard
 page's expert strip, /dashboard.json, the SSE frames, /steps.json and the runs database.
-(A dense model shows no expert section: tests/app/test_dashboard.py.)"""
+(A dense model shows no expert section: tests/app/web/test_dashboard.py.)"""
 
 from __future__ import annotations
 
