@@ -9,7 +9,7 @@ so every test gets its own engine and two apps can share a process:
     app.state.session_id  the recorder's session for this engine run, or None
     app.state.runs        RunService (routes submit through it)
     app.state.started_at  epoch seconds
-    app.state.templates   the pages' Jinja environment
+    app.state.templates   the pages' Jinja environment (made with the app, not the lifespan)
     app.state.live_runs   the playground's runs in flight (app/web/pages/playground.py)
     app.state.step_feed   the dashboard's live step feed (app/web/feeds.py)
     app.state.divergence_lab  the divergence page's experiments and worker (closed at shutdown)
@@ -31,7 +31,7 @@ from starlette.staticfiles import StaticFiles
 
 from app.runs import Recorder, RunService, kernel_policy, session_config
 from app.settings import Settings
-from app.web import feeds, metrics, security
+from app.web import divergence_lab, feeds, metrics, security
 from app.web import render as pages
 from app.web.api import openapi
 from app.web.api import routes as api
@@ -99,10 +99,9 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
             app.state.session_id = session_id
             app.state.runs = runs
             app.state.started_at = time.time()
-            app.state.templates = pages.make_templates()
             app.state.live_runs = streams.LiveRuns()
             app.state.step_feed = feeds.StepFeed(engine)
-            lab = app.state.divergence_lab = divergence_page.Lab(
+            lab = app.state.divergence_lab = divergence_lab.Lab(
                 settings.engine.model, divergence_loader, getattr(recorder, "database", None))
             stack.callback(lab.close)
             stack.callback(metrics.install(app.state).close)
@@ -126,6 +125,8 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
                              name="static")],
                     exception_handlers=api.exception_handlers, lifespan=lifespan)
     app.state.settings = settings  # routes read limits from here even before startup ends
+    # Before startup too: the security middleware renders its login and 403 pages with it.
+    app.state.templates = pages.make_templates()
     # API key, login, CSRF, the Host check and security headers.
     security.install(app, settings.api_key, settings.allowed_hosts)
     return app
