@@ -1,0 +1,162 @@
+"""Two builds of the engine back to back in one run: a base revision against the working tree.
+
+For a change that must not change speed (a restructuring, a cleanup), measure both builds on
+the same machine at the same time, since this kind of machine drifts by 10-30% between runs.
+The script checks the base revision out into a temporary git worktree and builds its native
+kernels there, then runs interleaved rounds. In each round each build runs in a fresh process
+of its own (same model, weights, prompts and engine set-up) and measures the engine's prefill
+and decode tok/s at each concurrency the way benchmarks/engine_batching.py does: a call with
+max_tokens=1, then one with max_tokens+1; decode from the extra time. The order of the two
+builds alternates between rounds. The table gives each build's median and the median of the
+per-round ratios (working tree / base) with their range.
+
+    .venv/bin/python benchmarks/build_ab.py --base REV [--weights auto] [--concurrency 1 4 8 16]
+        [--rounds 3] [--max-tokens 32]
+
+Writes benchmarks/results/build_ab.{md,json} unless --out says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RATES = ("prefill_tps", "decode_tps")
+
+
+def child(weights: str, concurrency: list[int], max_tokens: int) -> dict:
+    """Runs inside one build's process (PYTHONPATH names its tree): the engine's rates."""
+    # isort: off
+    import engine  # noqa: F401  (binds MLX to the optimized BLAS before mlx is imported)
+    # isort: on
+    from engine_batching import engine_config, make_prompts, measure, rates, run_engine
+
+    from engine.engine import Engine
+    from engine.model_loader import load_model
+
+    loaded = load_model("embedded", weights)
+    out = {"engine_file": engine.__file__, "weights": loaded.weights, "rows": {}}
+    with Engine(engine_config(weights, concurrency), loader=lambda: loaded) as eng:
+        run_engine(eng, make_prompts(loaded.tokenizer, 2), 4)  # warm-up
+        for c in concurrency:
+            prompts = make_prompts(loaded.tokenizer, c)
+            m = measure(lambda p, n: run_engine(eng, p, n), prompts, max_tokens)
+            out["rows"][str(c)] = rates(m)
+    return out
+
+
+def run_build(tree: Path, args) -> dict:
+    """One fresh process of the build in `tree`; its JSON result."""
+    env = os.environ | {"PYTHONPATH": str(tree)}
+    cmd = [sys.executable, str(HERE / "build_ab.py"), "--child", "--weights", args.weights,
+           "--max-tokens", str(args.max_tokens), "--concurrency", *map(str, args.concurrency)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"build in {tree} failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(result["engine_file"]).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"the process for {tree} imported {result['engine_file']}")
+    return result
+
+
+def base_tree(rev: str, where: Path) -> Path:
+    """A worktree of `rev` with its own native kernels built."""
+    tree = where / "base"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev],
+                   check=True)
+    print(f"# building the native kernels of {rev}...", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "engine.native.build", "--quiet"], cwd=tree,
+                   env=os.environ | {"PYTHONPATH": str(tree)}, check=True)
+    return tree
+
+
+def summarize(rounds: list[dict], concurrency: list[int]) -> list[dict]:
+    rows = []
+    for c in concurrency:
+        row = {"concurrency": c}
+        for k in RATES:
+            base = [r["base"]["rows"][str(c)][k] for r in rounds]
+            head = [r["head"]["rows"][str(c)][k] for r in rounds]
+            ratios = [h / b for h, b in zip(head, base, strict=True)]
+            row[k] = {"base": statistics.median(base), "head": statistics.median(head),
+                      "ratio": statistics.median(ratios), "min": min(ratios),
+                      "max": max(ratios)}
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict], args, head_rev: str) -> str:
+    lines = [f"Engine prefill and decode tok/s, base {args.base} against the working tree "
+             f"(at {head_rev}), weights {args.weights}, {args.max_tokens + 1}-token calls, "
+             f"medians of {args.rounds} interleaved rounds, each build in a fresh process. "
+             "Ratio: working tree / base, median of the rounds' ratios (lowest-highest).",
+             "",
+             "| requests | decode tok/s: base | working tree | ratio "
+             "| prefill tok/s: base | working tree | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d, p = r["decode_tps"], r["prefill_tps"]
+        lines.append(f"| {r['concurrency']} | {d['base']:.1f} | {d['head']:.1f} | "
+                     f"{d['ratio']:.2f}x ({d['min']:.2f}-{d['max']:.2f}) | {p['base']:.0f} | "
+                     f"{p['head']:.0f} | {p['ratio']:.2f}x ({p['min']:.2f}-{p['max']:.2f}) |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", help="the revision to compare against (git rev)")
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(HERE / "results" / "build_ab"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.weights, args.concurrency, args.max_tokens)))
+        return
+    if not args.base:
+        ap.error("--base is required")
+    head_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = base_tree(args.base, Path(tmp))
+        try:
+            rounds = []
+            for i in range(args.rounds):
+                order = [("base", base), ("head", ROOT)]
+                if i % 2:
+                    order.reverse()
+                result = {}
+                for name, tree in order:
+                    t0 = time.perf_counter()
+                    print(f"# round {i + 1}/{args.rounds}: {name}...", file=sys.stderr,
+                          flush=True)
+                    result[name] = run_build(tree, args)
+                    print(f"#   {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                rounds.append(result)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                           check=False)
+    rows = summarize(rounds, args.concurrency)
+    table = render(rows, args, head_rev)
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"base": args.base, "head": head_rev, "weights": args.weights,
+         "max_tokens": args.max_tokens, "rows": rows, "rounds": rounds}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
