@@ -36,15 +36,14 @@ from collections import OrderedDict
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from markupsafe import escape
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.web.api.routes import error_body
-from app.web.render import read_form
+from app.web.render import html_response, read_form
 
 COOKIE = "batchscope_session"
 SESSION_TTL_S = 12 * 3600
@@ -282,7 +281,7 @@ class SecurityMiddleware:
         if security.allowed_hosts is not None:
             problem = host_problem(headers, security.allowed_hosts)
             if problem is not None:
-                return _forbidden(problem, path, headers, code="host_not_allowed")
+                return _forbidden(problem, scope, headers, code="host_not_allowed")
         if security.enabled and not _is_public(path):
             if bearer is not None:  # an Authorization header: it alone decides
                 if not (bearer and security.key_matches(bearer)):
@@ -305,7 +304,7 @@ class SecurityMiddleware:
         if method not in SAFE_METHODS:
             problem = csrf_problem(scope, headers)
             if problem is not None:
-                return _forbidden(problem, path, headers)
+                return _forbidden(problem, scope, headers)
         return None
 
     @staticmethod
@@ -331,41 +330,21 @@ def _unauthorized(message: str, code: str) -> Response:
                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
-def _forbidden(message: str, path: str, headers: Headers, code: str = "csrf_failed") -> Response:
+def _forbidden(message: str, scope: Scope, headers: Headers,
+               code: str = "csrf_failed") -> Response:
     """A page for browsers (they ask for HTML), OpenAI-shaped JSON for everyone else."""
+    path = scope["path"]
     if not ("text/html" in headers.get("accept", "") and not _is_api(path)
             and not path.endswith(".json")):
         return JSONResponse(error_body(message, "invalid_request_error", None, code),
                             status_code=403)
-    return HTMLResponse(_LOGIN_PAGE_SHELL.format(title="Forbidden", body=(
-        f'<h1>Forbidden</h1><p class="error-message" data-status="403">{_esc(message)}</p>'
-        '<p><a href="/">Playground</a></p>')), status_code=403)
+    return html_response(Request(scope), "forbidden.html", {"message": message}, 403)
 
 
 # ---- /login and /logout ----------------------------------------------------------------------
-def _esc(text: str) -> str:
-    return str(escape(text))
-
-
-# A plain page (not base.html: its nav would lead to pages that need the login).
-_LOGIN_PAGE_SHELL = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title} · batchscope</title><link rel="stylesheet" href="/static/app.css"></head>
-<body><main>{body}</main></body></html>
-"""
-
-
-def _login_page(next_url: str, error: str | None = None, status: int = 200) -> HTMLResponse:
-    message = f'<p class="error-message" role="alert">{_esc(error)}</p>' if error else ""
-    body = (
-        "<h1>batchscope: log in</h1>"
-        "<p>This server needs its API key.</p>" + message +
-        '<form class="login" method="post" action="/login">'
-        f'<input type="hidden" name="next" value="{_esc(next_url)}">'
-        '<label>API key <input type="password" name="key" autocomplete="current-password" '
-        'autofocus required></label> <button type="submit">Log in</button></form>')
-    return HTMLResponse(_LOGIN_PAGE_SHELL.format(title="Log in", body=body), status_code=status)
+def _login_page(request: Request, next_url: str, error: str | None = None,
+                status: int = 200) -> Response:
+    return html_response(request, "login.html", {"next_url": next_url, "error": error}, status)
 
 
 def _security(request: Request) -> Security:
@@ -376,7 +355,7 @@ async def login_form(request: Request) -> Response:
     next_url = safe_next(request.query_params.get("next"))
     if not _security(request).enabled:
         return RedirectResponse(next_url, 303)  # nothing to log in to
-    return _login_page(next_url)
+    return _login_page(request, next_url)
 
 
 async def login(request: Request) -> Response:
@@ -389,7 +368,7 @@ async def login(request: Request) -> Response:
         return RedirectResponse(next_url, 303)
     if not security.key_matches(form.get("key", "")):
         await asyncio.sleep(FAILED_LOGIN_DELAY_S)
-        return _login_page(next_url, "wrong key", 401)
+        return _login_page(request, next_url, "wrong key", 401)
     response = RedirectResponse(next_url, 303)
     response.set_cookie(COOKIE, security.new_session(), max_age=SESSION_TTL_S, path="/",
                         httponly=True, samesite="lax", secure=request.url.scheme == "https")
@@ -397,9 +376,7 @@ async def login(request: Request) -> Response:
 
 
 async def logout_form(request: Request) -> Response:
-    body = ('<h1>Log out</h1><form method="post" action="/logout">'
-            '<button type="submit">Log out</button></form>')
-    return HTMLResponse(_LOGIN_PAGE_SHELL.format(title="Log out", body=body))
+    return html_response(request, "logout.html", {})
 
 
 async def logout(request: Request) -> Response:
