@@ -53,9 +53,10 @@ from app.bench.metrics import summarize
 from app.charts import Point, Series, line_chart
 from engine.config import WEIGHT_FORMATS, EngineConfig
 from engine.engine import Engine
-from engine.model_loader import load_model, resolve_weights
+from engine.model_loader import load_model
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
+from engine.weights.formats import resolve_weights
 
 CONTEXT = 2048  # the mixed dataset is fitted into this many tokens (both servers' context is 8k)
 GOAL_HTTP_RATIO = 1.5  # batchscope serve / mlx_lm.server output throughput at GOAL_STREAMS

@@ -119,7 +119,7 @@ REFERENCE_PROMPTS = [
 
 def mlx_lm_greedy(weights: str):
     """An independent reference: mlx-lm's own generate_step on the embedded model exported as
-    an mlx-lm folder at `weights` (engine.model_loader.export_model, as `batchscope
+    an mlx-lm folder at `weights` (engine.export.export_model, as `batchscope
     export-model`). Returns (tokenizer, generate), generate(prompt_ids, max_tokens) giving
     mlx-lm's greedy ids and, per step, its logprobs over the vocabulary."""
     import tempfile
@@ -128,7 +128,7 @@ def mlx_lm_greedy(weights: str):
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from engine.model_loader import export_model
+    from engine.export import export_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = load(str(export_model(tmp, weights=weights)))
@@ -160,7 +160,7 @@ def make_family_folder(path: Path, module, config: dict, *, quantize: bool = Fal
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from engine.model_loader import _portable_tokenizer_config
+    from engine.export import portable_tokenizer_config
 
     config = {"vocab_size": FAMILY_VOCAB, "max_position_embeddings": 2048, **config}
     mx.random.seed(seed)
@@ -183,7 +183,7 @@ def make_family_folder(path: Path, module, config: dict, *, quantize: bool = Fal
     save_config(config, path / "config.json")
     tokenizer = embedded_tokenizer()
     tokenizer.save_pretrained(str(path))
-    _portable_tokenizer_config(path / "tokenizer_config.json", tokenizer.chat_template)
+    portable_tokenizer_config(path / "tokenizer_config.json", tokenizer.chat_template)
     return path
 
 

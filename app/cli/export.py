@@ -14,7 +14,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export_model(args: argparse.Namespace) -> int:
-    from engine.model_loader import export_model
+    from engine.export import export_model
 
     path = export_model(args.dir, weights=args.weights)
     print(f"wrote an mlx-lm model folder to {path}; try: mlx_lm.generate --model {path} "

@@ -16,10 +16,11 @@ from mlx_lm.models import mixtral, qwen3_moe
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
 from engine.kernels import EXPERT_SORT_AT, apply_experts, expert_tile
-from engine.model_loader import _dequantize_to, _describe_weights, _has_experts
 from engine.models import UnsupportedModelError, family_for
 from engine.models.moe import swiglu_experts
 from engine.platform import backend_info
+from engine.weights.dequantize import dequantize_to
+from engine.weights.formats import describe_weights, has_experts
 
 HIDDEN, INTER = 64, 128
 
@@ -128,17 +129,17 @@ def test_experts_other_than_switchglu_swiglu_are_refused():
 def test_dequantized_experts_are_dense_switch_layers(bias):
     model = nn.Sequential(_switch(4, quantize=True, bias=bias))
     quantized = model.layers[0].up_proj
-    assert isinstance(quantized, QuantizedSwitchLinear) and _describe_weights(model) == "q4"
+    assert isinstance(quantized, QuantizedSwitchLinear) and describe_weights(model) == "q4"
     expected = mx.dequantize(quantized.weight, quantized.scales, quantized.biases,
                              group_size=64, bits=4)
     x, indices = _choice(6, 4, 2)
     q_out = model.layers[0](x, indices)
-    model = _dequantize_to(model, mx.float32)
+    model = dequantize_to(model, mx.float32)
     dense = model.layers[0].up_proj
     assert type(dense) is SwitchLinear and dense.weight.shape == (4, INTER, HIDDEN)
     assert np.array_equal(np.array(dense.weight), np.array(expected))
     assert ("bias" in dense) == bias
-    assert _describe_weights(model) == "f32" and _has_experts(model)
+    assert describe_weights(model) == "f32" and has_experts(model)
     # The same products as gather_qmm's, up to float32 rounding.
     assert mx.allclose(model.layers[0](x, indices), q_out, atol=1e-3).item()
 

@@ -16,14 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import model_loader, platform
+from engine.export import export_model
 from engine.model_loader import (
     ModelNotFoundError,
-    export_model,
     load_embedded,
     load_embedded_tokenizer,
     load_model,
-    resolve_weights,
 )
+from engine.weights import formats
+from engine.weights.formats import resolve_weights
+from engine.weights.gguf import gguf_to_mlx_name
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -139,13 +141,13 @@ def test_embedded_gguf_found_without_importing_the_package():
     ],
 )
 def test_gguf_tensor_names(gguf, mlx):
-    assert model_loader._gguf_to_mlx_name(gguf) == mlx
+    assert gguf_to_mlx_name(gguf) == mlx
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_qkv.weight", "rope_freqs.weight", "blk.0.attn_q"])
 def test_unknown_gguf_tensor_is_rejected(name):
     with pytest.raises(ValueError, match="unexpected GGUF tensor"):
-        model_loader._gguf_to_mlx_name(name)
+        gguf_to_mlx_name(name)
 
 
 # --- tokenizer ---------------------------------------------------------------------------
@@ -407,31 +409,31 @@ def test_expansion_estimate_counts_what_dequantizing_makes(tiny_q4_folder):
     """The estimate from the safetensors headers equals the bytes of the model dequantized."""
     from mlx.utils import tree_flatten
 
-    shipped, expanded = model_loader.expansion_bytes(tiny_q4_folder, 4)
+    shipped, expanded = formats.expansion_bytes(tiny_q4_folder, 4)
     files = sum(f.stat().st_size for f in tiny_q4_folder.glob("*.safetensors"))
     assert shipped == files
     dense = load_model(str(tiny_q4_folder), "f32")
     assert dense.weights == "f32"
     actual = sum(v.nbytes for _, v in tree_flatten(dense.model.parameters()))
     assert expanded == actual
-    assert model_loader.expansion_bytes(tiny_q4_folder, 2)[1] == actual // 2
+    assert formats.expansion_bytes(tiny_q4_folder, 2)[1] == actual // 2
 
 
 def test_auto_keeps_the_shipped_format_when_the_expansion_would_not_fit(
         tiny_q4_folder, monkeypatch, caplog):
-    shipped, expanded = model_loader.expansion_bytes(tiny_q4_folder, 4)
-    monkeypatch.setattr(model_loader, "resolve_weights", lambda w: "f32" if w == "auto" else w)
+    shipped, expanded = formats.expansion_bytes(tiny_q4_folder, 4)
+    monkeypatch.setattr(formats, "resolve_weights", lambda w: "f32" if w == "auto" else w)
     # Room for it: auto dequantizes.
-    monkeypatch.setattr(model_loader, "available_memory", lambda: 10 * (shipped + expanded))
+    monkeypatch.setattr(formats, "available_memory", lambda: 10 * (shipped + expanded))
     assert load_model(str(tiny_q4_folder), "auto").weights == "f32"
     # Not comfortably (more than EXPANSION_FIT of what is free): auto keeps q4 and says so.
-    monkeypatch.setattr(model_loader, "available_memory", lambda: shipped + expanded)
+    monkeypatch.setattr(formats, "available_memory", lambda: shipped + expanded)
     with caplog.at_level("WARNING", logger="batchscope.engine"):
         assert load_model(str(tiny_q4_folder), "auto").weights == "q4"
     assert "keeping llama's shipped format" in caplog.text and "f32 would need" in caplog.text
     # An explicit f32 that fits in what is free loads; one that does not is refused.
     assert load_model(str(tiny_q4_folder), "f32").weights == "f32"
-    monkeypatch.setattr(model_loader, "available_memory", lambda: expanded)
+    monkeypatch.setattr(formats, "available_memory", lambda: expanded)
     with pytest.raises(ValueError, match=r"--weights f32: llama would need .* GiB at load"):
         load_model(str(tiny_q4_folder), "f32")
     assert load_model(str(tiny_q4_folder), "q4").weights == "q4"
@@ -454,12 +456,12 @@ def test_auto_on_the_cpu_keeps_a_folder_the_native_kernel_takes(tiny_q4_folder, 
     assert load_model(str(dense), "auto").weights == "f32"
     three = load_model(str(dense), "q4")
     nn.quantize(three.model, group_size=64, bits=3)
-    assert not model_loader.native_takes(three.model)
+    assert not formats.native_takes(three.model)
     four = load_model(str(tiny_q4_folder), "q4").model
-    assert model_loader.native_takes(four)
+    assert formats.native_takes(four)
     # bfloat16 norms (as most shipped folders have): the activations would be bfloat16.
     four.model.norm.weight = four.model.norm.weight.astype(mx.bfloat16)
-    assert not model_loader.native_takes(four)
+    assert not formats.native_takes(four)
 
 
 def test_available_memory_is_a_plausible_number():
