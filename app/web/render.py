@@ -6,7 +6,7 @@ fragment or OpenAI-shaped JSON; the per-app objects pages use (app/web/app.py ma
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl
@@ -15,6 +15,7 @@ import anyio.to_thread
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
 
 from app.assets import static_dir, templates_dir
 from app.json_safe import json_safe
@@ -135,11 +136,23 @@ def render_template(request: Request, template: str, context: dict) -> str:
     return page_templates(request).get_template(template).render({**extras, **context})
 
 
-def page_response(request: Request, template: str, context: dict, status: int = 200) -> Response:
-    """One context, two renderings: the template, or the context itself as JSON."""
+def page_response(request: Request, template: str, context: dict, status: int = 200,
+                  page_only: Callable[[], dict] | None = None) -> Response:
+    """One context, two renderings: the template, or the context itself as JSON.
+    page_only: what only the page shows (an inline plot), made only when the page is."""
     if wants_json(request):
         return JSONResponse(json_safe(context), status_code=status)
-    return html_response(request, template, context, status)
+    return html_response(request, template, {**context, **(page_only() if page_only else {})},
+                         status)
+
+
+def view_routes(path: str, endpoint: Callable[[Request], Awaitable[Response]],
+                methods: tuple[str, ...] = ("GET",)) -> list[Route]:
+    """A page and its JSON twin (`path` + ".json") served by one endpoint, which renders
+    either (page_response). The twin comes first: a `{param}` at the end of `path` would
+    otherwise take "x.json" as its value."""
+    return [Route(f"{path}.json", endpoint, methods=list(methods)),
+            Route(path, endpoint, methods=list(methods))]
 
 
 def error_response(request: Request, status: int, message: str, param: str | None = None,

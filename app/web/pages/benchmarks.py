@@ -13,20 +13,18 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 
 from app.bench.metrics import METRIC_TITLES, METRICS
 from app.db import benchmarks as store
-from app.json_safe import json_safe
 from app.web.pages import benchmark_plots as plots
 from app.web.render import (
     NO_DATABASE,
     database,
     error_response,
     in_thread,
-    render_template,
-    wants_json,
+    page_response,
+    view_routes,
 )
 
 LIST_LIMIT = 200
@@ -75,13 +73,15 @@ async def benchmarks(request: Request) -> Response:
     context: dict[str, Any] = {"total": listing["total"], "runs": runs,
                                "plotted": [r["id"] for r in plotted],
                                "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
-    if wants_json(request):
-        return JSONResponse(json_safe(context))
-    svgs = {"throughput": plots.throughput_svg(listing["runs"])}
-    if plotted:
-        for metric, title in CDF_METRICS:
-            svgs[metric] = plots.latency_cdf_svg(plotted, metric, title)
-    return HTMLResponse(render_template(request, "benchmarks.html", {**context, "svgs": svgs}))
+
+    def page_only() -> dict:
+        svgs = {"throughput": plots.throughput_svg(listing["runs"])}
+        if plotted:
+            for metric, title in CDF_METRICS:
+                svgs[metric] = plots.latency_cdf_svg(plotted, metric, title)
+        return {"svgs": svgs}
+
+    return page_response(request, "benchmarks.html", context, page_only=page_only)
 
 
 async def benchmark_detail(request: Request) -> Response:
@@ -96,16 +96,9 @@ async def benchmark_detail(request: Request) -> Response:
     if run is None:
         return error_response(request, 404, f"no benchmark run {run_id}", "run_id", "not_found")
     context = {**_view(run), "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
-    if wants_json(request):
-        return JSONResponse(json_safe(context))
-    svgs = {metric: plots.latency_cdf_svg([run], metric, title)
-            for metric, title in CDF_METRICS}
-    return HTMLResponse(render_template(request, "benchmark.html", {**context, "svgs": svgs}))
+    return page_response(request, "benchmark.html", context, page_only=lambda: {"svgs": {
+        metric: plots.latency_cdf_svg([run], metric, title) for metric, title in CDF_METRICS}})
 
 
-routes = [
-    Route("/benchmarks", benchmarks, methods=["GET"]),
-    Route("/benchmarks.json", benchmarks, methods=["GET"]),
-    Route("/benchmarks/{run_id}.json", benchmark_detail, methods=["GET"]),
-    Route("/benchmarks/{run_id}", benchmark_detail, methods=["GET"]),
-]
+routes = [*view_routes("/benchmarks", benchmarks),
+          *view_routes("/benchmarks/{run_id}", benchmark_detail)]

@@ -12,10 +12,8 @@ from typing import Any
 
 import anyio.to_thread
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 
-from app.json_safe import json_safe
 from app.lab.calibration import (
     backend_key,
     calibration_path,
@@ -23,7 +21,7 @@ from app.lab.calibration import (
     load_calibration,
     render_svg,
 )
-from app.web.render import render_template, wants_json
+from app.web.render import page_response, view_routes
 from engine.platform import backend_info
 
 
@@ -74,19 +72,18 @@ async def calibration_page(request: Request) -> Response:
     found = await anyio.to_thread.run_sync(load_calibration, engine.loaded.name,
                                            engine.loaded.weights, backend)
     context = calibration_context(engine, found, backend)
-    if wants_json(request):
-        return JSONResponse(json_safe(context))
-    # The plot is drawn from the JSON (numbers only; text escaped), not read from the .svg file.
-    svg = None
-    if found is not None:
-        try:
-            svg = render_svg(found)
-        except (KeyError, TypeError, ValueError):
-            svg = None  # a hand-edited file: show the table without the plot
-    return HTMLResponse(render_template(request, "calibration.html", {**context, "plot_svg": svg}))
+    return page_response(request, "calibration.html", context,
+                         page_only=lambda: {"plot_svg": _plot(found)})
 
 
-routes = [
-    Route("/calibration", calibration_page, methods=["GET"]),
-    Route("/calibration.json", calibration_page, methods=["GET"]),
-]
+def _plot(found: dict | None) -> str | None:
+    """The plot, drawn from the JSON (numbers only; text escaped), not read from the .svg."""
+    if found is None:
+        return None
+    try:
+        return render_svg(found)
+    except (KeyError, TypeError, ValueError):
+        return None  # a hand-edited file: show the table without the plot
+
+
+routes = view_routes("/calibration", calibration_page)

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.web.api.routes import error_body
 from app.web.feeds import ACCEPTANCE_STEPS, FeedClient, compact_steps, feed_for
+from app.web.render import page_response, view_routes
 
 CHART_STEPS = 300  # steps the charts and the kernel-path strip show
 EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
@@ -197,16 +198,11 @@ def _int_param(request: Request, name: str, default: int | None, lo: int,
     return value
 
 
-async def dashboard_page(request: Request) -> Response:
-    engine = request.app.state.engine
-    context = dashboard_context(engine)
-    html = request.app.state.templates.get_template("dashboard.html").render(
-        data=context, path=request.url.path, served_model=engine.loaded.name, **context)
-    return HTMLResponse(html)
-
-
-async def dashboard_json(request: Request) -> Response:
-    return JSONResponse(dashboard_context(request.app.state.engine))
+async def dashboard(request: Request) -> Response:
+    context = dashboard_context(request.app.state.engine)
+    # The page hands its script the whole context (`data`) as well.
+    return page_response(request, "dashboard.html", context,
+                         page_only=lambda: {"data": context})
 
 
 async def steps_json(request: Request) -> Response:
@@ -268,8 +264,7 @@ async def dashboard_stream(request: Request) -> Response:
 
 
 routes = [
-    Route("/dashboard", dashboard_page, methods=["GET"]),
-    Route("/dashboard.json", dashboard_json, methods=["GET"]),
+    *view_routes("/dashboard", dashboard),
     Route("/dashboard/stream", dashboard_stream, methods=["GET"]),
     Route("/steps.json", steps_json, methods=["GET"]),
 ]

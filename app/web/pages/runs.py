@@ -9,7 +9,6 @@ from urllib.parse import urlencode
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from app.db import runs as queries
 from app.web.render import (
@@ -21,6 +20,7 @@ from app.web.render import (
     token_decoder,
     token_view,
     tokens_per_s,
+    view_routes,
 )
 
 # ---- runs list -----------------------------------------------------------------------------
@@ -170,11 +170,5 @@ async def compare(request: Request) -> Response:
     return page_response(request, "compare.html", compare_context(records["a"], records["b"]))
 
 
-routes = [
-    Route("/runs", runs_list, methods=["GET"]),
-    Route("/runs.json", runs_list, methods=["GET"]),
-    Route("/runs/{run_id}.json", run_detail, methods=["GET"]),
-    Route("/runs/{run_id}", run_detail, methods=["GET"]),
-    Route("/compare", compare, methods=["GET"]),
-    Route("/compare.json", compare, methods=["GET"]),
-]
+routes = [*view_routes("/runs", runs_list), *view_routes("/runs/{run_id}", run_detail),
+          *view_routes("/compare", compare)]
