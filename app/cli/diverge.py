@@ -1,5 +1,5 @@
 """`batchscope diverge`: one prompt, greedily, on two set-ups (sides A and B); where the outputs
-part, the logits at the fork, and which cache write started it (app/lab/divergence.py).
+part, the logits at the fork, and which cache write started it (app/lab/divergence/).
 
 A side is a comma-separated list of key=value settings:
 
@@ -106,6 +106,7 @@ def sides(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def cmd_diverge(args: argparse.Namespace) -> int:
     from app.lab.divergence import BUILTIN_PROMPTS, load_prompts, run_experiment, search
+    from app.lab.divergence.text import format_search
 
     a, b = sides(args)
 
@@ -123,15 +124,13 @@ def cmd_diverge(args: argparse.Namespace) -> int:
         if args.limit:
             prompts = prompts[:args.limit]
         result = search(prompts, a, b, **common)
-        print(json.dumps(result, ensure_ascii=False) if args.json
+        print(json.dumps(result.to_dict(), ensure_ascii=False) if args.json
               else format_search(result, args.all_tokens))
         return 0
     if not args.prompt:
         raise ValueError("a prompt is required (or --search)")
     if args.db is None:
-        record = run_experiment(args.prompt, a, b, **common)
-        print(json.dumps(record, ensure_ascii=False) if args.json
-              else format_record(record, args.all_tokens))
+        _print_record(run_experiment(args.prompt, a, b, **common), args)
         return 0
     return _run_and_save(args, a, b, common)
 
@@ -162,9 +161,15 @@ def _run_and_save(args: argparse.Namespace, a: Any, b: Any, common: dict) -> int
             _save(db, entry)
             raise
         entry["finished"] = time.time()
-        print(json.dumps(entry["record"], ensure_ascii=False) if args.json
-              else format_record(entry["record"], args.all_tokens))
+        _print_record(entry["record"], args)
         return 0 if _save(db, entry) else 1
+
+
+def _print_record(record: Any, args: argparse.Namespace) -> None:
+    from app.lab.divergence.text import format_record
+
+    print(json.dumps(record.to_dict(), ensure_ascii=False) if args.json
+          else format_record(record, args.all_tokens))
 
 
 def _save(db: Any, entry: dict) -> bool:
@@ -179,177 +184,3 @@ def _save(db: Any, entry: dict) -> bool:
     print(f"diverge: saved as experiment {entry['id']} in {db.path} "
           f"(/divergence?id={entry['id']})", file=sys.stderr)
     return True
-
-
-# ---- text output ---------------------------------------------------------------------------
-def clean(text: str | None) -> str:
-    """Model output on a terminal: control characters (escape sequences) made visible."""
-    if text is None:
-        return ""
-    return "".join(ch if ch in "\n\t" or (ord(ch) >= 32 and ord(ch) != 127)
-                   else f"\\x{ord(ch):02x}" for ch in text)
-
-
-def token_repr(text: str | None) -> str:
-    return "—" if text is None else repr(text)
-
-
-def g(x: float | None, digits: int = 3) -> str:
-    return "—" if x is None else ("0" if x == 0 else f"{x:.{digits}g}")
-
-
-def _writer(w: dict | None, steps: list | None = None) -> str:
-    if w is None:
-        return "—"
-    first, last = steps or (w["step"], w["step"])
-    step = str(first) if first == last else f"{first}–{last}"
-    return f"{step:>7} {w['path']:<5} {w['step_rows']:>4}"
-
-
-def _where(first: int, last: int, prompt_tokens: int) -> str:
-    def one(p: int) -> str:
-        return "prompt" if p < prompt_tokens else f"out #{p - prompt_tokens}"
-
-    if first == last:
-        return one(first)
-    if last < prompt_tokens:
-        return "prompt"
-    return f"{one(first)}–{one(last).removeprefix('out ')}"
-
-
-def _speculation_lines(r: dict) -> list[str]:
-    out = []
-    for name in ("a", "b"):
-        s = r["sides"][name].get("speculation")
-        if s:
-            rate = "–" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
-            by = f" from {s['draft_model']}" if s.get("draft_model") else ""
-            out.append(f"{name.upper()} drafts{by}: {s['accepted']} of {s['drafted']} accepted "
-                       f"({rate}) over {s['verify_steps']} verify steps")
-    return out
-
-
-def format_record(r: dict, all_tokens: bool = False) -> str:
-    from app.lab.divergence import timeline
-    from engine.platform import blas_name
-
-    a, b = r["sides"]["a"], r["sides"]["b"]
-    blas = blas_name(r.get("backend", {}).get("blas")) or "bundled"
-    out = [f"model {r['model']} · prompt {r['prompt_tokens']} tokens · "
-           f"{r.get('max_tokens', '?')} new tokens · greedy · BLAS {blas}",
-           f"A: {a['label']}", f"B: {b['label']}", *_speculation_lines(r), "",
-           f"Verdict: {r['verdict']}", "", "Cause → fork:"]
-    out += [f"  {i + 1}. {line}" for i, line in enumerate(r["chain"])]
-    fork = r["fork"]
-    if fork is not None:
-        out += ["", f"Shared text ({fork['char_offset']} characters):",
-                _indent(clean(fork["shared_text"])),
-                "A continues:", _indent(clean(fork["continuation_a"])),
-                "B continues:", _indent(clean(fork["continuation_b"]))]
-        if fork["table"]:
-            out += ["", f"Logits at the fork (output token {fork['token_index']}; * = chosen):",
-                    f"  {'token':>7}  {'text':<16} {'A logit':>12} {'B logit':>12} "
-                    f"{'B − A':>10}  {'rank A':>6}  {'rank B':>6}"]
-            for row in fork["table"]:
-                mark_a = "*" if row["token_id"] == fork["token_a"] else " "
-                mark_b = "*" if row["token_id"] == fork["token_b"] else " "
-                out.append(f"  {row['token_id']:>7}  {clean(repr(row['text'])):<16.16} "
-                           f"{row['logit_a']:>12.6f} {row['logit_b']:>12.6f} "
-                           f"{row['delta']:>+10.6f}  {row['rank_a']:>5}{mark_a}  "
-                           f"{row['rank_b']:>5}{mark_b}")
-            out.append(f"  top-2 margin: A {g(fork['margin_a'], 4)}, B {g(fork['margin_b'], 4)}")
-    else:
-        out += ["", "Text (both sides):", _indent(clean(a["text"]))]
-
-    logits = r["logits"]
-    out += ["", f"Logits token by token while the sides agree ({logits['compared_tokens']} "
-                "tokens):",
-            f"  {'token':>5}  {'A step path rows':>18}  {'B step path rows':>18}  "
-            f"{'max|Δlogit|':>11}  {'margin A':>9}  {'margin B':>9}"]
-    rows = logits["per_token"]
-    shown = _telling(r) if not all_tokens and len(rows) > 20 else set(range(len(rows)))
-    previous = -1
-    for p in rows:
-        if p["index"] not in shown:
-            continue
-        if p["index"] != previous + 1:
-            out.append("  …")
-        previous = p["index"]
-        flag = " ← fork" if fork and p["index"] == fork["token_index"] else ""
-        out.append(f"  {p['index']:>5}  {p['step_a']:>7} {p['path_a']:<5} {p['rows_a']:>4}  "
-                   f"{p['step_b']:>7} {p['path_b']:<5} {p['rows_b']:>4}  "
-                   f"{g(p['max_abs_delta']):>11}  {g(p['margin_a'], 4):>9}  "
-                   f"{g(p['margin_b'], 4):>9}{flag}")
-    if previous != len(rows) - 1 and rows:
-        out.append("  …")
-
-    kv = r["kv"]
-    out += ["", f"Contamination timeline: keys/values compared at {kv['compared_positions']} "
-                "positions (* = first difference)",
-            f"  {'positions':>9}  {'what':<14} {'A step path rows':>18}  "
-            f"{'B step path rows':>18}  {'max|ΔKV|':>9}"]
-    first = kv["first_difference"]
-    for row in timeline(r):
-        span = str(row["first"]) if row["first"] == row["last"] else \
-            f"{row['first']}–{row['last']}"
-        star = " *" if first and row["first"] <= first["position"] <= row["last"] else ""
-        out.append(f"  {span:>9}  {_where(row['first'], row['last'], r['prompt_tokens']):<14.14} "
-                   f"{_writer(row['a'], row['steps_a'])}  {_writer(row['b'], row['steps_b'])}  "
-                   f"{g(row['max_abs_delta']):>9}{star}")
-    if first:
-        layers = first["max_abs_delta_per_layer"]
-        out.append(f"  at position {first['position']}: max |ΔK| {g(first['keys_max_abs_delta'])}, "
-                   f"max |ΔV| {g(first['values_max_abs_delta'])}; per layer: "
-                   + " ".join(g(x, 2) for x in layers))
-    return "\n".join(out)
-
-
-def _telling(r: dict) -> set[int]:
-    """Token rows worth printing: the first logit difference, the nearest ties, the last ones."""
-    rows = r["logits"]["per_token"]
-    keep = {0, len(rows) - 1}
-    if r["logits"]["first_difference"] is not None:
-        keep.add(r["logits"]["first_difference"])
-    nearest = sorted(rows, key=lambda p: min(p["margin_a"], p["margin_b"]))[:3]
-    keep.update(p["index"] for p in nearest)
-    keep.update(range(max(0, len(rows) - 5), len(rows)))
-    return keep
-
-
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in (text or "(empty)").split("\n"))
-
-
-def format_search(s: dict, all_tokens: bool = False) -> str:
-    out = [f"search: {s['prompts']} prompts × {s['max_tokens']} tokens",
-           f"A: {s['a']['label']}", f"B: {s['b']['label']}", "",
-           f"  {'#':>3}  {'fork at':>7}  {'margin A/B at fork':>19}  {'min margin (token)':>19}  "
-           f"{'max|Δlogit|':>11}  {'KV first Δ':>10}  prompt"]
-    for x in s["results"]:
-        prompt = clean(x["prompt"]).replace("\n", "↵")[:40]
-        if "error" in x:
-            out.append(f"  {x['index'] + 1:>3}  error: {x['error'][:80]}  {prompt}")
-            continue
-        fork = "—" if x["fork_index"] is None else str(x["fork_index"])
-        at_fork = "—" if x["fork_index"] is None else \
-            f"{g(x['fork_margin_a'], 3)}/{g(x['fork_margin_b'], 3)}"
-        m = x["min_margin"]
-        near = "—" if m is None else f"{m['value']:.3g} (t{m['index']})"
-        kv = "—" if x["kv_first_difference"] is None else f"pos {x['kv_first_difference']}"
-        out.append(f"  {x['index'] + 1:>3}  {fork:>7}  {at_fork:>19}  {near:>19}  "
-                   f"{g(x['max_abs_dlogit']):>11}  {kv:>10}  {prompt}")
-    ok = s["prompts"] - s["errors"]
-    indices = ", ".join(str(i) for i in s["fork_indices"])
-    out += ["", f"Forked: {s['forked']} of {ok}" + (f" (at tokens {indices})" if indices else "")
-            + f" · same tokens, numbers differ: {s['same_tokens_numbers_differ']}"
-            f" · bit-identical: {s['bit_identical']}"
-            + (f" · errors: {s['errors']}" if s["errors"] else "")]
-    out.append(f"Tokens compared: {s['tokens_compared']}; close calls (top-2 margin within 10x "
-               f"that token's max |Δlogit|): {s['close_calls']}")
-    if s["smallest_margins"]:
-        out.append("Smallest top-2 margins seen: " + ", ".join(
-            f"{m['margin']:.4g} (prompt {m['prompt_index'] + 1}, token {m['token_index']}"
-            + (", forked" if m["forked_here"] else "") + ")" for m in s["smallest_margins"][:5]))
-    if s["forks"]:
-        out += ["", "First fork in detail:", "", format_record(s["forks"][0], all_tokens)]
-    return "\n".join(out)

@@ -11,8 +11,9 @@ EXPERIMENT-a-alongside-N, not runs: filler text whose steps are already the side
 has no foreign key to runs, and /runs stays a list of what was asked). A failed experiment is a
 row with its error and no runs.
 
-An entry is the dict the page shows: id, status, created, started, finished, params, record,
-error (app/web/pages/divergence.py's Lab keeps the same shape in memory).
+An entry is the dict the page shows: id, status, created, started, finished, params, record (a
+DivergenceRecord, stored as its to_dict() and read back with from_dict()), error
+(app/web/divergence_lab.py's Lab keeps the same shape in memory).
 """
 
 from __future__ import annotations
@@ -25,18 +26,18 @@ from app.db.database import Database, DatabaseError
 from app.db.models import DivergenceExperiment, EngineSession, Run, RunToken
 from app.db.recorder import write_steps
 from app.json_safe import json_safe
-from app.lab.divergence import SideConfig
+from app.lab.divergence.record import DivergenceRecord, SideRecord
 
 SOURCE = "divergence"  # runs.source of an experiment's sides
 ENDPOINTS = {"web": "/divergence", "cli": "batchscope diverge"}  # runs.endpoint, by origin
 PROMPT_PREVIEW = 80
 
 
-def verdict_kind(record: dict) -> str:
+def verdict_kind(record: DivergenceRecord) -> str:
     """identical (bit for bit) | same_tokens (numbers differ) | forked."""
-    if record.get("bit_identical"):
+    if record.bit_identical:
         return "identical"
-    return "same_tokens" if record.get("identical") else "forked"
+    return "same_tokens" if record.identical else "forked"
 
 
 def run_ids(exp_id: str) -> dict[str, str]:
@@ -45,23 +46,23 @@ def run_ids(exp_id: str) -> dict[str, str]:
 
 def save_experiment(db: Database, entry: dict, origin: str = "web") -> None:
     """Insert a finished ("done") or failed ("error") experiment and, if done, its two runs."""
-    record, params = entry.get("record"), entry.get("params") or {}
-    prompt = params.get("prompt") or (record or {}).get("prompt") or ""
+    record: DivergenceRecord | None = entry.get("record")
+    params = entry.get("params") or {}
+    prompt = params.get("prompt") or (record.prompt if record is not None else None) or ""
     ids = run_ids(entry["id"]) if record is not None else {"a": None, "b": None}
-    fork = (record or {}).get("fork")
+    fork = record.fork if record is not None else None
     row = dict(
         id=entry["id"], created_at=entry["created"], started_at=entry.get("started"),
         finished_at=entry.get("finished"), source=origin, status=entry["status"],
         prompt_text=prompt, params_json=json_safe(params), run_a_id=ids["a"], run_b_id=ids["b"],
         verdict=verdict_kind(record) if record is not None else None,
-        verdict_text=record.get("verdict") if record is not None else None,
-        fork_token_index=fork["token_index"] if fork else None, error=entry.get("error"),
-        record_json=json_safe(record) if record is not None else None)
+        verdict_text=record.verdict if record is not None else None,
+        fork_token_index=fork.token_index if fork else None, error=entry.get("error"),
+        record_json=json_safe(record.to_dict()) if record is not None else None)
     try:
         with db.write_engine.begin() as conn:
             if record is not None:  # the runs first: the experiment's row refers to them
-                for s in ("a", "b"):
-                    side = record["sides"][s]
+                for s, side in record.sides.items():
                     session_id = _write_session(conn, entry["id"], s, side)
                     conn.execute(insert(Run).values(
                         **_run_row(ids[s], s, side, record, entry, prompt, origin),
@@ -76,69 +77,69 @@ def save_experiment(db: Database, entry: dict, origin: str = "web") -> None:
                             f"{e.orig}") from e
 
 
-def _kernel_policy(side: dict) -> str:
-    c = SideConfig.from_dict(side["config"])
+def _kernel_policy(side: SideRecord) -> str:
+    c = side.side
     return "batch-invariant" if c.batch_invariant else c.policy.describe()
 
 
-def _write_session(conn: Connection, exp_id: str, s: str, side: dict) -> int | None:
+def _write_session(conn: Connection, exp_id: str, s: str, side: SideRecord) -> int | None:
     """The side's engine as an engine session (its steps are keyed by it); None for a record
     from before the sides kept their engine steps."""
-    steps = side.get("engine_steps")
+    steps = side.engine_steps
     if not steps:
         return None
-    config = {**(side.get("engine") or {}),
-              "divergence": {"experiment": exp_id, "side": s, "config": side["config"]}}
+    config = {**(side.engine or {}),
+              "divergence": {"experiment": exp_id, "side": s, "config": side.config}}
     return conn.execute(insert(EngineSession).values(
-        started_at=steps[0]["started_at"], model=side["model"], weights=side["weights"],
+        started_at=steps[0]["started_at"], model=side.model, weights=side.weights,
         kernel_policy=_kernel_policy(side), config_json=json_safe(config))
     ).inserted_primary_key[0]
 
 
-def _steps(run_id: str, side: dict) -> list[dict]:
+def _steps(run_id: str, side: SideRecord) -> list[dict]:
     """The side's engine steps with the engine's request ids replaced by the run's id (the
     target) and RUN-alongside-N (the others), so /runs/{id} finds its steps and batch-mates."""
-    ids = side.get("request_ids") or {}
+    ids = side.request_ids or {}
     names = {ids.get("target"): run_id,
              **{r: f"{run_id}-alongside-{i}" for i, r in enumerate(ids.get("alongside") or [])}}
     return [{**step, "entries": [{**e, "request_id": names.get(e["request_id"], e["request_id"])}
                                  for e in step["entries"]],
              "preempted": [names.get(r, r) for r in step.get("preempted") or []]}
-            for step in side.get("engine_steps") or []]
+            for step in side.engine_steps or []]
 
 
-def _run_row(run_id: str, s: str, side: dict, record: dict, entry: dict, prompt: str,
-             origin: str) -> dict:
-    config = side["config"]
-    times = side.get("times") or {}  # records from before the sides kept their times: none
+def _run_row(run_id: str, s: str, side: SideRecord, record: DivergenceRecord, entry: dict,
+             prompt: str, origin: str) -> dict:
+    config = side.config
+    times = side.times or {}  # records from before the sides kept their times: none
     queued = times.get("queued") or entry.get("started") or entry["created"]
-    chat = bool(record.get("chat"))
+    chat = bool(record.chat)
     # Flat, so /compare lists which settings differ between the two sides.
-    params = {"experiment": entry["id"], "side": s, "label": side["label"],
-              "max_tokens": record.get("max_tokens"), "temperature": 0.0,
-              "ignore_eos": record.get("ignore_eos"), "chat": chat,
+    params = {"experiment": entry["id"], "side": s, "label": side.label,
+              "max_tokens": record.max_tokens, "temperature": 0.0,
+              "ignore_eos": record.ignore_eos, "chat": chat,
               **{k: v for k, v in config.items() if k != "label"},
-              "others_joined": side.get("others_joined")}
+              "others_joined": side.others_joined}
     return dict(
         id=run_id, created_at=queued, source=SOURCE,
-        endpoint=ENDPOINTS.get(origin, origin), model=side["model"], weights=side["weights"],
+        endpoint=ENDPOINTS.get(origin, origin), model=side.model, weights=side.weights,
         kernel_policy=_kernel_policy(side),
         prompt_text=prompt, messages_json=[{"role": "user", "content": prompt}] if chat else None,
-        prompt_token_ids_json=list(record["prompt_ids"]), params_json=json_safe(params),
-        status="finished", finish_reason=side["finish_reason"], error=None,
-        output_text=side["text"], output_token_ids_json=list(side["token_ids"]),
-        prompt_tokens=record["prompt_tokens"], completion_tokens=len(side["token_ids"]),
+        prompt_token_ids_json=list(record.prompt_ids), params_json=json_safe(params),
+        status="finished", finish_reason=side.finish_reason, error=None,
+        output_text=side.text, output_token_ids_json=list(side.token_ids),
+        prompt_tokens=record.prompt_tokens, completion_tokens=len(side.token_ids),
         cached_prompt_tokens=0,  # the experiments' engines run without prefix caching
-        preemptions=side.get("preemptions"), queued_at=queued,
+        preemptions=side.preemptions, queued_at=queued,
         first_scheduled_at=times.get("first_scheduled"), first_token_at=times.get("first_token"),
         finished_at=times.get("finished") or entry.get("finished"))
 
 
-def _token_rows(run_id: str, side: dict) -> list[dict]:
+def _token_rows(run_id: str, side: SideRecord) -> list[dict]:
     return [{"run_id": run_id, "idx": i, "token_id": t["token_id"], "text": t["text"],
              "logprob": json_safe(t.get("logprob")),
              "top_logprobs_json": None, "t": t["time"], "step": t.get("step")}
-            for i, t in enumerate(side.get("tokens") or [])]
+            for i, t in enumerate(side.tokens or [])]
 
 
 _LIST_COLUMNS = (DivergenceExperiment.id, DivergenceExperiment.created_at,
@@ -183,7 +184,9 @@ def get_experiment(db: Database, exp_id: str) -> dict | None:
             return None
         return {"id": e.id, "status": e.status, "created": e.created_at,
                 "started": e.started_at, "finished": e.finished_at, "source": e.source,
-                "params": e.params_json or {}, "progress": [], "record": e.record_json,
+                "params": e.params_json or {}, "progress": [],
+                "record": (DivergenceRecord.from_dict(e.record_json)
+                           if e.record_json is not None else None),
                 "error": e.error, "verdict_kind": e.verdict,
                 "fork_token_index": e.fork_token_index,
                 "runs": _runs({"run_a_id": e.run_a_id, "run_b_id": e.run_b_id}), "saved": True,

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from typing import Any
 
 from app.db import experiments as store
-from app.lab.divergence import DivergenceRunner, SideConfig
+from app.lab.divergence import DivergenceRecord, DivergenceRunner, SideConfig
 
 log = logging.getLogger("batchscope.divergence")
 
@@ -74,7 +74,7 @@ class Lab:
         self._queue.put(exp_id)
         return exp_id
 
-    def add_record(self, record: dict, params: dict | None = None) -> str:
+    def add_record(self, record: DivergenceRecord, params: dict | None = None) -> str:
         """Keep an already finished record (tests, or a record computed elsewhere)."""
         with self._lock:
             exp_id = self._new_id()
@@ -164,19 +164,20 @@ def _entry(exp_id: str, status: str, params: dict, **fields: Any) -> dict:
 
 
 def _summary(e: dict) -> dict:
-    params, record = e["params"], e["record"] or {}
-    sides = record.get("sides", {})
+    params, record = e["params"], e["record"]
+
+    sides = dict(record.sides.items()) if record is not None else {}
 
     def label(s: str) -> str | None:
-        return params.get(s, {}).get("label") or sides.get(s, {}).get("label")
+        return params.get(s, {}).get("label") or (sides[s].label if s in sides else None)
 
+    prompt = params.get("prompt") or (record.prompt if record is not None else None) or ""
     return {"id": e["id"], "status": e["status"], "created": e["created"], "source": "web",
-            "prompt": (params.get("prompt") or record.get("prompt") or "")[:store.PROMPT_PREVIEW],
-            "a": label("a"), "b": label("b"),
-            "verdict": record.get("verdict") or e["error"],
-            "verdict_kind": store.verdict_kind(record) if e["record"] else None,
-            "fork_token_index": (record.get("fork") or {}).get("token_index"), "runs": None,
-            "saved": False}
+            "prompt": prompt[:store.PROMPT_PREVIEW], "a": label("a"), "b": label("b"),
+            "verdict": (record.verdict if record is not None else None) or e["error"],
+            "verdict_kind": store.verdict_kind(record) if record is not None else None,
+            "fork_token_index": record.fork.token_index if record and record.fork else None,
+            "runs": None, "saved": False}
 
 
 def lab_for(app: Any) -> Lab:

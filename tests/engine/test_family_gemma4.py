@@ -99,7 +99,7 @@ def test_traces_pad_pool_layers_of_other_shapes(gemma4):
     # The divergence view reads those traces: the same side twice compares bit-identical.
     side = SideConfig(weights="f32", alongside=(30,), join_at=1)
     record = run_experiment(list(range(100, 120)), side, side, max_tokens=4, model=str(folder))
-    assert record["bit_identical"] and record["kv"]["compared_positions"] == 23
+    assert record.bit_identical and record.kv.compared_positions == 23
 
 
 def test_rope_that_cannot_take_per_row_positions_is_refused():

@@ -1,4 +1,4 @@
-"""The divergence page: run a divergence experiment (app/lab/divergence.py) from the browser and
+"""The divergence page: run a divergence experiment (app/lab/divergence/) from the browser and
 read its record: both texts with the fork marked, the logits at the fork, a chart of max
 |Δlogit| and each side's top-2 margin token by token, and the contamination timeline (which
 step wrote each cached position on each side, and where the keys/values first differ).
@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from app.charts import Panel, Point, Scale, Series, Svg
 from app.db import experiments as store
-from app.lab.divergence import SideConfig, timeline
+from app.lab.divergence import DivergenceRecord, SideConfig
+from app.lab.divergence.report import result_view
 from app.web.api.routes import error_body
 from app.web.divergence_lab import MAX_KEEP, LabBusy, lab_for
 from app.web.render import error_response, html_response, page_response, read_form, wants_json
@@ -126,14 +127,14 @@ def form_values(params: dict) -> dict:
 CHART_W, CHART_H, PAD_L, PAD_R, PAD_T, PAD_B = 720, 240, 56, 12, 12, 28
 
 
-def chart_svg(record: dict) -> str | None:
+def chart_svg(record: DivergenceRecord) -> str | None:
     """max |Δlogit| and the top-2 margins per output token on one log axis (zeros on a floor
     line): where Δ climbs to the margin, a greedy choice can flip. Styled by the page's CSS
     (.div-chart); its legend is the page's."""
-    rows = record["logits"]["per_token"]
+    rows = record.logits.per_token
     if not rows:
         return None
-    values = [v for p in rows for v in (p["max_abs_delta"], p["margin_a"], p["margin_b"])
+    values = [v for p in rows for v in (p.max_abs_delta, p.margin_a, p.margin_b)
               if v and v > 0 and math.isfinite(v)]
     lo_exp = math.floor(math.log10(min(values))) if values else -6
     hi_exp = math.ceil(math.log10(max(values))) if values else 1
@@ -151,59 +152,30 @@ def chart_svg(record: dict) -> str | None:
     step = max(1, math.ceil(n / 12))
     svg.ticks_x(panel, range(0, n, step), str, mark=0, gap=CHART_H - 6 - zero_y)
     marks = []
-    fork = record["fork"]
-    if fork is not None and fork["token_index"] < n:
-        marks.append((fork["token_index"], "fork", "fork"))
-    first = record["logits"]["first_difference"]
+    fork = record.fork
+    if fork is not None and fork.token_index < n:
+        marks.append((fork.token_index, "fork", "fork"))
+    first = record.logits.first_difference
     if first is not None:
         marks.append((first, "first Δlogit", "dlogit"))
-    kv_first = record["kv"]["first_difference"]
-    if kv_first is not None and kv_first["b"] is not None:
+    kv_first = record.kv.first_difference
+    if kv_first is not None and kv_first.b is not None:
         # The sampled token of the step that wrote the first differing keys/values.
-        hit = next((p["index"] for p in rows if p["step_b"] == kv_first["b"]["step"]), None)
+        hit = next((p.index for p in rows if p.step_b == kv_first.b.step), None)
         if hit is not None:
             marks.append((hit, "first ΔKV", "kv"))
     for i, (index, label, kind) in enumerate(marks):  # labels stacked: marks may coincide
         svg.vline(panel.x(index), top, zero_y, label, label_y=top + 10 + i * 12, tip=label,
                   class_=f"mark mark-{kind}")
     for key, css in (("margin_a", "margin-a"), ("margin_b", "margin-b")):
-        svg.series(panel, Series(key, [(p["index"], p[key]) for p in rows], width=None,
+        svg.series(panel, Series(key, [(p.index, getattr(p, key)) for p in rows], width=None,
                                  line_attrs={"class_": css}))
-    dots = [Point(p["index"], p["max_abs_delta"],
-                  tip=f"token {p['index']}: max |Δlogit| {p['max_abs_delta']:.3g}, "
-                      f"margin A {p['margin_a']:.4g}, B {p['margin_b']:.4g}") for p in rows]
+    dots = [Point(p.index, p.max_abs_delta,
+                  tip=f"token {p.index}: max |Δlogit| {p.max_abs_delta:.3g}, "
+                      f"margin A {p.margin_a:.4g}, B {p.margin_b:.4g}") for p in rows]
     svg.series(panel, Series("max_abs_delta", dots, width=None, marker=3,
                              line_attrs={"class_": "delta"}, dot_attrs={"class_": "dot"}))
     return svg.render()
-
-
-def result_view(record: dict) -> dict:
-    """What the page shows of a finished record (the record itself goes to the JSON twin)."""
-    a, b = record["sides"]["a"], record["sides"]["b"]
-    fork = record["fork"]
-    texts = {}
-    for s, side in (("a", a), ("b", b)):
-        if fork is None:
-            texts[s] = {"shared": side["text"], "rest": ""}
-        else:
-            texts[s] = {"shared": fork["shared_text"], "rest": fork[f"continuation_{s}"]}
-    first = record["kv"]["first_difference"]
-    rows = []
-    for row in timeline(record):
-        rows.append({**row, "has_first": bool(first and row["first"] <= first["position"]
-                                              <= row["last"]),
-                     "what": _what(row["first"], row["last"], record["prompt_tokens"])})
-    return {"texts": texts, "timeline": rows,
-            "fork_token": fork["token_index"] if fork else None}
-
-
-def _what(first: int, last: int, prompt_tokens: int) -> str:
-    if last < prompt_tokens:
-        return "prompt"
-    lo = max(first, prompt_tokens) - prompt_tokens
-    hi = last - prompt_tokens
-    fed = f"output #{lo}" if lo == hi else f"output #{lo}–#{hi}"
-    return ("prompt + " if first < prompt_tokens else "") + fed
 
 
 # ---- views ---------------------------------------------------------------------------------
@@ -247,9 +219,13 @@ async def divergence(request: Request) -> Response:
         if entry["params"]:
             form = form_values(entry["params"])
     context = await _context(request, form, {}, entry)
-    if context["view"] is not None and not wants_json(request):
+    view = context["view"]
+    if view is not None and wants_json(request):
+        context["experiment"] = {**entry, "record": entry["record"].to_dict()}
+        context["view"] = view.to_dict()
+    elif view is not None:
         # The chart is markup for the page only; the JSON twin has its numbers in the record.
-        context["view"]["chart"] = chart_svg(entry["record"])
+        view.chart = chart_svg(entry["record"])
     return page_response(request, "divergence.html", context)
 
 

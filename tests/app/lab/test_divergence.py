@@ -4,11 +4,14 @@ kernel path. Plus the comparison itself on hand-made traces (a real fork at a ne
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from app.lab.divergence import (
     BUILTIN_PROMPTS,
+    DivergenceRecord,
     DivergenceRunner,
     SideConfig,
     SideRun,
@@ -37,25 +40,25 @@ def test_four_bit_gemm_and_gemv_are_bit_identical_alone_and_alongside():
     a = SideConfig(weights="q4", kernel_policy="gemm", alongside=(40, 25), decode_matmul="mlx")
     b = SideConfig(weights="q4", kernel_policy="gemv", decode_matmul="mlx")
     r = run_experiment(PROMPT, a, b, max_tokens=12, loader=loader)
-    assert r["identical"] and r["bit_identical"]
-    assert r["fork"] is None
-    assert r["logits"]["max_abs_delta"] == 0.0 and r["logits"]["compared_tokens"] == 12
-    assert r["logits"]["first_difference"] is None
-    assert r["kv"]["max_abs_delta"] == 0.0 and r["kv"]["first_difference"] is None
-    assert r["kv"]["compared_positions"] == 20 + 11  # the last token is never written
-    assert all(x == 0.0 for x in r["kv"]["max_abs_delta_per_layer"])
-    assert r["verdict"].startswith("bit-identical")
-    assert r["chain"][0].startswith("KV identical")
+    assert r.identical and r.bit_identical
+    assert r.fork is None
+    assert r.logits.max_abs_delta == 0.0 and r.logits.compared_tokens == 12
+    assert r.logits.first_difference is None
+    assert r.kv.max_abs_delta == 0.0 and r.kv.first_difference is None
+    assert r.kv.compared_positions == 20 + 11  # the last token is never written
+    assert all(x == 0.0 for x in r.kv.max_abs_delta_per_layer)
+    assert r.verdict.startswith("bit-identical")
+    assert r.chain[0].startswith("KV identical")
     # The batch really was mixed on side A, and row-wise on side B.
-    first_a, first_b = r["sides"]["a"]["steps"][0], r["sides"]["b"]["steps"][0]
+    first_a, first_b = r.sides.a.steps[0], r.sides.b.steps[0]
     assert (first_a["rows"], first_a["requests"], first_a["path"]) == (85, 3, "gemm")
     assert (first_b["rows"], first_b["requests"], first_b["path"]) == (20, 1, "gemv")
     # Each side keeps its target's token events (recorded as a run by app/db/experiments.py).
-    for side in r["sides"].values():
-        assert [t["token_id"] for t in side["tokens"]] == side["token_ids"]
-        assert side["text"].startswith("".join(t["text"] for t in side["tokens"]))
-        assert [t["step"] for t in side["tokens"]] == [s["step"] for s in side["steps"]]
-        times = side["times"]
+    for side in (r.sides.a, r.sides.b):
+        assert [t["token_id"] for t in side.tokens] == side.token_ids
+        assert side.text.startswith("".join(t["text"] for t in side.tokens))
+        assert [t["step"] for t in side.tokens] == [s["step"] for s in side.steps]
+        times = side.times
         assert times["queued"] <= times["first_token"] <= times["finished"]
 
 
@@ -68,52 +71,52 @@ def test_float32_trace_finds_the_one_injected_gemm_step(join_at):
     b = SideConfig(weights="f32", kernel_policy="auto", kernel_threshold=20, alongside=others,
                    join_at=join_at)
     r = run_experiment(PROMPT, a, b, max_tokens=12, loader=loader)
-    steps_b = r["sides"]["b"]["steps"]
+    steps_b = r.sides.b.steps
     gemm_steps = [s for s in steps_b if s["path"] == "gemm"]
     assert len(gemm_steps) == 1  # the injection is exactly one step
     mixed = gemm_steps[0]
     assert mixed["prefill_rows"] >= 100 and mixed["requests"] == 3
-    assert all(s["path"] == "gemv" for s in r["sides"]["a"]["steps"])
+    assert all(s["path"] == "gemv" for s in r.sides.a.steps)
     # the reference BLAS computes GEMM rows like GEMV rows (docs/kernel-paths.md)
     if not blas_loaded():
-        assert r["bit_identical"], r["verdict"]
+        assert r.bit_identical, r.verdict
         return
-    first = r["kv"]["first_difference"]
-    assert first is not None, r["verdict"]
+    first = r.kv.first_difference
+    assert first is not None, r.verdict
     # The target's first position written in the mixed step: its prompt when it joined with
     # the others, else the decode row of its token #(join_at - 1) fed back.
     expected = 0 if join_at == 0 else 20 + join_at - 1
-    assert first["position"] == expected
-    assert first["b"]["step"] == mixed["step"] and first["b"]["path"] == "gemm"
-    assert first["b"]["step_rows"] == mixed["rows"]
-    assert first["a"]["step"] == mixed["step"] and first["a"]["path"] == "gemv"
-    assert first["max_abs_delta"] > 0
-    assert all(d == 0.0 for d in r["kv"]["by_position"][:expected])
+    assert first.position == expected
+    assert first.b.step == mixed["step"] and first.b.path == "gemm"
+    assert first.b.step_rows == mixed["rows"]
+    assert first.a.step == mixed["step"] and first.a.path == "gemv"
+    assert first.max_abs_delta > 0
+    assert all(d == 0.0 for d in r.kv.by_position[:expected])
     # Logits first differ at the token the mixed step sampled, and stay different after it,
     # on steps that were row-wise on both sides: the contamination came through the cache.
-    assert r["logits"]["first_difference"] == join_at
-    later = [p for p in r["logits"]["per_token"] if p["index"] > join_at]
-    assert later and all(p["path_a"] == p["path_b"] == "gemv" for p in later)
-    assert any(p["max_abs_delta"] > 0 for p in later)
-    assert f"step {mixed['step']} (gemm, {mixed['rows']} rows) on B" in r["chain"][0]
+    assert r.logits.first_difference == join_at
+    later = [p for p in r.logits.per_token if p.index > join_at]
+    assert later and all(p.path_a == p.path_b == "gemv" for p in later)
+    assert any(p.max_abs_delta > 0 for p in later)
+    assert f"step {mixed['step']} (gemm, {mixed['rows']} rows) on B" in r.chain[0]
     rows = timeline(r)
-    assert rows[0]["first"] == 0 and rows[-1]["last"] == r["kv"]["compared_positions"] - 1
+    assert rows[0].first == 0 and rows[-1].last == r.kv.compared_positions - 1
 
 
 def test_the_same_side_twice_is_bit_identical():
     """Determinism of the harness itself: one engine, reused, same batch, same bits."""
     side = SideConfig(weights="f32", kernel_policy="gemm", alongside=(30,), join_at=2)
     r = run_experiment(PROMPT, side, side, max_tokens=8, loader=loader)
-    assert r["bit_identical"], r["verdict"]
-    assert r["sides"]["a"]["others_joined"] and r["sides"]["a"]["steps"][2]["requests"] == 2
+    assert r.bit_identical, r.verdict
+    assert r.sides.a.others_joined and r.sides.a.steps[2]["requests"] == 2
 
 
 def test_others_that_would_join_after_the_end_never_join():
     late = SideConfig(weights="q4", alongside=(30,), join_at=20)
     r = run_experiment(PROMPT, late, SideConfig(weights="q4"), max_tokens=5, loader=loader)
-    assert not r["sides"]["a"]["others_joined"]
-    assert all(s["requests"] == 1 for s in r["sides"]["a"]["steps"])
-    assert r["bit_identical"]
+    assert not r.sides.a.others_joined
+    assert all(s["requests"] == 1 for s in r.sides.a.steps)
+    assert r.bit_identical
 
 
 def test_side_spec_parsing():
@@ -144,11 +147,11 @@ def test_search_counts_and_prompt_files(tmp_path):
     q4 = SideConfig(weights="q4", decode_matmul="mlx")  # MLX's kernel on both: the same bits
     out = search(prompts, q4, SideConfig(weights="q4", kernel_policy="gemv", decode_matmul="mlx"),
                  max_tokens=6, loader=loader)
-    assert out["prompts"] == 3 and out["errors"] == 1  # the last one is too long for 512
-    assert out["bit_identical"] == 2 and out["forked"] == 0 and out["forks"] == []
-    assert "context window" in out["results"][2]["error"]
-    assert len(out["smallest_margins"]) == 2
-    assert out["tokens_compared"] == 12 and out["close_calls"] == 0  # no noise, no close call
+    assert out.prompts == 3 and out.errors == 1  # the last one is too long for 512
+    assert out.bit_identical == 2 and out.forked == 0 and out.forks == []
+    assert "context window" in out.results[2]["error"]
+    assert len(out.smallest_margins) == 2
+    assert out.tokens_compared == 12 and out.close_calls == 0  # no noise, no close call
     assert len(BUILTIN_PROMPTS) == 20 and len(set(BUILTIN_PROMPTS)) == 20
 
 
@@ -164,34 +167,34 @@ def test_each_side_keeps_every_step_its_engine_ran():
         assert engine is runner._engines[b.engine_key()]
         ring = {rec.step: rec.to_dict() for rec in engine.steps.recent()}
         ran = engine.step_count
-    sa, sb = r["sides"]["a"], r["sides"]["b"]
-    numbers = [s["engine_step"] for s in sa["engine_steps"] + sb["engine_steps"]]
+    sa, sb = r.sides.a, r.sides.b
+    numbers = [s["engine_step"] for s in sa.engine_steps + sb.engine_steps]
     assert numbers == list(range(1, ran + 1))  # every step the engine ran, each once
     for side, n_others in ((sa, 2), (sb, 1)):
-        ids = side["request_ids"]
+        ids = side.request_ids
         assert len(ids["alongside"]) == n_others and ids["target"] not in ids["alongside"]
-        by_number = {s["step"]: s for s in side["engine_steps"]}
-        for s in side["engine_steps"]:
+        by_number = {s["step"]: s for s in side.engine_steps}
+        for s in side.engine_steps:
             assert {**s, "step": s["engine_step"]} == {**ring[s["engine_step"]],
                                                        "engine_step": s["engine_step"]}
             assert {e["request_id"] for e in s["entries"]} <= {ids["target"], *ids["alongside"]}
         # The summary steps are the target's, numbered alike, with the same path and rows.
-        for t in side["steps"]:
+        for t in side.steps:
             full = by_number[t["step"]]
             assert (full["kernel_path"], full["total_rows"]) == (t["path"], t["rows"])
             assert ids["target"] in {e["request_id"] for e in full["entries"]}
-        assert side["engine"]["kernel_policy"] == side["config"]["kernel_policy"]
-        assert side["engine"]["enable_prefix_caching"] is False
+        assert side.engine["kernel_policy"] == side.config["kernel_policy"]
+        assert side.engine["enable_prefix_caching"] is False
     # On A the others ran on alone after the target's last step.
-    after = [s for s in sa["engine_steps"] if s["step"] > sa["steps"][-1]["step"]]
-    assert after and all(sa["request_ids"]["target"] not in
+    after = [s for s in sa.engine_steps if s["step"] > sa.steps[-1]["step"]]
+    assert after and all(sa.request_ids["target"] not in
                          {e["request_id"] for e in s["entries"]} for s in after)
-    assert {e["request_id"] for e in sa["engine_steps"][0]["entries"]} == \
-        {sa["request_ids"]["target"], *sa["request_ids"]["alongside"]}
+    assert {e["request_id"] for e in sa.engine_steps[0]["entries"]} == \
+        {sa.request_ids["target"], *sa.request_ids["alongside"]}
     # On B the other joins at the target's token #2: the first steps are the target's alone.
-    assert [e["request_id"] for e in sb["engine_steps"][0]["entries"]] == \
-        [sb["request_ids"]["target"]]
-    assert all(s["kernel_path"] == "gemv" for s in sb["engine_steps"])
+    assert [e["request_id"] for e in sb.engine_steps[0]["entries"]] == \
+        [sb.request_ids["target"]]
+    assert all(s["kernel_path"] == "gemv" for s in sb.engine_steps)
 
 
 # ---- the comparison on hand-made traces ----------------------------------------------------
@@ -231,29 +234,57 @@ def test_compare_reports_the_chain_from_cache_write_to_fork():
     run_a = fake_run([ord("x") + 3, ord("y") + 3, a_tok], la, None, ["gemv"] * 3)
     run_b = fake_run([ord("x") + 3, ord("y") + 3, b_tok], lb, 3, ["gemv", "gemm", "gemv"])
     r = compare(run_a, run_b, TOKENIZER.decode, top_k=2)
-    assert not r["identical"] and not r["bit_identical"]
-    fork = r["fork"]
-    assert fork["token_index"] == 2 and fork["char_offset"] == 2 and fork["shared_text"] == "xy"
-    assert (fork["continuation_a"], fork["continuation_b"]) == ("a", "b")
-    assert fork["margin_a"] == pytest.approx(0.0055, abs=1e-5)
-    assert [row["token_id"] for row in fork["table"]] == [a_tok, b_tok]
-    assert fork["table"][0]["logit_a"] == pytest.approx(25.5712)
-    assert fork["table"][0]["rank_b"] == 2 and fork["table"][1]["rank_b"] == 1
+    assert not r.identical and not r.bit_identical
+    fork = r.fork
+    assert fork.token_index == 2 and fork.char_offset == 2 and fork.shared_text == "xy"
+    assert (fork.continuation_a, fork.continuation_b) == ("a", "b")
+    assert fork.margin_a == pytest.approx(0.0055, abs=1e-5)
+    assert [row.token_id for row in fork.table] == [a_tok, b_tok]
+    assert fork.table[0].logit_a == pytest.approx(25.5712)
+    assert fork.table[0].rank_b == 2 and fork.table[1].rank_b == 1
     # KV: position 3 (output token #0 fed back) was written by step 2, gemm on B.
-    first = r["kv"]["first_difference"]
-    assert first["position"] == 3 and first["output_index"] == 0
-    assert first["b"]["path"] == "gemm" and first["a"]["path"] == "gemv"
-    assert first["values_max_abs_delta"] > 0 and first["keys_max_abs_delta"] == 0
-    assert r["kv"]["compared_positions"] == 3 + 2  # up to the fork's position
-    assert r["logits"]["first_difference"] == 1 and r["logits"]["compared_tokens"] == 3
-    assert [line.split(" ")[0] for line in r["chain"]] == ["KV", "first", "fork"]
-    assert "position 3" in r["chain"][0] and "fork at output token 2" in r["chain"][2]
+    first = r.kv.first_difference
+    assert first.position == 3 and first.output_index == 0
+    assert first.b.path == "gemm" and first.a.path == "gemv"
+    assert first.values_max_abs_delta > 0 and first.keys_max_abs_delta == 0
+    assert r.kv.compared_positions == 3 + 2  # up to the fork's position
+    assert r.logits.first_difference == 1 and r.logits.compared_tokens == 3
+    assert [line.split(" ")[0] for line in r.chain] == ["KV", "first", "fork"]
+    assert "position 3" in r.chain[0] and "fork at output token 2" in r.chain[2]
+
+
+def test_a_record_reads_back_from_its_json_as_saved_by_older_builds():
+    """to_dict() is the record's JSON (what the runs database stores), from_dict() reads it
+    back to the same record; a record from before the sides kept their engine steps, request
+    ids, engine and speculation still reads, with those empty."""
+    run_a = fake_run([ord("x") + 3, ord("a") + 3], [onehot(ord("x") + 3, 50, 2.0),
+                                                    onehot(ord("a") + 3, 51, 0.5)], None,
+                     ["gemv"] * 2)
+    run_b = fake_run([ord("x") + 3, ord("b") + 3], [onehot(ord("x") + 3, 50, 2.0),
+                                                    onehot(ord("b") + 3, 51, 0.5)], 3,
+                     ["gemv", "gemm"])
+    r = compare(run_a, run_b, TOKENIZER.decode, top_k=2)
+    data = json.loads(json.dumps(r.to_dict()))
+    assert list(data) == ["version", "model", "prompt_ids", "prompt_tokens", "sides",
+                          "identical", "bit_identical", "fork", "logits", "kv", "verdict",
+                          "chain", "prompt", "chat", "max_tokens", "ignore_eos", "elapsed_s",
+                          "backend"]
+    assert data["fork"]["table"][0]["token_id"] == r.fork.table[0].token_id
+    assert data["kv"]["first_difference"]["b"]["path"] == "gemm"
+    again = DivergenceRecord.from_dict(data)
+    assert again == r and again.to_dict() == data
+    for side in data["sides"].values():
+        for key in ("engine_steps", "request_ids", "engine", "speculation"):
+            del side[key]
+    old = DivergenceRecord.from_dict(data)
+    assert old.sides.a.engine_steps == [] and old.sides.a.speculation is None
+    assert old.fork == r.fork and old.kv == r.kv and old.verdict == r.verdict
 
 
 def test_a_record_names_the_blas_library_not_its_path():
-    from app.lab.divergence import _backend
+    from app.lab.divergence.runner import backend
 
-    blas = _backend()["blas"]
+    blas = backend()["blas"]
     assert blas is None or "/" not in blas
 
 
@@ -266,18 +297,18 @@ def test_speculating_sides_are_bit_identical_to_plain_decoding_on_four_bit_rows(
     assert (a.speculative, a.num_speculative_tokens) == ("ngram", 3)
     assert "ngram k=3" in a.label() and a.engine_key() != b.engine_key()
     r = run_experiment(prompt, a, b, max_tokens=24, loader=loader)
-    assert r["bit_identical"], r["verdict"]
-    assert r["logits"]["compared_tokens"] == 24
-    assert r["kv"]["compared_positions"] == 10 + 23
-    assert r["kv"]["rewritten_positions"] == {"a": 0, "b": 0}
-    spec = r["sides"]["a"]["speculation"]
-    assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]
-    steps = r["sides"]["a"]["steps"]
-    assert spec["drafted"] == sum(s["target_drafted"] for s in steps)
+    assert r.bit_identical, r.verdict
+    assert r.logits.compared_tokens == 24
+    assert r.kv.compared_positions == 10 + 23
+    assert r.kv.rewritten_positions == {"a": 0, "b": 0}
+    spec = r.sides.a.speculation
+    assert spec.accepted > 0 and spec.drafted > spec.accepted
+    steps = r.sides.a.steps
+    assert spec.drafted == sum(s["target_drafted"] for s in steps)
     assert len(steps) < 24  # verify steps emitted several tokens
-    drafted_tokens = [t["drafted"] for t in r["sides"]["a"]["tokens"]]
-    assert sum(drafted_tokens) == spec["accepted"]
-    assert r["sides"]["b"]["speculation"] is None
+    drafted_tokens = [t["drafted"] for t in r.sides.a.tokens]
+    assert sum(drafted_tokens) == spec.accepted
+    assert r.sides.b.speculation is None
 
 
 def test_a_draft_model_side_is_bit_identical_to_a_prompt_lookup_side():
@@ -291,11 +322,11 @@ def test_a_draft_model_side_is_bit_identical_to_a_prompt_lookup_side():
                             SideConfig(draft_model="layers:1")).engine_key() \
         == b.engine_key()  # a draft model given to every side matters to draft sides only
     r = run_experiment(prompt, a, b, max_tokens=24, loader=loader)
-    assert r["bit_identical"], r["verdict"]
-    spec = r["sides"]["a"]["speculation"]
-    assert spec["method"] == "draft" and spec["draft_model"] == "layers:1"
-    assert spec["drafted"] > spec["accepted"] > 0
-    assert r["sides"]["a"]["engine"]["draft_model"] == "layers:1"
+    assert r.bit_identical, r.verdict
+    spec = r.sides.a.speculation
+    assert spec.method == "draft" and spec.draft_model == "layers:1"
+    assert spec.drafted > spec.accepted > 0
+    assert r.sides.a.engine["draft_model"] == "layers:1"
 
 
 def test_the_commands_draft_model_reaches_the_draft_sides():

@@ -10,8 +10,8 @@ import pytest
 from bs4 import BeautifulSoup
 from starlette.testclient import TestClient
 
-from app.cli.diverge import clean, format_record, format_search
 from app.lab.divergence import SideConfig, run_experiment, search
+from app.lab.divergence.text import clean, format_record, format_search
 from app.settings import Settings
 from app.web.app import create_app
 from app.web.pages.divergence import lab_for
@@ -38,7 +38,7 @@ def forked():
     a = SideConfig(weights="f32", kernel_policy="gemm", alongside=(30, 20))
     b = SideConfig(weights="bf16", kernel_policy="gemv")
     record = run_experiment(PROMPT, a, b, max_tokens=10, loader=two_models, top_k=3)
-    assert record["fork"] is not None, record["verdict"]
+    assert record.fork is not None, record.verdict
     params = {"prompt": PROMPT, "max_tokens": 10, "top_k": 3, "chat": False,
               "a": a.to_dict(), "b": b.to_dict()}
     return record, params
@@ -69,26 +69,26 @@ def test_a_finished_record_renders_with_the_fork_marked(client, forked):
     assert not [s for s in page.find_all("script") if "alert" in s.get_text()]
     section = page.find("section", class_="experiment")
     assert section["data-id"] == exp_id and section["data-status"] == "done"
-    assert page.find(class_="verdict").get_text(strip=True) == record["verdict"]
+    assert page.find(class_="verdict").get_text(strip=True) == record.verdict
     assert page.find("pre", class_="prompt").get_text() == PROMPT
-    fork = record["fork"]
-    for s in ("a", "b"):
+    fork = record.fork
+    for s, rest in (("a", fork.continuation_a), ("b", fork.continuation_b)):
         pre = page.find("pre", attrs={"data-side": s})
-        assert pre.find(class_="shared").get_text() == fork["shared_text"]
-        assert pre.find("mark", class_="fork").get_text() == fork[f"continuation_{s}"]
+        assert pre.find(class_="shared").get_text() == fork.shared_text
+        assert pre.find("mark", class_="fork").get_text() == rest
     rows = page.select("table.fork-table tbody tr")
-    assert [int(r["data-token"]) for r in rows] == [t["token_id"] for t in fork["table"]]
+    assert [int(r["data-token"]) for r in rows] == [t.token_id for t in fork.table]
     first = rows[0].find(attrs={"data-col": "logit_a"}).get_text()
-    assert first.startswith(f"{fork['table'][0]['logit_a']:.6f}")
+    assert first.startswith(f"{fork.table[0].logit_a:.6f}")
     assert sum("◀" in r.get_text() for r in rows) == 2  # each side's choice
     chain = [li.get_text() for li in page.select("ol.div-chain li")]
-    assert chain == record["chain"]
+    assert chain == record.chain
     svg = page.find("svg", class_="div-chart")
     assert len(svg.find_all("polyline")) == 3
-    assert len(svg.find_all("circle")) == record["logits"]["compared_tokens"]
+    assert len(svg.find_all("circle")) == record.logits.compared_tokens
     timeline = page.select("table.div-timeline tbody tr")
     assert timeline and int(timeline[0]["data-first"]) == 0
-    assert int(timeline[-1]["data-last"]) == record["kv"]["compared_positions"] - 1
+    assert int(timeline[-1]["data-last"]) == record.kv.compared_positions - 1
     assert len(page.select("tr.kv-first")) == 1  # the first KV difference is marked once
     # The form is filled with this experiment's settings, to rerun it with changes.
     form = page.find("form", class_="div-form")
@@ -105,11 +105,10 @@ def test_json_twin_holds_the_record(client, forked):
     body = client.get(f"/divergence.json?id={exp_id}").json()
     assert body["experiment"]["status"] == "done"
     got = body["experiment"]["record"]
-    assert got["fork"]["token_index"] == record["fork"]["token_index"]
-    assert got["fork"]["table"][0]["logit_a"] == pytest.approx(record["fork"]["table"][0]
-                                                               ["logit_a"])
-    assert got["kv"]["by_position"] == pytest.approx(record["kv"]["by_position"])
-    assert body["view"]["fork_token"] == record["fork"]["token_index"]
+    assert got["fork"]["token_index"] == record.fork.token_index
+    assert got["fork"]["table"][0]["logit_a"] == pytest.approx(record.fork.table[0].logit_a)
+    assert got["kv"]["by_position"] == pytest.approx(record.kv.by_position)
+    assert body["view"]["fork_token"] == record.fork.token_index
     same = client.get(f"/divergence?id={exp_id}", headers=JSON).json()
     assert same["experiment"]["id"] == exp_id
     listing = client.get("/divergence.json").json()
@@ -174,10 +173,10 @@ def test_form_errors(client):
 def test_cli_text_output(forked):
     record, _ = forked
     text = format_record(record)
-    fork = record["fork"]
-    assert f"Verdict: {record['verdict']}" in text
-    assert f"Logits at the fork (output token {fork['token_index']}" in text
-    assert f"{fork['table'][0]['logit_a']:.6f}" in text
+    fork = record.fork
+    assert f"Verdict: {record.verdict}" in text
+    assert f"Logits at the fork (output token {fork.token_index}" in text
+    assert f"{fork.table[0].logit_a:.6f}" in text
     assert "Contamination timeline" in text and "prompt" in text
     assert clean("a\x1b[31mred\x07") == "a\\x1b[31mred\\x07"
     s = search(["hello", "hi"], SideConfig(weights="q4", decode_matmul="mlx"),
