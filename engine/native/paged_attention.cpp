@@ -11,21 +11,17 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "vector_math.h"
+#include "simd.h"
 #include "workers.h"
 
 // The arithmetic of one row (a query head at one position), the same on every path:
 //   q' = round_R(q * scale); the score of key t is round_R(dot(q', k_t)), where dot is 8
 //   partial sums (lane j takes d = j, j + 8, ... in increasing d, one fma each, from 0) and
 //   then the tree (j + 4, then j + 2, then j + 1); m = the maximum score; e_t = exp(s_t - m)
-//   by MLX's exp formula (vector_math.h); sum = 16 partial sums by t mod 16 (each in t order),
+//   by MLX's exp formula (vector_math.h, simd.h's exp_lanes); sum = 16 partial sums by t mod 16 (each in t order),
 //   then their tree (partial_sum);
 //   p_t = round_R(e_t * (1 / sum)); out[d] = the fmas p_t * v_t[d] in t order, from 0.
 // round_R rounds to q's dtype, where MLX's own attention keeps its intermediates (a no-op for
@@ -46,180 +42,10 @@ void check(bool ok, const std::string& message) {
 
 constexpr int LANES = 16;  // rows per tile of a run, floats per vector of the value loops
 
-// A vector of 16 floats and the few operations the kernel needs.
-#if defined(__AVX512F__)
-struct V {
-  __m512 v;
-  static V zero() { return {_mm512_setzero_ps()}; }
-  static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static V bcast(float x) { return {_mm512_set1_ps(x)}; }
-  void store(float* p) const { _mm512_storeu_ps(p, v); }
-};
-inline V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
-inline V sub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
-inline V mul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
-inline V max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
-// exp_nonpositive (vector_math.h) on each lane, with the same operations.
-inline V exp_lanes(V x) {
-  const __m512 t = _mm512_mul_ps(x.v, _mm512_set1_ps(1.442695f));
-  const __m512 ipart = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)),
-                                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, ipart);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __mmask16 small = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-88.0f), _CMP_LT_OQ);
-  const __m512 ip = _mm512_mask_blend_ps(small, ipart, _mm512_setzero_ps());
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvttps_epi32(ip), _mm512_set1_epi32(127)), 23);
-  const __m512 r = _mm512_mul_ps(_mm512_castsi512_ps(bits), p);
-  return {_mm512_mask_blend_ps(small, r, _mm512_setzero_ps())};
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-struct V {
-  __m256 lo, hi;
-  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static V bcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-  void store(float* p) const {
-    _mm256_storeu_ps(p, lo);
-    _mm256_storeu_ps(p + 8, hi);
-  }
-};
-inline V fma(V a, V b, V c) {
-  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
-}
-inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-inline V max(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-inline __m256 exp_half(__m256 x) {
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.442695f));
-  const __m256 ipart = _mm256_round_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)),
-                                       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, ipart);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-88.0f), _CMP_LT_OQ);
-  const __m256 ip = _mm256_blendv_ps(ipart, _mm256_setzero_ps(), small);
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(ip), _mm256_set1_epi32(127)), 23);
-  const __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(bits), p);
-  return _mm256_blendv_ps(r, _mm256_setzero_ps(), small);
-}
-// exp_nonpositive (vector_math.h) on each lane, with the same operations.
-inline V exp_lanes(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
-#else
-struct V {
-  float x[LANES];
-  static V zero() { return {}; }
-  static V load(const float* p) {
-    V r;
-    std::memcpy(r.x, p, sizeof(r.x));
-    return r;
-  }
-  static V bcast(float s) {
-    V r;
-    std::fill(r.x, r.x + LANES, s);
-    return r;
-  }
-  void store(float* p) const { std::memcpy(p, x, sizeof(x)); }
-};
-inline V fma(V a, V b, V c) {
-  for (int l = 0; l < LANES; ++l) c.x[l] = std::fma(a.x[l], b.x[l], c.x[l]);
-  return c;
-}
-inline V add(V a, V b) {
-  for (int l = 0; l < LANES; ++l) a.x[l] += b.x[l];
-  return a;
-}
-inline V sub(V a, V b) {
-  for (int l = 0; l < LANES; ++l) a.x[l] -= b.x[l];
-  return a;
-}
-inline V mul(V a, V b) {
-  for (int l = 0; l < LANES; ++l) a.x[l] *= b.x[l];
-  return a;
-}
-inline V max(V a, V b) {
-  for (int l = 0; l < LANES; ++l) a.x[l] = b.x[l] > a.x[l] ? b.x[l] : a.x[l];
-  return a;
-}
-inline V exp_lanes(V x) {
-  for (int l = 0; l < LANES; ++l) x.x[l] = batchscope::exp_nonpositive(x.x[l]);
-  return x;
-}
-#endif
-
-// Exact conversions of the pool's storage to float32.
-inline float to_float(float x) { return x; }
-inline float to_float(mx::float16_t x) {
-#if defined(__F16C__)
-  uint16_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(x);
-#endif
-}
-inline float to_float(mx::bfloat16_t x) {
-  uint16_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// 8 floats of a pool row as float32 (exact).
-template <typename T>
-inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (std::is_same_v<T, mx::float16_t>) return _mm256_cvtph_ps(h);
-    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-#endif
-
-// 16 floats of a pool row as float32 (exact: a 16-bit float widens without rounding), so a
-// decode row reads a 16-bit pool's own bytes with no copy.
-template <typename T>
-inline V load_row(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return V::load(p);
-  } else {
-#if defined(__AVX512F__)
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (std::is_same_v<T, mx::float16_t>) return {_mm512_cvtph_ps(h)};
-    else return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
-#elif defined(__AVX2__) && defined(__FMA__)
-    return {load8(p), load8(p + 8)};
-#else
-    V r;
-    for (int l = 0; l < LANES; ++l) r.x[l] = to_float(p[l]);
-    return r;
-#endif
-  }
-}
-
 // dot(q, k) over dim_pad (a multiple of 8, zero-padded): 8 partial sums, then the tree.
 template <typename T = float>
 inline float dot8(const float* q, const T* k, int dim_pad) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if BATCHSCOPE_HAS_AVX2
   __m256 acc = _mm256_setzero_ps();
   for (int d = 0; d < dim_pad; d += 8) {
     acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
@@ -240,7 +66,7 @@ inline float dot8(const float* q, const T* k, int dim_pad) {
 #endif
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if BATCHSCOPE_HAS_AVX2
 // dot8 of H heads' queries (q + h * q_stride) against 8 keys at once, into out + h * out_stride
 // [0..8) in key order: the same fmas per (head, key), and the same tree (the halves, then lanes
 // j and j + 2, then j and j + 1) done for 8 keys together. Each key chunk is loaded (and a
@@ -388,7 +214,7 @@ void locate_rows(const T* pool, int g, const int32_t* table, int lo, int hi, con
   for_pool_rows(pool, g, table, lo, hi, s, [&](int i, const T* src) {
     float* dst = buf.data() + static_cast<size_t>(i) * s.dim16;
     int d = 0;
-    for (; d + LANES <= s.dim; d += LANES) load_row(src + d).store(dst + d);
+    for (; d + LANES <= s.dim; d += LANES) V::load(src + d).store(dst + d);
     for (; d < s.dim; ++d) dst[d] = to_float(src[d]);
     rows[i] = dst;
   });
@@ -409,9 +235,7 @@ inline float partial_sum(const float* e, int n) {
     std::copy(e + t, e + n, tail);
     acc = add(acc, V::load(tail));
   }
-  alignas(64) float lanes[LANES];
-  acc.store(lanes);
-  return lane_sum(lanes);
+  return lane_sum(acc);
 }
 
 // Softmax of one row's scores in place, as the header describes: p_t = round_R(e_t / sum).
@@ -472,7 +296,7 @@ void values_fixed(const float* const* probs, const T* const* vrow, int t0,
     const T* v = vrow[t];
     if (t + 8 < t1) prefetch_row(vrow[t + 8], NV * LANES);
     V vt[NV];
-    for (int j = 0; j < NV; ++j) vt[j] = load_row(v + j * LANES);
+    for (int j = 0; j < NV; ++j) vt[j] = V::load(v + j * LANES);
     for (int g = 0; g < G; ++g) {
       const V p = V::bcast(probs[g][t]);
       for (int j = 0; j < NV; ++j) a[g][j] = fma(p, vt[j], a[g][j]);
@@ -489,14 +313,14 @@ void values_any(const float* const* probs, const T* const* vrow, int t0, int t1,
   for (int t = t0; t < t1; ++t) {
     const V p = V::bcast(probs[0][t]);
     for (int j = 0; j < dim16; j += LANES) {
-      fma(p, load_row(vrow[t] + j), V::load(acc + j)).store(acc + j);
+      fma(p, V::load(vrow[t] + j), V::load(acc + j)).store(acc + j);
     }
   }
 }
 
 // Rows in register-sized groups: with AVX-512's 32 registers, 16 vectors of accumulators at a
 // time; elsewhere a row at a time.
-#if defined(__AVX512F__)
+#if BATCHSCOPE_HAS_AVX512
 constexpr bool MANY_REGISTERS = true;
 #else
 constexpr bool MANY_REGISTERS = false;
@@ -570,7 +394,7 @@ void decode_unit_rows(const Unit& u, const R* q, const T* k_pool, const T* v_poo
     fetch(k_pool, first + t0, first + t1 - 1, w.keys, rows.keys);
     const U* const* krow = rows.keys.data();  // key t at krow[t - t0]
     int t = t0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if BATCHSCOPE_HAS_AVX2
     for (; t + 8 <= t1; t += 8) {
       for (int c = 8; c < 16 && t + c < t1; ++c) prefetch_row(krow[t - t0 + c], s.dim);
       dot8_keys8_heads(w.q.data(), s.dim16, rep, krow + (t - t0), s.dim8, w.scores.data() + t, n);
@@ -643,7 +467,7 @@ inline void scores_across_rows(const float* qt, const float* k, int stride, int 
 
 // Keys per pass of scores_across_rows: C accumulators and a query vector in the registers
 // (AVX-512: 32 of 16 floats; AVX2: 16 of 8 floats, two per V).
-#if defined(__AVX512F__)
+#if BATCHSCOPE_HAS_AVX512
 constexpr int KEYS_AT_ONCE = 12;
 #else
 constexpr int KEYS_AT_ONCE = 6;

@@ -10,18 +10,28 @@
 namespace batchscope {
 
 // MLX's CPU exp formula (Cephes' exp2 polynomial on the fraction of x * log2(e), with fused
-// multiply-adds): the polynomial, and in *ipart the integer part it is scaled by.
+// multiply-adds), written once: log2(e) as MLX rounds it, the polynomial's coefficients from
+// the highest power down (each step one fma, p = fma(p, f, c)), and the input below which the
+// result is 0 (above its negation, inf). The vector versions (simd.h) take the same steps.
+constexpr float EXP_LOG2E = 1.442695f;
+constexpr int EXP_TERMS = 7;
+constexpr float EXP_POLY[EXP_TERMS] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                                       9.618437357674640e-3f, 5.550332471162809e-2f,
+                                       2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+constexpr float EXP_LOWEST = -88.0f;
+
+// The polynomial, and in *ipart the integer part it is scaled by.
 inline float exp_fraction(float x, float* ipart) {
-  const float t = x * 1.442695f;
+  const float t = x * EXP_LOG2E;
   *ipart = std::floor(t + 0.5f);
   const float f = t - *ipart;
-  float p = 1.535336188319500e-4f;
-  p = std::fma(p, f, 1.339887440266574e-3f);
-  p = std::fma(p, f, 9.618437357674640e-3f);
-  p = std::fma(p, f, 5.550332471162809e-2f);
-  p = std::fma(p, f, 2.402264791363012e-1f);
-  p = std::fma(p, f, 6.931472028550421e-1f);
-  return std::fma(p, f, 1.0f);
+  float p = EXP_POLY[0];
+  p = std::fma(p, f, EXP_POLY[1]);
+  p = std::fma(p, f, EXP_POLY[2]);
+  p = std::fma(p, f, EXP_POLY[3]);
+  p = std::fma(p, f, EXP_POLY[4]);
+  p = std::fma(p, f, EXP_POLY[5]);
+  return std::fma(p, f, EXP_POLY[6]);
 }
 
 // 2^ipart as a float, for an integer-valued ipart in [-127, 127].
@@ -37,7 +47,7 @@ inline float exp2_int(float ipart) {
 inline float exp_nonpositive(float x) {
   float ipart;
   const float p = exp_fraction(x, &ipart);
-  return x < -88.0f ? 0.0f : exp2_int(x < -88.0f ? 0.0f : ipart) * p;
+  return x < EXP_LOWEST ? 0.0f : exp2_int(x < EXP_LOWEST ? 0.0f : ipart) * p;
 }
 
 // exp(x) for any x by MLX's formula, with its NaN, overflow and underflow cases, as
@@ -47,8 +57,8 @@ inline float exp_mlx(float x) {
   float ipart;
   const float p = exp_fraction(x, &ipart);
   float r = exp2_int(std::fmin(std::fmax(ipart, -127.0f), 127.0f)) * p;  // |x| <= 88: as is
-  r = x > 88.0f ? INFINITY : r;
-  r = x < -88.0f ? 0.0f : r;
+  r = x > -EXP_LOWEST ? INFINITY : r;
+  r = x < EXP_LOWEST ? 0.0f : r;
   return x != x ? x : r;  // NaN
 }
 
