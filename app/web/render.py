@@ -21,6 +21,7 @@ from app.assets import static_dir, templates_dir
 from app.json_safe import json_safe
 from app.runs import RunService
 from app.web.api.routes import error_body
+from app.web.views import View
 
 TEMPLATES_DIR = templates_dir()
 STATIC_DIR = static_dir()
@@ -136,11 +137,15 @@ def render_template(request: Request, template: str, context: dict) -> str:
     return page_templates(request).get_template(template).render({**extras, **context})
 
 
-def page_response(request: Request, template: str, context: dict, status: int = 200,
+def page_response(request: Request, template: str, context: View | dict, status: int = 200,
                   page_only: Callable[[], dict] | None = None) -> Response:
     """One context, two renderings: the template, or the context itself as JSON.
     page_only: what only the page shows (an inline plot), made only when the page is."""
-    if wants_json(request):
+    if isinstance(context, View):
+        if wants_json(request):
+            return JSONResponse(context.model_dump(mode="json"), status_code=status)
+        context = context.model_dump()
+    elif wants_json(request):
         return JSONResponse(json_safe(context), status_code=status)
     return html_response(request, template, {**context, **(page_only() if page_only else {})},
                          status)

@@ -342,7 +342,8 @@ async def stream_runs(request: Request) -> Response:
     async def events() -> AsyncIterator[dict]:
         for record in saved:  # finished before this stream: the final state at once
             run = run_context(record, token_decoder(request, record["model"]))
-            tokens = run["tokens"] + ([{"text": run["text_tail"]}] if run["text_tail"] else [])
+            tokens = ([t.model_dump() for t in run.tokens]
+                      + ([{"text": run.text_tail}] if run.text_tail else []))
             stats = _saved_stats(record)
             yield _sse(f"token-{record['id']}", fragment("_tokens.html", tokens=tokens))
             yield _sse(f"stats-{record['id']}", fragment("_stats.html", stats=stats))

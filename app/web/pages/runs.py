@@ -22,6 +22,22 @@ from app.web.render import (
     tokens_per_s,
     view_routes,
 )
+from app.web.views import (
+    Comparison,
+    FilterOptions,
+    PageLink,
+    ParamRow,
+    Run,
+    RunList,
+    RunListLinks,
+    RunMetrics,
+    RunPending,
+    RunSide,
+    RunStep,
+    RunToken,
+    Speculation,
+    TokenPair,
+)
 
 # ---- runs list -----------------------------------------------------------------------------
 FILTERS = ("model", "kernel_policy", "finish_reason", "q")
@@ -60,20 +76,20 @@ async def runs_list(request: Request) -> Response:
     options = await in_thread(request, queries.distinct_values)
     pages = max(1, math.ceil(listing["total"] / per_page))
     window = range(max(1, page - 3), min(pages, page + 3) + 1)
-    context = {
-        **listing, "pages": pages, "filters": filters, "options": options,
-        "links": {
-            "prev": _runs_url(filters, page - 1, per_page) if page > 1 else None,
-            "next": _runs_url(filters, page + 1, per_page) if page < pages else None,
-            "pages": [{"page": p, "url": _runs_url(filters, p, per_page)} for p in window],
-            "json": _runs_url(filters, page, per_page, json=True),
-        },
-    }
+    context = RunList(
+        **listing, pages=pages, filters=filters, options=FilterOptions(**options),
+        links=RunListLinks(
+            prev=_runs_url(filters, page - 1, per_page) if page > 1 else None,
+            next=_runs_url(filters, page + 1, per_page) if page < pages else None,
+            pages=[PageLink(page=p, url=_runs_url(filters, p, per_page)) for p in window],
+            json=_runs_url(filters, page, per_page, json=True),
+        ),
+    )
     return page_response(request, "runs.html", context)
 
 
 # ---- one run -------------------------------------------------------------------------------
-def run_context(record: dict, decode: Callable[[int], str | None]) -> dict:
+def run_context(record: dict, decode: Callable[[int], str | None]) -> Run:
     """A saved run (queries.get_run) with decoded tokens, time offsets and decode speed."""
     queued = record["queued_at"]
     tokens = []
@@ -81,21 +97,22 @@ def run_context(record: dict, decode: Callable[[int], str | None]) -> dict:
     for t in record["tokens"]:
         view = token_view(t["idx"], t["token_id"], t["text"], t["logprob"], t["top_logprobs"],
                           t["t"], queued, t["step"], decode, t.get("drafted", False))
-        view["gap"] = None if previous is None or t["t"] is None else t["t"] - previous
+        gap = None if previous is None or t["t"] is None else t["t"] - previous
         previous = t["t"]
-        tokens.append(view)
-    steps = [{**s, "offset": s["started_at"] - queued if queued else None}
+        tokens.append(RunToken(**view, gap=gap))
+    steps = [RunStep(**s, offset=s["started_at"] - queued if queued else None)
              for s in record["steps"]]
-    metrics = {**record["metrics"], "tokens_per_s": tokens_per_s(record["metrics"]["tpot"])}
+    metrics = RunMetrics(**record["metrics"],
+                         tokens_per_s=tokens_per_s(record["metrics"]["tpot"]))
     # Text released only with the finish (held back for a stop string, or a partial character).
-    released = "".join(t["text"] or "" for t in tokens)
+    released = "".join(t.text or "" for t in tokens)
     output = record["output_text"] or ""
     tail = output[len(released):] if output.startswith(released) else ""
     # Drafted tokens among the output (the rest of the summary comes from the step entries).
-    speculation = {**record.get("speculation", {}),
-                   "drafted_tokens": sum(1 for t in tokens if t["drafted"])}
-    return {**record, "tokens": tokens, "text_tail": tail, "steps": steps, "metrics": metrics,
-            "speculation": speculation}
+    speculation = Speculation(**record.get("speculation", {}),
+                              drafted_tokens=sum(1 for t in tokens if t.drafted))
+    return Run(**{**record, "tokens": tokens, "steps": steps, "metrics": metrics,
+                  "speculation": speculation}, text_tail=tail)
 
 
 async def run_detail(request: Request) -> Response:
@@ -108,49 +125,46 @@ async def run_detail(request: Request) -> Response:
         registry = getattr(request.app.state, "live_runs", None)
         live = registry.get(run_id) if registry is not None else None
         if live is not None:  # the recorder has not written its row yet
-            context = {"id": run_id, "status": "running" if live.finish is None else "saving",
-                       "message": f"run {run_id} is not in the database yet; this page "
-                                  "reloads until it is"}
+            context = RunPending(
+                id=run_id, status="running" if live.finish is None else "saving",
+                message=f"run {run_id} is not in the database yet; this page reloads until "
+                        "it is")
             return page_response(request, "pending.html", context, 202)
         return error_response(request, 404, f"no run {run_id!r}", "run_id", "not_found")
-    context = run_context(record, token_decoder(request, record["model"]))
-    return page_response(request, "run.html", context)
+    return page_response(request, "run.html",
+                         run_context(record, token_decoder(request, record["model"])))
 
 
 # ---- compare -------------------------------------------------------------------------------
-def compare_context(a: dict, b: dict) -> dict:
-    """Two saved runs (run_context shapes): parameter differences and outputs by token."""
-    fields = [("model", a["model"], b["model"]), ("weights", a["weights"], b["weights"]),
-              ("kernel_policy", a["kernel_policy"], b["kernel_policy"]),
-              ("source", a["source"], b["source"]), ("endpoint", a["endpoint"], b["endpoint"]),
-              ("prompt", a["prompt_text"], b["prompt_text"])]
-    names = list(dict.fromkeys([*(a["params"] or {}), *(b["params"] or {})]))
-    fields += [(n, (a["params"] or {}).get(n), (b["params"] or {}).get(n)) for n in names]
-    params = [{"name": n, "a": va, "b": vb, "differs": va != vb} for n, va, vb in fields]
+def compare_context(a: Run, b: Run) -> Comparison:
+    """Two saved runs (run_context): parameter differences and outputs by token."""
+    fields = [("model", a.model, b.model), ("weights", a.weights, b.weights),
+              ("kernel_policy", a.kernel_policy, b.kernel_policy),
+              ("source", a.source, b.source), ("endpoint", a.endpoint, b.endpoint),
+              ("prompt", a.prompt_text, b.prompt_text)]
+    names = list(dict.fromkeys([*(a.params or {}), *(b.params or {})]))
+    fields += [(n, (a.params or {}).get(n), (b.params or {}).get(n)) for n in names]
+    params = [ParamRow(name=n, a=va, b=vb, differs=va != vb) for n, va, vb in fields]
     rows = []
     first: int | None = None
-    for i in range(max(len(a["tokens"]), len(b["tokens"]))):
-        ta = a["tokens"][i] if i < len(a["tokens"]) else None
-        tb = b["tokens"][i] if i < len(b["tokens"]) else None
-        same = ta is not None and tb is not None and ta["token_id"] == tb["token_id"]
+    for i in range(max(len(a.tokens), len(b.tokens))):
+        ta = a.tokens[i] if i < len(a.tokens) else None
+        tb = b.tokens[i] if i < len(b.tokens) else None
+        same = ta is not None and tb is not None and ta.token_id == tb.token_id
         if not same and first is None:
             first = i
         both = ta is not None and tb is not None
-        lp_diff = (tb["logprob"] - ta["logprob"]
-                   if both and ta["logprob"] is not None and tb["logprob"] is not None
-                   else None)
-        rows.append({"idx": i, "a": ta, "b": tb, "same": same, "logprob_diff": lp_diff})
+        lp_diff = (tb.logprob - ta.logprob
+                   if both and ta.logprob is not None and tb.logprob is not None else None)
+        rows.append(TokenPair(idx=i, a=ta, b=tb, same=same, logprob_diff=lp_diff))
 
-    def side(r: dict) -> dict:
-        keys = ("id", "created_at", "model", "status", "finish_reason", "prompt_tokens",
-                "completion_tokens", "output_text", "text_tail")
-        return {**{k: r[k] for k in keys}, "metrics": r["metrics"],
-                "speculation": r["speculation"]}
+    def side(r: Run) -> RunSide:
+        return RunSide(**{name: getattr(r, name) for name in RunSide.model_fields})
 
-    return {"a": side(a), "b": side(b), "params": params,
-            "params_differing": [p["name"] for p in params if p["differs"]],
-            "tokens": rows, "first_difference": first,
-            "same_tokens": sum(1 for r in rows if r["same"])}
+    return Comparison(a=side(a), b=side(b), params=params,
+                      params_differing=[p.name for p in params if p.differs],
+                      tokens=rows, first_difference=first,
+                      same_tokens=sum(1 for r in rows if r.same))
 
 
 async def compare(request: Request) -> Response:
