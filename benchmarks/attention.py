@@ -39,13 +39,14 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 # isort: on
 
-import engine.model_runner as model_runner
+import engine.step as step_module
 from engine import native
 from engine.attention import Span, attend
 from engine.kv_cache import KVPool
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner, RowGroup
+from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams
+from engine.scheduler import RowGroup
 
 BLOCK = 16
 
@@ -219,17 +220,17 @@ def decode_step(loaded, c: int, rounds: int):
             cache._idx -= 1
             cache.offset = cache.offset - 1
 
-    real_attend = model_runner.attend_step
+    real_attend = step_module.attend_step
 
     def without_attention():
         def skip(q, *args):
             return q.reshape(q.shape[0], -1)
 
-        model_runner.attend_step = skip
+        step_module.attend_step = skip
         try:
             runner.run(groups)
         finally:
-            model_runner.attend_step = real_attend
+            step_module.attend_step = real_attend
 
     variants = {"engine step": lambda: runner.run(groups)}
     if runner.attention_kernel is not None:

@@ -29,7 +29,7 @@ from attention import timed_rounds  # benchmarks/attention.py (this script's fol
 
 from engine import native
 from engine.model_loader import load_model
-from engine.model_runner import DECODE_MATMUL_MAX_ROWS, DECODE_QUANTIZED_MAX_ROWS
+from engine.native_ops import DECODE_MATMUL_MAX_ROWS, DECODE_QUANTIZED_MAX_ROWS
 from engine.platform import backend_info, blas_name
 
 PROJECTIONS = [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),

@@ -30,10 +30,12 @@ from decode_linear import model_layers  # benchmarks/decode_linear.py
 from engine import native
 from engine.engine import Engine
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner, RowGroup, Step, pool_for
+from engine.model_runner import ModelRunner, pool_for
 from engine.models import family_for
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
+from engine.scheduler import RowGroup
+from engine.step import Step
 
 CONTEXT = 100
 

@@ -3,12 +3,31 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from engine.speculative import SpeculativeConfig
 
+
+class ValueEnum(enum.StrEnum):
+    """A string enum whose members read as their values everywhere, repr included: they
+    compare, hash, format and serialize (JSON, the database) as the plain strings do."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class KernelPath(ValueEnum):
+    """How a step's linear layers run over its rows (engine/kernels.py)."""
+
+    GEMM = "gemm"  # one batched call per linear layer over all of the step's rows
+    GEMV = "gemv"  # one call per row
+    TILED = "tiled"  # the batch-invariant path: every call has exactly `tile` rows
+
+
 POLICIES = ("gemm", "gemv", "auto")
-TILED = "tiled"  # the batch-invariant path: every call has exactly `tile` rows
+TILED = KernelPath.TILED
+DEFAULT_TILE = 16  # rows per call on the tiled path (--invariant-tile)
 
 
 @dataclass(frozen=True)
@@ -24,10 +43,10 @@ class KernelPolicy:
             raise ValueError(f"kernel threshold must be a non-negative integer, "
                              f"got {self.threshold!r}")
 
-    def path_for(self, rows: int) -> str:
+    def path_for(self, rows: int) -> KernelPath:
         if self.mode == "auto":
-            return "gemv" if rows <= self.threshold else "gemm"
-        return self.mode
+            return KernelPath.GEMV if rows <= self.threshold else KernelPath.GEMM
+        return KernelPath(self.mode)
 
     def describe(self) -> str:
         return f"auto(T={self.threshold})" if self.mode == "auto" else self.mode
@@ -38,11 +57,19 @@ WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
 # a narrower one halves the bytes attention reads per position and doubles the positions a
 # pool of a given size holds (docs/engine.md, "KV dtype").
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
-# The native-kernel settings, attention (engine/attention.py) and decode_matmul
-# (engine/model_runner.py, float32 steps of up to DECODE_MATMUL_MAX_ROWS rows on the "gemm"
-# path): "auto" is the native op on the CPU backend when it is built, else MLX's own;
-# "native" requires the native op; "mlx" never uses it.
-NATIVE_SETTING = ("auto", "native", "mlx")
+
+
+class NativeSetting(ValueEnum):
+    """The native-kernel settings, attention (engine/attention.py) and decode_matmul
+    (engine/native_ops.py, float32 steps of up to DECODE_MATMUL_MAX_ROWS rows on the "gemm"
+    path, and the quantized, row and fused-layer ops)."""
+
+    AUTO = "auto"  # the native op on the CPU backend when it is built, else MLX's own
+    NATIVE = "native"  # requires the native op
+    MLX = "mlx"  # never uses it
+
+
+NATIVE_SETTING = tuple(NativeSetting)
 
 
 def check_native_setting(name: str, value: str) -> None:
@@ -74,9 +101,9 @@ class EngineConfig:
     # A request's output must not depend on what shares its batch: every linear call gets
     # exactly `invariant_tile` rows (padded), whatever the step holds. Overrides kernel_policy.
     batch_invariant: bool = False
-    invariant_tile: int = 16
-    attention: str = "auto"
-    decode_matmul: str = "auto"
+    invariant_tile: int = DEFAULT_TILE
+    attention: str = NativeSetting.AUTO
+    decode_matmul: str = NativeSetting.AUTO
     # Speculative decoding (engine/speculative.py): "off", "ngram" (prompt lookup) or "draft"
     # (a draft model, engine/draft.py); drafts per request per step; the n-gram sizes matched;
     # the most running requests at which a step still speculates; and the draft model:

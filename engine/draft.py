@@ -19,7 +19,7 @@ not enough, the request gets the drafts made so far (none when its catch-up does
 draft never fails a step: an error inside the draft drops its caches and the step goes on
 without drafts.
 
-Greedy drafts are point proposals, so the acceptance rules in engine/model_runner.py keep the
+Greedy drafts are point proposals, so the acceptance rules in engine/sampler.py keep the
 target's output exact, greedy or sampled.
 
 Drafts: "layers:N" is the target's own first N decoder layers with its final norm and head
@@ -37,9 +37,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig, KernelPath
 from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, RowGroup
+from engine.model_runner import ModelRunner, pool_for
 from engine.models import Family, UnsupportedModelError, family_for
+from engine.scheduler import RowGroup
 from engine.speculative import common_prefix, draft_layers
 
 log = logging.getLogger("batchscope.engine")
@@ -93,6 +95,29 @@ def truncated(target: LoadedModel, target_family: Family, n: int) -> DraftModel:
     family.layers = family.layers[:n]
     return DraftModel(target.model, family, f"layers:{n} (the first {n} of {total} layers of "
                       f"{target.name})", target.weights, target.max_context, shared=True)
+
+
+def draft_proposer(cfg: EngineConfig, target: LoadedModel, target_runner: ModelRunner,
+                   kv_dtype, path_for: Callable[[int], KernelPath],
+                   loader: Callable[[str], LoadedModel] | None = None) -> DraftProposer:
+    """The proposer of cfg.draft_model for the target: the draft, its runner over a pool of
+    its own (as many blocks as the target's, kv_dtype as the target's) and its block tables;
+    refused here, before the engine serves, when it does not fit the target. path_for: the
+    engine's kernel path for a forward of that many rows."""
+    draft = load_draft(cfg.draft_model, target, target_runner.family, loader)
+    pool = pool_for(draft.family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
+    # A draft of the target's own modules shares its stacked q/k/v and gate/up weights (the
+    # layers' weights are views of them), so it adds no weight memory.
+    runner = ModelRunner(draft.model, pool, cfg.attention, cfg.decode_matmul, draft.family,
+                         tile=cfg.invariant_tile,
+                         stacks=target_runner.stacks if draft.shared else None)
+    runner.run([RowGroup("warmup", [0], 0, [0], sample=False)])
+    log.info("draft model %s (%s weights%s); its KV pool %.0f MiB (%s)", draft.name,
+             draft.weights, ", shared with the target" if draft.shared else "",
+             pool.nbytes() / 2**20, pool.dtype)
+    return DraftProposer(draft, runner, BlockManager(cfg.num_kv_blocks, cfg.block_size,
+                                                     enable_prefix_caching=False),
+                         cfg.max_num_batched_tokens, path_for)
 
 
 def vocabulary_rows(loaded: LoadedModel) -> int:
@@ -207,7 +232,7 @@ class DraftProposer:
                 if not g.sample:
                     continue  # a catch-up chunk: drafts from a later step
                 mine = drafts.setdefault(g.seq_id, [])
-                mine.append(out.samples[g.seq_id][0].token_id)
+                mine.append(out.sampled[g.seq_id].samples[0].token_id)
                 # The next round: one row, the draft just made (its KV is not written yet).
                 if len(mine) < rooms[g.seq_id] and self._allocate(g.seq_id, len(seen) + 1,
                                                                   protect):

@@ -21,26 +21,19 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from engine import native
 from engine.block_manager import BlockManager
-from engine.config import TILED, EngineConfig, KernelPolicy
-from engine.draft import DraftProposer, load_draft
+from engine.config import EngineConfig, KernelPath, KernelPolicy
+from engine.draft import draft_proposer
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
 from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import (
-    DECODE_MATMUL_MAX_ROWS,
-    DECODE_QUANTIZED_MAX_ROWS,
-    ModelRunner,
-    RowGroup,
-    pool_for,
-)
+from engine.model_runner import ModelRunner, StepOutput, pool_for
 from engine.models import family_for
 from engine.output import OutputText
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.scheduler import GroupUpdate, Phase, RowGroup, Scheduler, SchedulerOutput
+from engine.sequence import FinishReason, LogitsProcessor, Sequence
 from engine.speculative import Proposer, proposer_for
 from engine.telemetry import StepEntry, StepLog, StepRecord
 from engine.thresholds import ThresholdTable, resolve_threshold
@@ -73,6 +66,7 @@ class Submission:
     params: SamplingParams | None = None
     request_id: str | None = None
     trace: bool = False
+    logits_processors: tuple[LogitsProcessor, ...] = ()  # see Sequence.logits_processors
 
 
 class Engine:
@@ -160,14 +154,16 @@ class Engine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                request_id: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, trace: bool = False) -> RequestHandle:
+               loop: asyncio.AbstractEventLoop | None = None, trace: bool = False,
+               logits_processors: tuple[LogitsProcessor, ...] = ()) -> RequestHandle:
         """Queue a request. Raises RequestError (a ValueError) on one the engine cannot serve.
 
         trace=True records, for every step the request takes part in, the kernel path, the
         keys and values it wrote (all layers) and its logits: FinishEvent.trace. Memory-heavy
         (~50 KB per token for the embedded model, plus the vocabulary's logits per sampled
         token): for divergence experiments, not for serving."""
-        return self.submit_many([Submission(prompt, params, request_id, trace)], loop=loop)[0]
+        return self.submit_many([Submission(prompt, params, request_id, trace,
+                                            tuple(logits_processors))], loop=loop)[0]
 
     def submit_many(self, submissions: list[Submission], *,
                     loop: asyncio.AbstractEventLoop | None = None,
@@ -191,7 +187,9 @@ class Engine:
         for sub, params, prompt_ids in prepared:
             request_id = sub.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             handle = RequestHandle(request_id, prompt_ids, self.cancel, loop)
-            requests.append(_Request(Sequence(request_id, prompt_ids, params), handle,
+            seq = Sequence(request_id, prompt_ids, params,
+                           logits_processors=tuple(sub.logits_processors))
+            requests.append(_Request(seq, handle,
                                      OutputText(self.tokenizer, params.stop),
                                      trace=[] if sub.trace else None))
         self._inbox.put(("add", requests, after))
@@ -224,30 +222,12 @@ class Engine:
     @property
     def attention(self) -> str:
         """Which attention the step's rows use, in words (logged at start, shown by the CLI)."""
-        if self.runner.attention_kernel is not None:
-            return "native paged kernel"
-        if self.runner.fused_attention:
-            return "MLX fused attention per sequence"
-
-        why = native.why_not() if self.config.attention == "auto" else None
-        return "MLX ops per sequence" + (f" (native kernel {why})" if why else "")
+        return self.runner.describe_attention(self.config.attention)
 
     @property
     def decode_matmul(self) -> str:
         """Which matmul few-row float32 or quantized steps use, in words (logged at start)."""
-        if self.runner.quantized_kernel is not None and self.runner.native_quantized_applies:
-            return (f"native quantized kernel up to {DECODE_QUANTIZED_MAX_ROWS} rows "
-                    f"({native.decode_quantized_isa()} path)")
-        if self.runner.matmul_kernel is not None:
-            if self.runner.native_matmul_applies:
-                return f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows"
-            return (f"MLX (the native kernels take float32 or affine 4/8-bit, weights are "
-                    f"{self.loaded.weights})")
-        if self.runner.fused_attention:
-            return "MLX"
-
-        why = native.why_not() if self.config.decode_matmul == "auto" else None
-        return "MLX" + (f" (native kernel {why})" if why else "")
+        return self.runner.describe_matmul(self.config.decode_matmul, self.loaded.weights)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, exact even for part of a UTF-8 character (logprobs)."""
@@ -294,13 +274,12 @@ class Engine:
         finally:
             self._stopped = True
             for req in list(self._requests.values()):
-                self._finish(req, "cancelled", error="engine stopped")
+                self._finish(req, FinishReason.CANCELLED, error="engine stopped")
             # MLX wants each thread to destroy its own streams before it ends; otherwise the
             # process aborts at exit ("terminate called without an active exception").
             mx.clear_streams()
 
     def _setup(self) -> None:
-
         self.loaded = self._loader()
         self.tokenizer = self.loaded.tokenizer
         cfg = self.config
@@ -313,8 +292,7 @@ class Engine:
         kv_dtype = None if cfg.kv_dtype == "auto" else getattr(mx, cfg.kv_dtype)
         self.pool = pool_for(family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
         self.runner = ModelRunner(self.loaded.model, self.pool, cfg.attention,
-                                  cfg.decode_matmul, family)
-        self.runner.tile = cfg.invariant_tile
+                                  cfg.decode_matmul, family, tile=cfg.invariant_tile)
         threshold, self.kernel_threshold_source = resolve_threshold(
             cfg, self.loaded.name, self.loaded.weights, backend_info(), self._thresholds)
         self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)
@@ -334,34 +312,10 @@ class Engine:
         for line in family.describe_layers():
             log.info("layers: %s", line)
         if self.speculation.method == "draft" and self.proposer is None:
-            self.proposer = self._draft_proposer(family, kv_dtype)
+            self.proposer = draft_proposer(cfg, self.loaded, self.runner, kv_dtype,
+                                           self._path_for, self._draft_loader)
         if self.speculation.enabled:
             log.info("speculative decoding: %s", self.speculation.describe())
-
-    def _draft_proposer(self, family, kv_dtype) -> DraftProposer:
-        """The draft model, its runner over a pool of its own (as many blocks as the target's)
-        and its block tables; refused here, before the engine serves, when it does not fit
-        the target."""
-        cfg = self.config
-        draft = load_draft(cfg.draft_model, self.loaded, family, self._draft_loader)
-        pool = pool_for(draft.family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
-        runner = ModelRunner(draft.model, pool, cfg.attention, cfg.decode_matmul, draft.family)
-        runner.tile = cfg.invariant_tile
-        if draft.shared:
-            # The same modules as the target's: share its stacked q/k/v and gate/up weights
-            # (the layers' weights are views of them), so the draft adds no weight memory.
-            runner._stacks = self.runner._stacks
-        runner.run([RowGroup("warmup", [0], 0, [0], sample=False)])
-        log.info("draft model %s (%s weights%s); its KV pool %.0f MiB (%s)", draft.name,
-                 draft.weights, ", shared with the target" if draft.shared else "",
-                 pool.nbytes() / 2**20, pool.dtype)
-
-        def path_for(rows: int) -> str:
-            return TILED if cfg.batch_invariant else self.kernel_policy.path_for(rows)
-
-        return DraftProposer(draft, runner, BlockManager(cfg.num_kv_blocks, cfg.block_size,
-                                                         enable_prefix_caching=False),
-                             cfg.max_num_batched_tokens, path_for)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -393,7 +347,7 @@ class Engine:
         elif kind == "cancel":
             req = self._requests.get(msg[1])
             if req is not None:
-                self._finish(req, "cancelled")
+                self._finish(req, FinishReason.CANCELLED)
 
     def _step(self) -> None:
         started_at = time.time()
@@ -413,124 +367,122 @@ class Engine:
             req.handle.push(event)
 
     def _run_step(self, started_at: float, t0: float) -> None:
+        """schedule -> run -> update (the scheduler books the KV kept) -> publish."""
         drafts, speculation = self._proposals()
         plan = self.scheduler.schedule(drafts)
         self.step_count += 1
-        step = self.step_count
-        groups = [RowGroup(g.seq.seq_id, g.token_ids, g.start,
-                           self.block_manager.block_table(g.seq.seq_id), g.sample,
-                           g.seq.params, len(g.seq.output_ids), self._traced(g.seq.seq_id),
-                           verify=g.phase == "verify")
-                  for g in plan.groups]
-        path = TILED if self.config.batch_invariant else self.kernel_policy.path_for(plan.num_rows)
+        for g in plan.groups:
+            g.trace = self._traced(g.seq_id)
+        path = self._path_for(plan.num_rows)
         t1 = time.perf_counter()
-        error = None
-        samples: dict = {}
-        traces: dict = {}
-        expert_rows: dict = {}
-        model_time = 0.0
-        if groups:
-            try:
-                if self.before_forward is not None:
-                    self.before_forward(plan)
-                result = self.runner.run(groups, path)
-                samples, model_time, traces = result.samples, result.model_time, result.traces
-                expert_rows = {str(i): rows for i, rows in result.expert_rows.items()}
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-                log.error("step %d failed: %s\n%s", step, error, traceback.format_exc())
-                model_time = time.perf_counter() - t1
+        output, error = self._run_model(plan, path)
         t2 = time.perf_counter()
+        model_time = output.model_time if output is not None else t2 - t1
         bm = self.block_manager
         # KV usage as the step ran, before finished requests give their blocks back.
         kv_used, kv_free, kv_cached = bm.num_used_blocks, bm.num_empty_blocks, bm.num_cached_blocks
-
-        entries = []
-        accepted_tokens = 0
-        for g in plan.groups:
-            req = self._requests.get(g.seq.seq_id)
-            if req is None:
-                continue
-            req.steps.append(step)
-            if req.first_scheduled_wall is None:
-                req.first_scheduled_wall = started_at
-            if error is not None:
-                self._emit(req, ErrorEvent(g.seq.seq_id, error))
-                entries.append(self._entry(g, sampled=False))
-                self._finish(req, "error", error=error)
-                continue
-            emitted = samples.get(g.seq.seq_id, [])
-            # A verify group keeps the KV of its last token and of the drafts accepted; the
-            # rejected rows' blocks go back now (their slots are rewritten before being read).
-            accepted = len(emitted) - 1 if g.phase == "verify" else 0
-            accepted_tokens += accepted
-            kept = g.num_rows - len(g.drafts) + accepted
-            g.seq.num_computed += kept
-            if g.phase == "verify":
-                self.block_manager.trim(g.seq.seq_id, g.seq.num_computed + 1)
-            self.block_manager.register_full_blocks(
-                g.seq.seq_id, g.seq.token_ids + g.drafts[:accepted], g.seq.num_computed)
-            entries.append(self._entry(g, sampled=g.sample, accepted=accepted,
-                                       emitted=len(emitted)))
-            if req.trace is not None and g.seq.seq_id in traces:
-                t = traces[g.seq.seq_id]
-                # A verify group: only the rows it keeps (rejected rows' slots are rewritten
-                # before anything reads them), and the logits of each token it emits.
-                kv, logits = t.kv[:, :, :, :kept], t.logits
-                if g.phase == "verify":
-                    logits = t.logits[:accepted + 1]
-                req.trace.append({"step": step, "path": path, "step_rows": plan.num_rows,
-                                  "phase": g.phase, "start": g.start, "rows": kept,
-                                  "drafted": len(g.drafts), "accepted": accepted,
-                                  "kv": kv, "logits": logits})
-            for used, sample in enumerate(emitted, 1):
-                self._accept(req, sample, step)
-                if g.seq.is_finished:  # EOS or a stop string: the rest is not emitted
-                    emitted_drafts = sum(s.drafted for s in emitted[:used])
-                    accepted_tokens -= accepted - emitted_drafts
-                    entries[-1].accepted, entries[-1].emitted = emitted_drafts, used
-                    break
-        if error is not None:
-            self._recover_pool()
-
+        if output is not None:
+            updates = self.scheduler.update_from_output(plan, output)
+            entries = self._publish(updates, output.traces, plan, path, started_at)
+            expert_rows = {str(i): rows for i, rows in output.expert_rows.items()}
+        else:
+            entries, expert_rows = self._fail(plan, error, started_at), {}
         record = StepRecord(
-            step=step, started_at=started_at, wall_time=0.0, model_time=model_time,
+            step=self.step_count, started_at=started_at, wall_time=0.0, model_time=model_time,
             scheduler_time=0.0, entries=entries, total_rows=plan.num_rows,
-            prefill_rows=sum(g.num_rows for g in plan.groups if g.phase == "prefill"),
-            decode_rows=sum(g.num_rows for g in plan.groups if g.phase == "decode"),
-            verify_rows=sum(g.num_rows for g in plan.groups if g.phase == "verify"),
+            prefill_rows=sum(g.num_rows for g in plan.groups if g.phase == Phase.PREFILL),
+            decode_rows=sum(g.num_rows for g in plan.groups if g.phase == Phase.DECODE),
+            verify_rows=sum(g.num_rows for g in plan.groups if g.phase == Phase.VERIFY),
             draft_tokens=sum(len(g.drafts) for g in plan.groups),
-            accepted_tokens=accepted_tokens, speculation=speculation,
+            accepted_tokens=sum(e.accepted for e in entries), speculation=speculation,
             propose_time=self._propose_time,
             kv_blocks_total=bm.num_blocks, kv_blocks_used=kv_used, kv_blocks_free=kv_free,
             kv_blocks_cached=kv_cached,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             preempted=[s.seq_id for s in plan.preempted], kernel_path=path,
             linear_calls_per_layer=self._calls_per_layer(path, plan.num_rows),
-            expert_rows=expert_rows, **self._window_savings(plan),
+            expert_rows=expert_rows, **self.runner.window_savings(plan.groups),
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
         t3 = time.perf_counter()
         record.wall_time = t3 - t0
         record.scheduler_time = (t1 - t0 - self._propose_time) + (t3 - t2)
         self.steps.append(record)
 
-    def _window_savings(self, plan: SchedulerOutput) -> dict[str, int]:
-        """What the sliding layers no longer read in this step's sequences: whole blocks
-        before every sliding layer's window, which the pool keeps for the global layers."""
-        windows = self.runner.windows
-        if not windows:
-            return {}
-        window = max(windows)  # behind the widest window, no sliding layer reads a block
-        bs = self.config.block_size
-        # After this step a sequence's rows see positions > context - window.
-        behind = sum(max(0, g.start + g.num_rows - window + 1) // bs for g in plan.groups)
-        return {"window_blocks_behind": behind,
-                "window_bytes_reclaimable": behind * self.runner.window_block_bytes}
+    def _run_model(self, plan: SchedulerOutput,
+                   path: KernelPath) -> tuple[StepOutput | None, str | None]:
+        """The forward and sampling of the plan's groups: (output, None), or (None, the error
+        in words) when the step failed."""
+        if not plan.groups:
+            return StepOutput({}, 0.0), None
+        try:
+            if self.before_forward is not None:
+                self.before_forward(plan)
+            return self.runner.run(plan.groups, path), None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            log.error("step %d failed: %s\n%s", self.step_count, error, traceback.format_exc())
+            return None, error
 
-    def _calls_per_layer(self, path: str, rows: int) -> int:
-        if path == TILED:
+    def _publish(self, updates: list[GroupUpdate], traces: dict, plan: SchedulerOutput,
+                 path: KernelPath, started_at: float) -> list[StepEntry]:
+        """Each group's tokens to its request (until a stop or a finish), its trace, and its
+        step entry (the drafts it emitted: those before a stop only)."""
+        entries = []
+        for u in updates:
+            g = u.group
+            req = self._requests.get(g.seq_id)
+            if req is None:
+                continue
+            self._scheduled(req, started_at)
+            entry = self._entry(g, sampled=g.sample, accepted=u.accepted,
+                                emitted=len(u.samples))
+            entries.append(entry)
+            if req.trace is not None and g.seq_id in traces:
+                t = traces[g.seq_id]
+                # A verify group: only the rows it keeps (rejected rows' slots are rewritten
+                # before anything reads them), and the logits of each token it emits.
+                logits = t.logits[:u.accepted + 1] if g.verify else t.logits
+                req.trace.append({"step": self.step_count, "path": path,
+                                  "step_rows": plan.num_rows, "phase": g.phase,
+                                  "start": g.start, "rows": u.kept, "drafted": len(g.drafts),
+                                  "accepted": u.accepted, "kv": t.kv[:, :, :, :u.kept],
+                                  "logits": logits})
+            for used, sample in enumerate(u.samples, 1):
+                self._accept(req, sample, self.step_count)
+                if g.seq.is_finished:  # EOS or a stop string: the rest is not emitted
+                    entry.accepted, entry.emitted = min(u.accepted, used), used
+                    break
+        return entries
+
+    def _fail(self, plan: SchedulerOutput, error: str, started_at: float) -> list[StepEntry]:
+        """A failed step: every request in it ends with the error."""
+        entries = []
+        for g in plan.groups:
+            req = self._requests.get(g.seq_id)
+            if req is None:
+                continue
+            self._scheduled(req, started_at)
+            self._emit(req, ErrorEvent(g.seq_id, error))
+            entries.append(self._entry(g, sampled=False))
+            self._finish(req, FinishReason.ERROR, error=error)
+        self._recover_pool()
+        return entries
+
+    def _scheduled(self, req: _Request, started_at: float) -> None:
+        req.steps.append(self.step_count)
+        if req.first_scheduled_wall is None:
+            req.first_scheduled_wall = started_at
+
+    def _path_for(self, rows: int) -> KernelPath:
+        """The kernel path of a forward of this many rows (the draft's too)."""
+        if self.config.batch_invariant:
+            return KernelPath.TILED
+        return self.kernel_policy.path_for(rows)
+
+    def _calls_per_layer(self, path: KernelPath, rows: int) -> int:
+        if path == KernelPath.TILED:
             return -(-rows // self.config.invariant_tile)
-        return 1 if path == "gemm" else rows
+        return 1 if path == KernelPath.GEMM else rows
 
     def _traced(self, seq_id: str) -> bool:
         req = self._requests.get(seq_id)
@@ -573,7 +525,7 @@ class Engine:
             req.first_token_time = now
         eos = sample.token_id in self.tokenizer.eos_token_ids and not seq.params.ignore_eos
         if eos:
-            self._finish(req, "stop")
+            self._finish(req, FinishReason.STOP)
             return
         seq.output_ids.append(sample.token_id)
         self._release_held(seq.seq_id, len(seq.output_ids))
@@ -581,11 +533,11 @@ class Engine:
         self._emit(req, TokenEvent(seq.seq_id, len(seq.output_ids) - 1, sample.token_id, text,
                                    sample.logprob, sample.top, now, step, sample.drafted))
         if stopped:
-            self._finish(req, "stop")
+            self._finish(req, FinishReason.STOP)
         elif len(seq.output_ids) >= seq.params.max_tokens:
-            self._finish(req, "length")
+            self._finish(req, FinishReason.LENGTH)
         elif seq.num_tokens >= self.max_model_len:
-            self._finish(req, "length")
+            self._finish(req, FinishReason.LENGTH)
 
     def _release_held(self, request_id: str, produced: int | None) -> None:
         """Hand requests held for `request_id` to the scheduler once it has produced enough
@@ -606,7 +558,7 @@ class Engine:
         else:
             del self._held[request_id]
 
-    def _finish(self, req: _Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, req: _Request, reason: FinishReason, error: str | None = None) -> None:
         seq = req.seq
         self._requests.pop(seq.seq_id, None)
         self._release_held(seq.seq_id, None)
@@ -617,7 +569,7 @@ class Engine:
         if release is not None:
             release(seq.seq_id)
         # Text held back for a possible stop string is released with the finish.
-        tail = req.output.flush() if reason in ("length", "stop") else ""
+        tail = req.output.flush() if reason in (FinishReason.LENGTH, FinishReason.STOP) else ""
         self._emit(req, FinishEvent(
             request_id=seq.seq_id, reason=reason, text=req.output.text, text_delta=tail,
             token_ids=list(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
@@ -633,7 +585,7 @@ class Engine:
         except Exception:
             log.exception("KV pool unusable after a failed step: dropping it")
             for req in list(self._requests.values()):
-                self._finish(req, "error", error="KV cache reset after an engine error")
+                self._finish(req, FinishReason.ERROR, error="KV cache reset after an engine error")
             bm = self.block_manager
             self.block_manager = BlockManager(bm.num_blocks, bm.block_size,
                                               bm.enable_prefix_caching)

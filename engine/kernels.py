@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.config import TILED
+from engine.config import DEFAULT_TILE, KernelPath
 
 
-def apply_linear(fn, x: mx.array, path: str, tile: int = 16) -> mx.array:
+def apply_linear(fn, x: mx.array, path: str, tile: int = DEFAULT_TILE) -> mx.array:
     """Run `fn` (a linear layer) on x of shape (1, rows, features) along `path`."""
     rows = x.shape[1]
-    if path == TILED:
+    if path == KernelPath.TILED:
         return _tiled(fn, x, tile)
-    if path == "gemm" or rows == 1:
+    if path == KernelPath.GEMM or rows == 1:
         return fn(x)
     return mx.concatenate([fn(x[:, i:i + 1]) for i in range(rows)], axis=1)
 
@@ -45,15 +45,16 @@ EXPERT_SORT_AT = 64
 # 64 / k rows or more), and "tiled" keeps every call under EXPERT_SORT_AT choices: calls of
 # min(tile, 63 // k) rows. Dense bf16/f16 experts do not run on the CPU at all: its gather_mm
 # computes float32 only.
-def apply_experts(fn, x: mx.array, indices: mx.array, path: str, tile: int = 16) -> mx.array:
+def apply_experts(fn, x: mx.array, indices: mx.array, path: str,
+                  tile: int = DEFAULT_TILE) -> mx.array:
     """Run `fn` (mlx-lm's SwitchGLU-style expert block: fn(x, indices)) on x (1, rows, hidden)
     with the router's choice indices (1, rows, k) along `path`: "gemm" one gathered call for
     all rows, "gemv" one call per row, "tiled" calls of exactly `expert_tile(tile, k)` rows
     (padding rows routed to expert 0 and dropped)."""
     rows = x.shape[1]
-    if path == "gemm" or rows == 1:
+    if path == KernelPath.GEMM or rows == 1:
         return fn(x, indices)
-    if path == TILED:
+    if path == KernelPath.TILED:
         tile = expert_tile(tile, indices.shape[-1])
         padded = -(-rows // tile) * tile
         if padded != rows:

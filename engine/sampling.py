@@ -1,4 +1,4 @@
-"""Per-request sampling parameters (pure Python; the MLX sampler lives in model_runner)."""
+"""Per-request sampling parameters (pure Python; the MLX sampler is engine/sampler.py)."""
 
 from __future__ import annotations
 

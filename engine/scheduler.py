@@ -15,33 +15,93 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
-from engine.sequence import SeqStatus, Sequence
+from engine.config import ValueEnum
+from engine.sampling import SamplingParams
+from engine.sequence import LogitsProcessor, SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from engine.model_runner import StepOutput
+    from engine.sampler import Sample
+
+
+class Phase(ValueEnum):
+    PREFILL = "prefill"  # rows of a prompt (or of a preempted request's tokens)
+    DECODE = "decode"  # the one row of the last sampled token
+    VERIFY = "verify"  # that row and drafted tokens after it (engine/speculative.py)
+
+
+@dataclass(eq=False)  # a group is itself: its sequence is compared by identity
+class RowGroup:
+    """The rows one sequence contributes to a step: what the scheduler plans, the runner
+    computes (engine/model_runner.py) and `Scheduler.update_from_output` books. Tests and
+    benchmarks build groups by hand from the first five fields."""
+
+    seq_id: str
+    token_ids: list[int]  # the tokens at positions [start, start + len)
+    start: int  # position of the first row
+    block_table: list[int]
+    sample: bool  # the group ends at the sequence's last token: sample the next one
+    params: SamplingParams | None = None
+    output_index: int = 0  # index of the token to be sampled (seeds the per-request RNG)
+    trace: bool = False  # return this group's written KV rows and its logits (divergence view)
+    # VERIFY: token_ids[1:] are drafted tokens to verify: every row is sampled and the longest
+    # agreeing prefix is kept. (The runner tells only verify groups from the others.)
+    phase: Phase = Phase.PREFILL
+    seq: Sequence | None = None  # the scheduled sequence (None: a group built by hand)
+
+    @classmethod
+    def of(cls, seq: Sequence, rows: int, phase: Phase, block_table: list[int]) -> RowGroup:
+        """The next `rows` uncomputed tokens of a scheduled sequence."""
+        start = seq.num_computed
+        return cls(seq.seq_id, seq.token_ids[start:start + rows], start, block_table,
+                   start + rows == seq.num_tokens, seq.params, len(seq.output_ids),
+                   phase=phase, seq=seq)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def verify(self) -> bool:
+        return self.phase == Phase.VERIFY
+
+    @property
+    def drafts(self) -> list[int]:
+        """A verify group's drafted tokens (none otherwise)."""
+        return self.token_ids[1:] if self.verify else []
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows whose logits the step needs: all of a verify group's, else the last one."""
+        return self.num_rows if self.verify else int(self.sample)
+
+    @property
+    def logits_processors(self) -> tuple[LogitsProcessor, ...]:
+        """The sequence's (engine/sampler.py); a group built by hand has none."""
+        return self.seq.logits_processors if self.seq is not None else ()
+
+    def tokens_through(self, row: int) -> list[int]:
+        """The sequence's tokens up to and including the group's row `row`: what a logits
+        processor sees for the token that row predicts."""
+        return self.seq.token_ids[:self.start] + self.token_ids[:row + 1]
 
 
 @dataclass
-class ScheduledGroup:
-    seq: Sequence
-    start: int  # first position computed this step
-    num_rows: int
-    phase: str  # "prefill", "decode" or "verify"
-    drafts: list[int] = field(default_factory=list)  # verify: the proposed tokens
+class GroupUpdate:
+    """A scheduled group after its step: what it emits and what its sequence keeps."""
 
-    @property
-    def sample(self) -> bool:
-        return self.phase == "verify" or self.start + self.num_rows == self.seq.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens at the group's rows: the sequence's own, then any drafts."""
-        own = self.seq.token_ids[self.start:self.start + self.num_rows - len(self.drafts)]
-        return own + self.drafts
+    group: RowGroup
+    samples: list[Sample]  # accepted drafts, then the target's own token (none: not sampled)
+    accepted: int  # drafts the target accepted
+    kept: int  # rows whose keys and values the sequence keeps
 
 
 @dataclass
 class SchedulerOutput:
-    groups: list[ScheduledGroup] = field(default_factory=list)
+    groups: list[RowGroup] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -84,8 +144,8 @@ class Scheduler:
                 rows = 1 if decode_pass else min(seq.num_uncomputed, budget)
                 if not self._reserve(seq, rows, scheduled, out):
                     continue  # seq itself was preempted
-                group = ScheduledGroup(seq, seq.num_computed, rows,
-                                       "decode" if decode_pass else "prefill")
+                group = RowGroup.of(seq, rows, Phase.DECODE if decode_pass else Phase.PREFILL,
+                                    self.bm.block_table(seq.seq_id))
                 if decode_pass and drafts.get(seq.seq_id):
                     self._add_drafts(group, drafts[seq.seq_id], budget)
                 out.groups.append(group)
@@ -109,12 +169,13 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
             self.running.append(seq)
-            out.groups.append(ScheduledGroup(seq, seq.num_computed, rows, "prefill"))
+            out.groups.append(RowGroup.of(seq, rows, Phase.PREFILL,
+                                          self.bm.block_table(seq.seq_id)))
             scheduled.add(seq.seq_id)
             budget -= rows
         return out
 
-    def _add_drafts(self, group: ScheduledGroup, proposed: list[int], budget: int) -> None:
+    def _add_drafts(self, group: RowGroup, proposed: list[int], budget: int) -> None:
         """Turn a decode group into a verify group with as many drafts as the budget and the
         free blocks allow (no preemption for a draft)."""
         seq = group.seq
@@ -127,9 +188,10 @@ class Scheduler:
         if k <= 0:
             return
         self.bm.allocate(seq.seq_id, seq.num_computed + 1 + k)
-        group.drafts = list(proposed[:k])
-        group.num_rows = 1 + k
-        group.phase = "verify"
+        group.token_ids = group.token_ids + list(proposed[:k])
+        group.block_table = self.bm.block_table(seq.seq_id)
+        group.phase = Phase.VERIFY
+        group.sample = True
 
     def _reserve(self, seq: Sequence, rows: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Make room for `rows` more tokens of `seq`, preempting newer sequences if needed."""
@@ -167,11 +229,23 @@ class Scheduler:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = reason
 
-    def find(self, seq_id: str) -> Sequence | None:
-        for seq in self.running:
-            if seq.seq_id == seq_id:
-                return seq
-        for seq in self.waiting:
-            if seq.seq_id == seq_id:
-                return seq
-        return None
+    def update_from_output(self, plan: SchedulerOutput,
+                           output: StepOutput) -> list[GroupUpdate]:
+        """Book a step the model ran: each group's sequence keeps the keys and values of the
+        rows it computed (a verify group: its last token's and the accepted drafts'; the
+        rejected rows' blocks go back now, their slots are rewritten before being read) and
+        registers its full blocks for the prefix cache. One update per group, in order."""
+        updates = []
+        for g in plan.groups:
+            seq = g.seq
+            sampled = output.sampled.get(g.seq_id)
+            update = (GroupUpdate(g, [], 0, g.num_rows) if sampled is None else
+                      GroupUpdate(g, sampled.samples, sampled.accepted,
+                                  g.num_rows - len(g.drafts) + sampled.accepted))
+            seq.num_computed += update.kept
+            if g.verify:
+                self.bm.trim(seq.seq_id, seq.num_computed + 1)
+            self.bm.register_full_blocks(
+                seq.seq_id, seq.token_ids + g.drafts[:update.accepted], seq.num_computed)
+            updates.append(update)
+        return updates

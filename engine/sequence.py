@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import enum
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from engine.config import ValueEnum
 from engine.sampling import SamplingParams
+
+# mlx-lm's convention: processor(tokens, logits) -> logits, with tokens (n,) the sequence so
+# far and logits (1, vocab) the next token's, both mx.array (engine/sampler.py applies them).
+LogitsProcessor = Callable[[Any, Any], Any]
+
+
+class FinishReason(ValueEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens, or the context window
+    CANCELLED = "cancelled"
+    ERROR = "error"
 
 
 class SeqStatus(enum.Enum):
@@ -27,9 +40,9 @@ class Sequence:
     # Tokens of the prompt found in the prefix cache at the last admission.
     num_cached_prompt: int = 0
     num_preemptions: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
+    # Applied in order to each of its sampled rows' logits before the log-softmax.
+    logits_processors: tuple[LogitsProcessor, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:

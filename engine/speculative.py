@@ -4,7 +4,7 @@ step keeps.
 A speculating request brings 1 + k rows to a normal step: its last token and k drafted tokens.
 They are attended like decode rows, each at its own position, so a verified token carries the
 bits a decoded one would (engine/attention.py, engine/native/paged_attention.h). The sampler
-(engine/model_runner.py) then keeps the longest prefix of drafts the target agrees with, plus
+(engine/sampler.py) then keeps the longest prefix of drafts the target agrees with, plus
 the target's own next token; the engine trims the blocks the rejected rows took.
 
 Prompt lookup is pure Python (no MLX): it matches the last n tokens of a request against its

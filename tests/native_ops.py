@@ -41,8 +41,8 @@ def runner_for(model, decode_matmul="auto"):
 
 def decode_groups(lens, first_token=40):
     """Prefill groups for sequences of these lengths, then one decode row each."""
-    from engine.model_runner import RowGroup
     from engine.sampling import SamplingParams
+    from engine.scheduler import RowGroup
 
     groups, prefill, block = [], [], 0
     for i, n in enumerate(lens):

@@ -3,8 +3,9 @@
 A family adapter says how one decoder computes around the engine's packed rows: it takes the
 step's hidden states (1, rows, hidden) through embedding, layers and head, using mlx-lm's own
 modules and weights for everything but attention. Attention, RoPE positions, the kernel path
-of every linear layer and the expert calls go through the step (`engine.model_runner.Step`),
-so an adapter never sees block tables, the pool or a kernel policy.
+of every linear layer and the expert calls go through the step (`engine.step.Step`), so an
+adapter never sees block tables, the pool or a kernel policy. A family whose layers are
+llama's pre-norm block names their modules (`fused_layer_spec`) for the native fused layer.
 
 The seam for families whose layers keep a recurrent state instead of keys and values
 (qwen3_next / qwen3_5's GatedDeltaNet layers): `layer_kv` would give such a layer no pool
@@ -16,14 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE, YarnRoPE
 
-if TYPE_CHECKING:
-    from engine.model_runner import Step
+from engine.native_ops import FusedLayer
+from engine.step import Step
 
 
 class UnsupportedModelError(ValueError):
@@ -67,6 +68,12 @@ class Family:
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window, or None for full attention."""
+        return None
+
+    def fused_layer_spec(self, i: int) -> FusedLayer | None:
+        """Layer i's modules as the native fused decoder layer takes them, where its `layer`
+        computes llama_layer (which asks the step for that op), else None (the default).
+        Asked once per layer by the runner."""
         return None
 
     def embed(self, step: Step, tokens: mx.array) -> mx.array:
@@ -147,13 +154,27 @@ def llama_attention(step: Step, i: int, attn: nn.Module, h: mx.array, *,
 def llama_layer(step: Step, i: int, layer: nn.Module, x: mx.array, *, qk_norm: bool = False,
                 rope: bool = True) -> mx.array:
     """The pre-norm block: x + attn(rmsnorm(x)), then x + swiglu_mlp(rmsnorm(x)). As one native
-    op where the step takes every part of it natively (the same bits), else op by op."""
-    fused = step.decoder_layer(i, layer, x, qk_norm, rope)
+    op where the step takes every part of it natively (the same bits: the family's
+    fused_layer_spec(i) must be llama_layer_spec with the same qk_norm and rope), else op by
+    op."""
+    fused = step.decoder_layer(i, x)
     if fused is not None:
         return fused
     x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x),
                             qk_norm=qk_norm, rope=rope)
     return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))
+
+
+def llama_layer_spec(layer: nn.Module, *, qk_norm: bool = False,
+                     rope: bool = True) -> FusedLayer:
+    """llama_layer's modules, as the fused op takes them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return FusedLayer(layer.input_layernorm, layer.post_attention_layernorm, attn.q_proj,
+                      attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                      mlp.down_proj, attn.n_heads, attn.n_kv_heads, head_dim(attn), attn.scale,
+                      q_norm=attn.q_norm if qk_norm else None,
+                      k_norm=attn.k_norm if qk_norm else None,
+                      rope=attn.rope if rope else None)
 
 
 def swiglu_mlp(step: Step, mlp: nn.Module, h: mx.array) -> mx.array:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mlx_lm.models import llama
 
-from engine.models.base import Family, llama_layer
+from engine.models.base import Family, llama_layer, llama_layer_spec
 
 
 class Llama(Family):
@@ -23,3 +23,6 @@ class Llama(Family):
 
     def layer(self, step, i, x):
         return llama_layer(step, i, self.layers[i], x)
+
+    def fused_layer_spec(self, i):
+        return llama_layer_spec(self.layers[i])

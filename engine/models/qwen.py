@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlx_lm.models import qwen2, qwen3
 
-from engine.models.base import Family, llama_layer
+from engine.models.base import Family, llama_layer, llama_layer_spec
 
 
 class Qwen2(Family):
@@ -17,6 +17,9 @@ class Qwen2(Family):
 
     def layer(self, step, i, x):
         return llama_layer(step, i, self.layers[i], x, qk_norm=self.qk_norm)
+
+    def fused_layer_spec(self, i):
+        return llama_layer_spec(self.layers[i], qk_norm=self.qk_norm)
 
 
 class Qwen3(Qwen2):

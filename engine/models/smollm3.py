@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlx_lm.models import smollm3
 
-from engine.models.base import Family, llama_layer
+from engine.models.base import Family, llama_layer, llama_layer_spec
 
 
 class SmolLM3(Family):
@@ -19,6 +19,9 @@ class SmolLM3(Family):
 
     def layer(self, step, i, x):
         return llama_layer(step, i, self.layers[i], x, rope=self.uses_rope[i])
+
+    def fused_layer_spec(self, i):
+        return llama_layer_spec(self.layers[i], rope=self.uses_rope[i])
 
     def describe_layers(self):
         skipped = self.uses_rope.count(False)

@@ -82,7 +82,7 @@ def native_takes(model: nn.Module) -> bool:
     the quantization's scales and biases (a folder with bfloat16 norms computes in bfloat16)."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    from engine.model_runner import quantized_weight  # the kernel's own rule for a layer
+    from engine.native_ops import quantized_weight  # the kernel's own rule for a layer
 
     quantized = [m for m in model.modules()
                  if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding

@@ -270,7 +270,7 @@ def test_native_kernel_refuses_bad_tables_and_shapes_with_errors():
 
 def test_attention_setting_is_checked():
     from engine.config import EngineConfig
-    from engine.model_runner import _attention_kernel
+    from engine.native_ops import _attention_kernel
 
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="fast")

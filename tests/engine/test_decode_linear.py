@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from native_ops import decode_groups, native_op, random, runner_for, samples_by_setting
 
-from engine.model_runner import DECODE_MATMUL_MAX_ROWS
+from engine.native_ops import DECODE_MATMUL_MAX_ROWS
 from engine.testing import tiny_model
 
 
@@ -100,7 +100,7 @@ def test_refuses_other_dtypes_and_mismatched_shapes():
 
 def test_decode_matmul_setting_is_checked():
     from engine.config import EngineConfig
-    from engine.model_runner import _matmul_kernel
+    from engine.native_ops import _matmul_kernel
 
     with pytest.raises(ValueError, match="decode_matmul must be one of"):
         EngineConfig(decode_matmul="fast")

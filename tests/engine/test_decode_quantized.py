@@ -13,7 +13,7 @@ import pytest
 from native_ops import decode_groups, native_op, random, runner_for, samples_by_setting
 
 from engine import native
-from engine.model_runner import DECODE_QUANTIZED_MAX_ROWS
+from engine.native_ops import DECODE_QUANTIZED_MAX_ROWS
 from engine.sampling import SamplingParams
 from engine.testing import tiny_model
 

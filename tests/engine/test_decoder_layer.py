@@ -12,9 +12,10 @@ import pytest
 from native_ops import native_op
 
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner, RowGroup, pool_for
+from engine.model_runner import ModelRunner, pool_for
 from engine.models import family_for
 from engine.sampling import SamplingParams
+from engine.scheduler import RowGroup
 from engine.testing import FAMILY_CONFIGS, make_family_folder
 
 FAMILIES = ["llama", "llama-sliding", "qwen2", "qwen3", "smollm3"]
@@ -132,7 +133,7 @@ def bad_call(loaded, **change):
     family = family_for(loaded.model)
     runner = ModelRunner(loaded.model, pool_for(family, 4, 16), "auto", "auto", family)
     layer = family.layers[0]
-    _, head, tail, scale, block_size = runner._layer_op(0, layer, False, True)
+    _, head, tail, scale, block_size = runner.fused_args(0)
     k_pool, v_pool = runner.pool.writable(0, mx.float32)
     args = dict(slots=mx.array([3], dtype=mx.int32), positions=mx.array([3], dtype=mx.int32),
                 tables=mx.array([[0]], dtype=mx.int32), lens=mx.array([4], dtype=mx.int32),

@@ -90,7 +90,7 @@ def test_a_cpu_with_only_the_portable_path_keeps_mlx_and_f32(monkeypatch):
     """The portable path is slower than MLX's quantized matmul: auto prefers MLX's kernel for
     q4 layers and f32 weights; "native" still forces the kernel."""
     from engine import native
-    from engine.model_runner import _quantized_kernel
+    from engine.native_ops import _quantized_kernel
 
     if native.decode_quantized_linear() is None:
         pytest.skip(f"native kernel {native.why_not()}")

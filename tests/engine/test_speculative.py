@@ -17,11 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import model_runner
+from engine import sampler
 from engine.engine import Submission
-from engine.model_runner import ModelRunner, RowGroup, pool_for
+from engine.model_runner import ModelRunner, pool_for
 from engine.models import family_for
 from engine.sampling import SamplingParams
+from engine.scheduler import Phase, RowGroup
 from engine.speculative import (
     NgramProposer,
     accepted_prefix,
@@ -281,14 +282,15 @@ def _draws(runner, n, temperature=1.0):
     draws = []
     for first in range(0, n, 500):  # steps of 500 requests: one graph of them all is slow
         groups = [RowGroup(f"s{i}", [5] + DRAFTS, 10, [0], True,
-                           SamplingParams(temperature=temperature, seed=i), 0, verify=True)
+                           SamplingParams(temperature=temperature, seed=i), 0,
+                           phase=Phase.VERIFY)
                   for i in range(first, min(n, first + 500))]
         rows = mx.array(np.tile(logits, (len(groups), 1)).astype(np.float32))
-        out = runner._sample(rows, groups)
-        draws += [[s.token_id for s in out[g.seq_id]] for g in groups]
+        out = sampler.sample(rows, groups, runner.logsumexp, [])
+        draws += [[s.token_id for s in out[g.seq_id].samples] for g in groups]
         if temperature == 1.0:  # then a row's logprobs are log P: each token reports its own
             for g in groups:
-                for p, s in zip((P0, P1, P1), out[g.seq_id], strict=False):
+                for p, s in zip((P0, P1, P1), out[g.seq_id].samples, strict=False):
                     assert s.logprob == pytest.approx(np.log(p[s.token_id]), abs=1e-5)
     return draws
 
@@ -321,15 +323,15 @@ def test_speculative_sampling_emits_the_target_distribution(temperature):
 def test_a_wrong_acceptance_rule_fails_the_distribution_check(monkeypatch):
     """The check above can fail: sampling the residual without taking the draft out (a
     common mistake) over-weights the draft."""
-    right = model_runner._verify_row
+    right = sampler.verify_row
 
     def wrong(logprobs, p, output_index, draft):
         accept_prob, u, _ = right(logprobs, p, output_index, draft)
-        _, residual_key = mx.random.split(model_runner._key(p, output_index))
-        scores = model_runner._target_scores(logprobs, p)
+        _, residual_key = mx.random.split(sampler.row_key(p, output_index))
+        scores = sampler.target_scores(logprobs, p)
         return accept_prob, u, mx.random.categorical(scores, key=residual_key)[0]
 
-    monkeypatch.setattr(model_runner, "_verify_row", wrong)
+    monkeypatch.setattr(sampler, "verify_row", wrong)
     first, _ = _first_and_second(_draws(_runner(), 2000))
     assert _chi2(first, P0) > CHI2_7_999
 

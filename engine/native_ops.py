@@ -1,0 +1,372 @@
+"""The native ops (engine/native/) as a runner uses them: which kernel each setting picks, the
+weights each kernel takes, and the linear layers, norms, RoPE and fused decoder layer that run
+on them (or on MLX's own ops where a kernel does not apply: the same call, MLX's bits).
+
+The model loader asks the same rule of a layer (`quantized_weight`) that the runner follows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine import native
+from engine.attention import use_fused_attention
+from engine.config import DEFAULT_TILE, KernelPath, NativeSetting, check_native_setting
+from engine.kernels import apply_linear
+
+# Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: in
+# benchmarks/decode_linear.py it is faster than MLX's BLAS matmul at every row count up to 32
+# (1.2-1.8x here), and the gap closes above.
+DECODE_MATMUL_MAX_ROWS = 32
+# The same for MLX's affine-quantized layers (the shipped 4-bit linears and 8-bit tied head):
+# the native quantized kernel. On the CPU MLX's quantized_matmul computes one row at a time,
+# and the kernel is faster at every row count measured over the whole model: 7x at 1 row and
+# 16-55x from 4 to 128 (benchmarks/decode_linear.py --weights q4, results/decode_quantized.md;
+# `--rows 512 2048` measures larger steps). Since MLX's cost grows with every row, every gemm
+# step up to this many rows takes it, and a row gets the same bits in every such step.
+DECODE_QUANTIZED_MAX_ROWS = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class FusedLayer:
+    """A llama-style pre-norm block as the native fused decoder layer computes it:
+    x + o(attention(rope(q_norm(q)), rope(k_norm(k)), v)) over input_norm(x), then
+    + down(silu(gate) * up) over post_attention_norm(x). The family names its modules
+    (Family.fused_layer_spec); the binding's argument order is this module's."""
+
+    input_norm: nn.Module
+    post_attention_norm: nn.Module
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    o: nn.Module
+    gate: nn.Module
+    up: nn.Module
+    down: nn.Module
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    q_norm: nn.Module | None = None  # per-head RMSNorms before RoPE (both or neither)
+    k_norm: nn.Module | None = None
+    rope: nn.Module | None = None  # None: a layer without RoPE
+
+
+class NativeOps:
+    """The native kernels a model runs on, chosen once from the settings (None: MLX's op),
+    and the operations that use them. A step passes its kernel path and tile."""
+
+    def __init__(self, model, attention: str = NativeSetting.AUTO,
+                 decode_matmul: str = NativeSetting.AUTO, stacks: dict | None = None):
+        """stacks: another NativeOps' `stacks` over the same modules (a draft made of the
+        target's layers), shared instead of stacked again."""
+        self.model = model
+        self.fused_attention = use_fused_attention()
+        self.attention_kernel = _attention_kernel(attention, self.fused_attention)
+        self.matmul_kernel = _matmul_kernel(decode_matmul, self.fused_attention)
+        self.quantized_kernel = _quantized_kernel(decode_matmul, self.fused_attention)
+        # RMS norm, RoPE and the sampler's logsumexp as one native op each
+        # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
+        # for all of a row's math.
+        self.row_ops = _row_ops(decode_matmul, self.fused_attention)
+        # A llama-style layer as one op where all of its parts take the native ops above.
+        self.layer_kernel = _layer_kernel(decode_matmul, self.fused_attention)
+        self._rope_freqs: dict[int, tuple] = {}  # id(rope) -> (rope, _rope_freqs(rope))
+        self._stacks: dict[tuple[int, ...], tuple] = {} if stacks is None else stacks
+
+    @property
+    def stacks(self) -> dict[tuple[int, ...], tuple]:
+        """The stacked q/k/v and gate/up weights made so far (the layers' own weights are views
+        of them): ids of the modules -> (modules, kind, arrays)."""
+        return self._stacks
+
+    @property
+    def native_matmul_applies(self) -> bool:
+        """Whether few-row gemm steps reach the native kernel (float32 linear layers)."""
+        return self.matmul_kernel is not None and any(
+            _float32_weight(m) is not None for m in self.model.modules())
+
+    @property
+    def native_quantized_applies(self) -> bool:
+        """Whether gemm steps reach the native quantized kernel (affine 4/8-bit layers)."""
+        return self.quantized_kernel is not None and any(
+            quantized_weight(m, kind) is not None for m in self.model.modules()
+            for kind in (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
+    def describe_attention(self, setting: str) -> str:
+        """Which attention a step's rows use under this setting, in words."""
+        if self.attention_kernel is not None:
+            return "native paged kernel"
+        if self.fused_attention:
+            return "MLX fused attention per sequence"
+        why = native.why_not() if setting == NativeSetting.AUTO else None
+        return "MLX ops per sequence" + (f" (native kernel {why})" if why else "")
+
+    def describe_matmul(self, setting: str, weights: str) -> str:
+        """Which matmul few-row float32 or quantized steps use under the decode_matmul
+        setting, in words (weights: the model's format, named where no kernel takes it)."""
+        if self.quantized_kernel is not None and self.native_quantized_applies:
+            return (f"native quantized kernel up to {DECODE_QUANTIZED_MAX_ROWS} rows "
+                    f"({native.decode_quantized_isa()} path)")
+        if self.matmul_kernel is not None:
+            if self.native_matmul_applies:
+                return f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows"
+            return (f"MLX (the native kernels take float32 or affine 4/8-bit, weights are "
+                    f"{weights})")
+        if self.fused_attention:
+            return "MLX"
+        why = native.why_not() if setting == NativeSetting.AUTO else None
+        return "MLX" + (f" (native kernel {why})" if why else "")
+
+    # The one place a linear layer runs: the step's kernel path decides how. A "gemm" step of
+    # few rows takes the native kernel for float32 weights, and one of up to
+    # DECODE_QUANTIZED_MAX_ROWS the native quantized kernel for affine-quantized ones (one
+    # call, each row on its own).
+    def linear(self, module, x: mx.array, tied: bool = False, path: str = KernelPath.GEMM,
+               tile: int = DEFAULT_TILE) -> mx.array:
+        """A linear layer on x (1, rows, features); tied=True: an embedding as the head."""
+        if path == KernelPath.GEMM:
+            rows = x.shape[1]
+            out = None
+            if self.matmul_kernel is not None and rows <= DECODE_MATMUL_MAX_ROWS:
+                weight = _float32_weight(module, nn.Embedding if tied else nn.Linear)
+                if weight is not None:
+                    out = self.matmul_kernel(x, weight)
+            if (out is None and self.quantized_kernel is not None
+                    and rows <= DECODE_QUANTIZED_MAX_ROWS and x.dtype == mx.float32):
+                q = quantized_weight(module, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
+                if q is not None:
+                    out = self.quantized_kernel(x, *q)
+            if out is not None:
+                bias = getattr(module, "bias", None)
+                return out if bias is None else out + bias
+        return apply_linear(module.as_linear if tied else module, x, path, tile)
+
+    def linears(self, modules: list, x: mx.array, path: str = KernelPath.GEMM,
+                tile: int = DEFAULT_TILE) -> list[mx.array]:
+        """Linear layers that share an input. On a few-row "gemm" step the native kernels take
+        them as one call over their weights stacked by output (`stacks`): each output's
+        arithmetic in those kernels depends on its own weights alone, so the bits are those of
+        one call per layer, with a fraction of the calls."""
+        stacked = self._stacked(modules, x) if path == KernelPath.GEMM else None
+        if stacked is None:
+            return [self.linear(m, x, path=path, tile=tile) for m in modules]
+        out = stacked(x)
+        parts, at = [], 0
+        for m in modules:
+            n = m.weight.shape[0]
+            part = out[..., at:at + n]
+            at += n
+            bias = getattr(m, "bias", None)
+            parts.append(part if bias is None else part + bias)
+        return parts
+
+    def _stacked(self, modules: list, x: mx.array):
+        """The one native call for `modules` on x (a function of x), or None where a layer
+        would not take a native kernel on this step."""
+        found = self._native_weights(modules, x.shape[1], x.dtype)
+        if found is None:
+            return None
+        arrays, bits, group_size = found
+        if bits == 0:
+            return lambda v: self.matmul_kernel(v, arrays[0])
+        return lambda v: self.quantized_kernel(v, *arrays, group_size, bits)
+
+    def _native_weights(self, modules: list, rows: int,
+                        dtype: mx.Dtype) -> tuple[list, int, int] | None:
+        """(arrays, bits, group_size) of the native kernel that takes `modules` stacked by
+        output on a step of `rows` rows of `dtype`: ([weight], 0, 0) for float32, ([w, scales,
+        biases], bits, group_size) for affine-quantized; None where none would. The stacked
+        weights are made on first use and the layers' own weights become views of them, so no
+        memory is added (a single layer is taken as it is)."""
+        key = tuple(id(m) for m in modules)
+        entry = self._stacks.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], modules, strict=True)):
+            entry = self._stacks[key] = (modules, *self._stack(modules))  # modules kept alive
+        _, kind, arrays = entry
+        if kind == "f32" and rows <= DECODE_MATMUL_MAX_ROWS:
+            return [arrays[0]], 0, 0
+        if kind == "q" and rows <= DECODE_QUANTIZED_MAX_ROWS and dtype == mx.float32:
+            return list(arrays[:3]), arrays[4], arrays[3]
+        return None
+
+    def _stack(self, modules: list) -> tuple[str | None, tuple]:
+        weights = [_float32_weight(m) for m in modules]
+        if self.matmul_kernel is not None and all(w is not None for w in weights):
+            if len(modules) == 1:
+                return "f32", (weights[0],)
+            return "f32", (_stack_rows(modules, ["weight"])[0],)
+        quantized = [quantized_weight(m) for m in modules]
+        if (self.quantized_kernel is not None and all(q is not None for q in quantized)
+                and len({(q[3], q[4], q[1].dtype) for q in quantized}) == 1):
+            if len(modules) == 1:
+                return "q", quantized[0]
+            w, scales, biases = _stack_rows(modules, ["weight", "scales", "biases"])
+            return "q", (w, scales, biases, quantized[0][3], quantized[0][4])
+        return None, ()
+
+    def norm(self, module, x: mx.array) -> mx.array:
+        """An RMS norm module (mlx-lm's nn.RMSNorm) on x: the native op where it applies."""
+        if (self.row_ops is not None and type(module) is nn.RMSNorm and x.dtype == mx.float32
+                and module.weight.dtype == mx.float32):
+            return self.row_ops[0](x, module.weight, module.eps)
+        return module(x)
+
+    def native_rope(self, rope, q: mx.array, k: mx.array) -> tuple | None:
+        """(op, inv_freqs, scale) for the native RoPE of q and k, or None: MLX's. The native op
+        takes nn.RoPE and Llama3RoPE (a position-only angle); other variants scale or mix."""
+        if self.row_ops is None or q.dtype != mx.float32 or k.dtype != mx.float32:
+            return None
+        found = self.rope_freqs(rope)
+        return None if found is None else (self.row_ops[1], *found)
+
+    def rope_freqs(self, rope) -> tuple[mx.array, float] | None:
+        """(inv_freqs, position scale) of a RoPE module the native ops rotate by, or None."""
+        entry = self._rope_freqs.get(id(rope))
+        if entry is None or entry[0] is not rope:  # kept with its module: an id is not reused
+            entry = self._rope_freqs[id(rope)] = (rope, _rope_freqs(rope))
+        return entry[1]
+
+    def logsumexp(self, logits: mx.array) -> mx.array:
+        """(rows, 1) logsumexp of (rows, vocab) logits: on float32 the native op, whose bits
+        are mx.logsumexp's, faster."""
+        if self.row_ops is not None and logits.dtype == mx.float32:
+            return self.row_ops[2](logits)[:, None]
+        return mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def fused_layer_args(self, spec: FusedLayer, block_size: int) -> tuple | None:
+        """What the fused op takes for a layer that does not change from step to step: (most
+        rows, arguments before the pool, RoPE arguments, attention scale, block size), or
+        None where a part of the layer has no native op."""
+        if self.attention_kernel is None:
+            return None
+        norms = [spec.input_norm, spec.post_attention_norm]
+        qk_norm = spec.q_norm is not None
+        qk_norms = [spec.q_norm, spec.k_norm] if qk_norm else []
+        if (any(type(n) is not nn.RMSNorm or n.weight.dtype != mx.float32
+                for n in norms + qk_norms)
+                or norms[0].eps != norms[1].eps
+                or (qk_norm and qk_norms[0].eps != qk_norms[1].eps)
+                or any(getattr(m, "bias", None) is not None
+                       for m in (spec.o, spec.gate, spec.up, spec.down))):
+            return None
+        qkv_modules = [spec.q, spec.k, spec.v]
+        qkv_bias = [getattr(m, "bias", None) for m in qkv_modules]
+        if all(b is None for b in qkv_bias):
+            qkv_bias = []
+        elif any(b is None or b.dtype != mx.float32 for b in qkv_bias):
+            return None
+        linears = [self._native_weights(modules, 1, mx.float32) for modules in
+                   (qkv_modules, [spec.o], [spec.gate, spec.up], [spec.down])]
+        if any(found is None for found in linears):
+            return None
+        # Float32 layers take the native kernel on steps of few rows only.
+        max_rows = min(DECODE_MATMUL_MAX_ROWS if bits == 0 else DECODE_QUANTIZED_MAX_ROWS
+                       for _, bits, _ in linears)
+        tail = (None, 0, False, 1.0)  # inv_freqs, dims, traditional, scale: no RoPE
+        if spec.rope is not None:
+            freqs = self.rope_freqs(spec.rope)
+            if freqs is None:
+                return None
+            tail = (freqs[0], spec.rope.dims, spec.rope.traditional, freqs[1])
+        head = (norms[0].weight, norms[1].weight, norms[0].eps, *linears, qkv_bias,
+                [n.weight for n in qk_norms], qk_norms[0].eps if qk_norm else 0.0,
+                spec.n_heads, spec.n_kv_heads, spec.head_dim)
+        return max_rows, head, tail, spec.scale, block_size
+
+
+def _attention_kernel(attention: str, fused: bool):
+    """The native attention op to use, or None for MLX ops (see engine/attention.py)."""
+    return _native_op("attention", attention, fused, native.paged_attention)
+
+
+def _matmul_kernel(decode_matmul: str, fused: bool):
+    """The native decode linear op to use, or None for MLX's matmul."""
+    return _native_op("decode_matmul", decode_matmul, fused, native.decode_linear)
+
+
+def _quantized_kernel(decode_matmul: str, fused: bool):
+    """The native quantized decode linear op to use (the same setting), or None for MLX's:
+    "auto" takes it only where it runs a vector path (native.decode_quantized_fast)."""
+    if decode_matmul == NativeSetting.AUTO and not fused and not native.decode_quantized_fast():
+        return None
+    return _native_op("decode_matmul", decode_matmul, fused, native.decode_quantized_linear)
+
+
+def _row_ops(decode_matmul: str, fused: bool):
+    """The native (rms_norm_rows, rope_rows, logsumexp_rows), or None for MLX's ops (a GPU,
+    or "mlx")."""
+    return _native_op("decode_matmul", decode_matmul, fused, native.row_ops)
+
+
+def _layer_kernel(decode_matmul: str, fused: bool):
+    """The native decoder layer op (the same setting as the row ops), or None."""
+    return _native_op("decode_matmul", decode_matmul, fused, native.decoder_layer)
+
+
+def _native_op(setting: str, value: str, fused: bool, get):
+    """engine.config.NATIVE_SETTING: on a GPU backend (fused attention) "auto" is MLX's own
+    kernels and "native" an error; on the CPU, "native" is an error when the op is not built."""
+    check_native_setting(setting, value)
+    if value == NativeSetting.MLX or (value == NativeSetting.AUTO and fused):
+        return None
+    if fused:
+        raise ValueError(f"{setting} 'native' runs on the CPU backend only")
+    op = get()
+    if op is None and value == NativeSetting.NATIVE:
+        raise ValueError(f"{setting} 'native': the kernel is {native.why_not()}")
+    return op
+
+
+def _rope_freqs(rope) -> tuple[mx.array, float] | None:
+    """(inv_freqs, position scale) as mlx.core.fast.rope computes them for this module."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    if type(rope) is nn.RoPE:
+        half = rope.dims // 2
+        inv = mx.exp(mx.arange(0.0, -half, -1.0) * (math.log(rope.base) / half))
+        scale = rope.scale
+    elif type(rope) is Llama3RoPE:
+        inv, scale = mx.reciprocal(rope._freqs), 1.0
+    else:
+        return None
+    inv = inv.astype(mx.float32)
+    mx.eval(inv)
+    return inv, float(scale)
+
+
+def _float32_weight(module, kind=nn.Linear) -> mx.array | None:
+    """The weight the native kernel can take: an unquantized float32 one (quantized layers
+    are other classes, and bfloat16/float16 ones keep MLX's matmul)."""
+    if type(module) is not kind or module.weight.dtype != mx.float32:
+        return None
+    return module.weight
+
+
+def quantized_weight(module, kind=nn.QuantizedLinear) -> tuple | None:
+    """(weight, scales, biases, group_size, bits) the native quantized kernel can take: MLX's
+    affine quantization at 4 or 8 bits in groups of 32, 64 or 128; None for anything else."""
+    if (type(module) is not kind or getattr(module, "mode", "affine") != "affine"
+            or module.bits not in (4, 8) or module.group_size not in (32, 64, 128)
+            or getattr(module, "biases", None) is None):
+        return None
+    return module.weight, module.scales, module.biases, module.group_size, module.bits
+
+
+def _stack_rows(modules: list, names: list[str]) -> list[mx.array]:
+    """Concatenate the modules' parameters `names` along the output axis, and make each
+    module's own parameter a view of its rows of the result (evaluated: no copy is kept)."""
+    stacked = [mx.concatenate([m[name] for m in modules], axis=0) for name in names]
+    mx.eval(stacked)
+    at = 0
+    for m in modules:
+        n = m["weight"].shape[0]
+        for name, whole in zip(names, stacked, strict=True):
+            m[name] = whole[at:at + n]
+        at += n
+    mx.eval([m[name] for m in modules for name in names])
+    return stacked

@@ -1,0 +1,139 @@
+"""One forward as a model family sees it (engine/models/): the step's packed rows, their
+positions, its kernel path and tile, and the operations that depend on the engine rather than
+the family: linear layers along the step's path, RoPE at each row's position, paged
+attention, routed experts and the fused decoder layer."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from engine.attention import StepAttention, attend_step, plan_step
+from engine.config import KernelPath
+from engine.kernels import apply_experts
+from engine.kv_cache import KVPool
+from engine.native_ops import NativeOps
+from engine.scheduler import RowGroup
+
+
+class Runner(Protocol):
+    """What a step needs of the runner that made it (engine/model_runner.py's ModelRunner:
+    the native ops, the pool and the layers' KV layout)."""
+
+    pool: KVPool
+    layer_kv: list  # engine.models.LayerKV per decoder layer
+    tile: int  # rows per call on the tiled path
+    fused_attention: bool
+    attention_kernel: object | None
+    linear = NativeOps.linear
+    linears = NativeOps.linears
+    norm = NativeOps.norm
+    native_rope = NativeOps.native_rope
+
+    def decoder_layer(self, step: Step, i: int, x: mx.array) -> mx.array | None: ...
+
+
+class Step:
+    """One step's rows in (1, rows, hidden) order and everything per step: positions, pool
+    slots written, attention plans, expert choices."""
+
+    def __init__(self, runner: Runner, groups: list[RowGroup], path: str = KernelPath.GEMM):
+        self.runner = runner
+        self.path = KernelPath(path)
+        self.tile = runner.tile
+        bs = runner.pool.block_size
+        tokens, positions, write_slots, self.contexts = [], [], [], []
+        for g in groups:
+            tokens.extend(g.token_ids)
+            positions.extend(range(g.start, g.start + g.num_rows))
+            ctx_len = g.start + g.num_rows
+            write_slots.append(slots(g.block_table, ctx_len, bs)[g.start:])
+            self.contexts.append((g.num_rows, ctx_len, g.block_table))
+        self.tokens = mx.array(tokens)
+        self.rows = len(tokens)
+        self.pos = mx.array(positions, dtype=mx.int32)
+        write = np.concatenate(write_slots)
+        self.write = mx.array(write.astype(np.int32))  # pool slots (int32: the fused op's)
+        self._plans: dict[tuple[int | None, bool], StepAttention] = {}  # (window, sinks)
+        self.expert_choices: list[tuple[int, int, mx.array]] = []  # (layer, experts, indices)
+
+    def linear(self, module, x: mx.array, tied: bool = False) -> mx.array:
+        """A linear layer (tied=True: an embedding used as the output head)."""
+        return self.runner.linear(module, x, tied, self.path, self.tile)
+
+    def linears(self, modules: list, x: mx.array) -> list[mx.array]:
+        """Several linear layers over the same input (q/k/v, gate/up): the same results as
+        one `linear` each, in fewer calls where the step's kernel allows."""
+        return self.runner.linears(modules, x, self.path, self.tile)
+
+    def rope(self, rope, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
+        """q: (rows, heads, dim), k: (rows, kv_heads, dim), rotated at each row's position.
+
+        On the CPU the native op rotates each at its rows' positions (engine/native/row_ops.h).
+        Otherwise each row is its own "batch" entry so MLX's RoPE takes a per-row position, and
+        queries and keys go through one call, half the calls: RoPE rotates each head alone, so
+        the bits are those of two calls (tests/engine/test_attention.py)."""
+        native_rope = self.runner.native_rope(rope, q, k)
+        if native_rope is not None:
+            op, inv_freqs, scale = native_rope
+            return tuple(op(x, self.pos, inv_freqs, rope.dims, rope.traditional, scale)
+                         for x in (q, k))
+        n = q.shape[1]
+        qk = rope(mx.concatenate([q, k], axis=1)[:, :, None, :], offset=self.pos)[:, :, 0, :]
+        return qk[:, :n], qk[:, n:]
+
+    def norm(self, module, x: mx.array) -> mx.array:
+        """An RMS norm module (mlx-lm's nn.RMSNorm) on x: the native op where it applies."""
+        return self.runner.norm(module, x)
+
+    def attend(self, i: int, q: mx.array, k: mx.array | None, v: mx.array | None,
+               scale: float, sinks: mx.array | None = None) -> mx.array:
+        """Layer i's attention: store the rows' keys and values (unless the layer reads
+        another layer's), then each row attends over its own context. sinks: (heads,) logits
+        that join each row's softmax (gpt_oss). Returns (rows, heads * dim)."""
+        runner = self.runner
+        kv = runner.layer_kv[i]
+        if kv.writes:
+            runner.pool.write(kv.pool_layer, self.write, k, v)
+        return attend_step(q, self.plan(kv.window, sinks is not None), runner.pool,
+                           kv.pool_layer, scale, runner.fused_attention,
+                           runner.attention_kernel, sinks)
+
+    def plan(self, window: int | None, sinks: bool = False) -> StepAttention:
+        """How this step's rows attend in a layer with this window (made once per step)."""
+        key = (window, sinks)
+        plan = self._plans.get(key)
+        if plan is None:
+            # The native kernel has no sinks: such a layer's decode rows take MLX ops.
+            native = self.runner.attention_kernel is not None and not sinks
+            plan = self._plans[key] = plan_step(self.contexts, self.runner.pool.block_size,
+                                                native, window)
+        return plan
+
+    def decoder_layer(self, i: int, x: mx.array) -> mx.array | None:
+        """Layer i as one native op (the family's Family.fused_layer_spec), or None where the
+        step computes it op by op: the same bits either way."""
+        return self.runner.decoder_layer(self, i, x)
+
+    def experts(self, i: int, switch, x: mx.array, indices: mx.array,
+                num_experts: int) -> mx.array:
+        """Layer i's routed experts: `switch` is mlx-lm's expert block (SwitchGLU:
+        switch(x, indices) with gather matmuls), x (1, rows, hidden), indices (1, rows, k) the
+        router's choice. The step's kernel path decides the calls (engine/kernels.py); the
+        choice is recorded (StepOutput.expert_rows)."""
+        self.expert_choices.append((i, num_experts, indices))
+        return apply_experts(switch, x, indices, self.path, self.tile)
+
+    def expert_rows(self) -> dict[int, list[int]]:
+        """Rows per expert in each MoE layer, from the evaluated router choices."""
+        return {i: np.bincount(np.array(indices).reshape(-1), minlength=n).tolist()
+                for i, n, indices in self.expert_choices}
+
+
+def slots(block_table: list[int], num_tokens: int, block_size: int) -> np.ndarray:
+    """Pool slots of positions [0, num_tokens) of a sequence with this block table."""
+    n_blocks = -(-num_tokens // block_size)
+    table = np.asarray(block_table[:n_blocks], dtype=np.int64)
+    return (table[:, None] * block_size + np.arange(block_size)).reshape(-1)[:num_tokens]
