@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -70,6 +71,79 @@ class StepRecord:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# ---- a step as flat rows ----------------------------------------------------------------------
+# A step is stored as one row of its fields, lists and dicts as JSON under "<field>_json", and
+# one row per entry, its request_id under "run_id"; what a reader shows of a step takes the
+# field's name again (field_name). Fields kept only in memory (/metrics and the live dashboard
+# read them from the record itself) are left out.
+_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable")
+_ENTRY_UNSTORED = ("emitted",)
+_JSON_SUFFIX = "_json"
+
+
+def _is_nested(f: Field) -> bool:
+    return str(f.type).startswith(("list", "dict"))
+
+
+def _step_column(f: Field) -> str:
+    return f.name + _JSON_SUFFIX if _is_nested(f) else f.name
+
+
+def _entry_column(f: Field) -> str:
+    return "run_id" if f.name == "request_id" else f.name
+
+
+def field_name(column: str) -> str:
+    """The StepRecord field a steps column holds."""
+    return column.removesuffix(_JSON_SUFFIX)
+
+
+STEP_COLUMNS: tuple[str, ...] = tuple(
+    _step_column(f) for f in fields(StepRecord) if f.name not in _STEP_UNSTORED)
+ENTRY_COLUMNS: tuple[str, ...] = tuple(
+    _entry_column(f) for f in fields(StepEntry) if f.name not in _ENTRY_UNSTORED)
+
+
+def _values(obj: Any, cls: type) -> Iterator[tuple[Field, Any]]:
+    """(field, value) of a dataclass instance, or of its asdict() saved by an older version:
+    a field missing there takes its default."""
+    for f in fields(cls):
+        if not isinstance(obj, dict):
+            value = getattr(obj, f.name)
+        elif f.name in obj:
+            value = obj[f.name]
+        elif f.default is not MISSING:
+            value = f.default
+        elif f.default_factory is not MISSING:
+            value = f.default_factory()
+        else:
+            raise KeyError(f.name)
+        yield f, value
+
+
+def step_row(record: StepRecord | dict) -> dict[str, Any]:
+    """A step's stored fields by column (a StepRecord or its to_dict())."""
+    row = {_step_column(f): value for f, value in _values(record, StepRecord)
+           if f.name not in _STEP_UNSTORED}
+    # Older records may hold None for these; a dense model's expert rows are NULL.
+    row["preempted_json"] = list(row["preempted_json"] or [])
+    row["expert_rows_json"] = row["expert_rows_json"] or None
+    row["speculation"] = row["speculation"] or ""
+    return row
+
+
+def entry_rows(record: StepRecord | dict) -> list[dict[str, Any]]:
+    """One row per entry of a step (a StepRecord or its to_dict())."""
+    entries = record["entries"] if isinstance(record, dict) else record.entries
+    rows = []
+    for entry in entries:
+        row = {_entry_column(f): value for f, value in _values(entry, StepEntry)
+               if f.name not in _ENTRY_UNSTORED}
+        row["sampled"] = bool(row["sampled"])
+        rows.append(row)
+    return rows
 
 
 class StepLog:

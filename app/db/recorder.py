@@ -24,6 +24,7 @@ from sqlalchemy import Connection, func, insert, select, update
 
 from app.db.database import Database
 from app.db.models import EngineSession, Run, RunToken, Step, StepEntry
+from engine.telemetry import entry_rows, step_row
 
 log = logging.getLogger(__name__)
 
@@ -347,33 +348,10 @@ def write_steps(conn: Connection, payloads: list[tuple[int, Any]]) -> None:
     steps: list[dict] = []
     entries: list[dict] = []
     for session_id, record in payloads:
-        r = record if isinstance(record, dict) else record.to_dict()
-        steps.append({
-            "session_id": session_id, "step": r["step"], "started_at": r["started_at"],
-            "wall_time": r["wall_time"], "model_time": r["model_time"],
-            "scheduler_time": r["scheduler_time"], "total_rows": r["total_rows"],
-            "prefill_rows": r["prefill_rows"], "decode_rows": r["decode_rows"],
-            "kv_blocks_total": r["kv_blocks_total"], "kv_blocks_used": r["kv_blocks_used"],
-            "kv_blocks_free": r["kv_blocks_free"], "kv_blocks_cached": r["kv_blocks_cached"],
-            "num_running": r["num_running"], "num_waiting": r["num_waiting"],
-            "kernel_path": r.get("kernel_path", "gemm"),
-            "linear_calls_per_layer": r.get("linear_calls_per_layer", 1),
-            "prefix_cache_queries": r.get("prefix_cache_queries", 0),
-            "prefix_cache_hits": r.get("prefix_cache_hits", 0),
-            "preempted_json": list(r.get("preempted") or []), "error": r.get("error"),
-            "expert_rows_json": r.get("expert_rows") or None,  # None: a dense model
-            # Records from before speculative decoding (saved experiments) have none of these.
-            "verify_rows": r.get("verify_rows", 0), "draft_tokens": r.get("draft_tokens", 0),
-            "accepted_tokens": r.get("accepted_tokens", 0),
-            "speculation": r.get("speculation") or "",
-        })
-        for entry in r["entries"]:
-            entries.append({
-                "session_id": session_id, "step": r["step"], "run_id": entry["request_id"],
-                "phase": entry["phase"], "rows": entry["rows"],
-                "context_len": entry["context_len"], "blocks_held": entry["blocks_held"],
-                "sampled": bool(entry["sampled"]), "drafted": entry.get("drafted", 0),
-                "accepted": entry.get("accepted", 0)})
+        row = step_row(record)
+        steps.append({"session_id": session_id, **row})
+        entries += [{"session_id": session_id, "step": row["step"], **entry}
+                    for entry in entry_rows(record)]
     conn.execute(insert(Step), steps)
     if entries:
         conn.execute(insert(StepEntry), entries)

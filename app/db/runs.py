@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from app.db.database import Database
 from app.db.models import Run, RunToken, Step, StepEntry
+from engine.telemetry import ENTRY_COLUMNS, STEP_COLUMNS, field_name
 
 PREVIEW_CHARS = 120
 MAX_PER_PAGE = 500
@@ -147,24 +148,17 @@ def run_metrics(run: dict, token_times: list[float]) -> dict:
 _FIELD_NAMES = {
     "messages_json": "messages", "prompt_token_ids_json": "prompt_token_ids",
     "params_json": "params", "output_token_ids_json": "output_token_ids",
-    "preempted_json": "preempted", "top_logprobs_json": "top_logprobs",
-    "expert_rows_json": "expert_rows",
+    "top_logprobs_json": "top_logprobs",
 }
 
-_STEP_FIELDS = [
-    "step", "started_at", "wall_time", "model_time", "scheduler_time", "total_rows",
-    "prefill_rows", "decode_rows", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
-    "kv_blocks_cached", "num_running", "num_waiting", "kernel_path", "linear_calls_per_layer",
-    "preempted_json", "error", "expert_rows_json", "verify_rows", "draft_tokens",
-    "accepted_tokens", "speculation",
-]
-_ENTRY_FIELDS = ["run_id", "phase", "rows", "context_len", "blocks_held", "sampled", "drafted",
-                 "accepted"]
+# The run's view of a step: every stored column but the engine's cumulative prefix-cache counters
+# (they describe the engine, not this run).
+_STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("prefix_cache_queries", "prefix_cache_hits")]
 
 
 def _run_steps(conn: Connection | Session, run_id: str) -> list[dict]:
     own = conn.execute(
-        select(StepEntry.session_id, *(getattr(StepEntry, f) for f in _ENTRY_FIELDS),
+        select(StepEntry.session_id, *(getattr(StepEntry, f) for f in ENTRY_COLUMNS),
                *(getattr(Step, f).label(f"s_{f}") for f in _STEP_FIELDS))
         .join(Step, (Step.session_id == StepEntry.session_id) & (Step.step == StepEntry.step))
         .where(StepEntry.run_id == run_id)
@@ -177,7 +171,7 @@ def _run_steps(conn: Connection | Session, run_id: str) -> list[dict]:
         # recorded: whether the mate is a run (a divergence side's companions are not).
         rows = conn.execute(
             select(StepEntry.session_id, StepEntry.step,
-                   *(getattr(StepEntry, f) for f in _ENTRY_FIELDS),
+                   *(getattr(StepEntry, f) for f in ENTRY_COLUMNS),
                    Run.id.is_not(None).label("recorded"))
             .outerjoin(Run, Run.id == StepEntry.run_id)
             .where(tuple_(StepEntry.session_id, StepEntry.step).in_(chunk),
@@ -188,7 +182,7 @@ def _run_steps(conn: Connection | Session, run_id: str) -> list[dict]:
                 {**_entry(r), "recorded": bool(r["recorded"])})
     steps = []
     for r in own:
-        step = {_FIELD_NAMES.get(f, f): r[f"s_{f}"] for f in _STEP_FIELDS}
+        step = {field_name(f): r[f"s_{f}"] for f in _STEP_FIELDS}
         step["session_id"] = r["session_id"]
         step["entry"] = _entry(r)
         step["batch_mates"] = mates.get((r["session_id"], r["s_step"]), [])
@@ -197,9 +191,7 @@ def _run_steps(conn: Connection | Session, run_id: str) -> list[dict]:
 
 
 def _entry(r) -> dict:
-    return {"run_id": r["run_id"], "phase": r["phase"], "rows": r["rows"],
-            "context_len": r["context_len"], "blocks_held": r["blocks_held"],
-            "sampled": bool(r["sampled"]), "drafted": r["drafted"], "accepted": r["accepted"]}
+    return {**{f: r[f] for f in ENTRY_COLUMNS}, "sampled": bool(r["sampled"])}
 
 
 def _chunks(items: list, n: int) -> Iterator[list]:

@@ -19,16 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.telemetry import StepRecord
+from engine.telemetry import STEP_COLUMNS, StepRecord, field_name
 
-# The fields of a StepRecord the charts and the kernel-path strip need (entries stay out: only
-# the latest step's batch is shown, and it comes with the live state).
-STEP_FIELDS = (
-    "step", "started_at", "wall_time", "model_time", "total_rows", "prefill_rows", "decode_rows",
-    "verify_rows", "draft_tokens", "accepted_tokens", "speculation",
-    "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "num_running",
-    "num_waiting", "kernel_path", "linear_calls_per_layer", "error",
-)
+# The fields of a StepRecord the charts and the kernel-path strip need: its stored single
+# values but the scheduler time and the cumulative prefix-cache counters (lists stay out: only
+# the latest step's batch is shown, and it comes with the live state; preemptions are counted).
+_NOT_CHARTED = ("scheduler_time", "prefix_cache_queries", "prefix_cache_hits")
+STEP_FIELDS = tuple(c for c in STEP_COLUMNS if c == field_name(c) and c not in _NOT_CHARTED)
 ACCEPTANCE_STEPS = 50  # steps the rolling acceptance rate covers
 
 

@@ -465,3 +465,48 @@ def test_queries_accept_a_connection_or_session_and_return_json(listed):
         run = get_run(session, "r1")
     assert json.loads(json.dumps(run)) == run
     assert json.loads(json.dumps(list_runs(listed)))["total"] == 7
+
+
+def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
+    """Every stored StepRecord field reaches the run's view of the step under its own name (the
+    engine's cumulative prefix-cache counters and in-memory fields stay out); a to_dict() saved
+    before later fields existed reads with their defaults."""
+    session = recorder.start_session("m", "q4", "auto", {})
+    start_run(recorder, "A", session)
+    full = step_record(1, 1000.0, [("A", "verify", 3)])
+    full.entries[0].drafted, full.entries[0].accepted, full.entries[0].emitted = 2, 1, 2
+    full.preempted, full.error, full.expert_rows = ["Z"], "boom", {"0": [1, 2]}
+    full.verify_rows, full.draft_tokens, full.accepted_tokens = 3, 2, 1
+    full.speculation, full.propose_time, full.prefix_cache_queries = "on", 0.5, 9
+    old = step_record(2, 1000.1, [("A", "decode", 1)]).to_dict()
+    for newer in ("verify_rows", "draft_tokens", "accepted_tokens", "speculation", "kernel_path",
+                  "linear_calls_per_layer", "prefix_cache_queries", "prefix_cache_hits",
+                  "expert_rows", "preempted", "error"):
+        del old[newer]
+    for entry in old["entries"]:
+        del entry["drafted"], entry["accepted"], entry["emitted"]
+    recorder.step(session, full)
+    recorder.step(session, old)
+    assert recorder.flush()
+
+    first, second = get_run(db, "A")["steps"]
+    common = {"session_id": session, "started_at": 1000.0, "wall_time": 0.05,
+              "model_time": 0.04, "scheduler_time": 0.01, "total_rows": 0, "prefill_rows": 0,
+              "decode_rows": 0, "kv_blocks_total": 64, "kv_blocks_used": 1, "kv_blocks_free": 63,
+              "kv_blocks_cached": 0, "num_running": 1, "num_waiting": 0, "batch_mates": []}
+    assert first == {**common, "step": 1, "kernel_path": "gemv", "linear_calls_per_layer": 1,
+                     "preempted": ["Z"], "error": "boom", "expert_rows": {"0": [1, 2]},
+                     "verify_rows": 3, "draft_tokens": 2, "accepted_tokens": 1,
+                     "speculation": "on",
+                     "entry": {"run_id": "A", "phase": "verify", "rows": 3, "context_len": 11,
+                               "blocks_held": 1, "sampled": True, "drafted": 2, "accepted": 1}}
+    assert second == {**common, "step": 2, "started_at": 1000.1, "decode_rows": 1,
+                      "total_rows": 1, "kernel_path": "gemm", "linear_calls_per_layer": 1,
+                      "preempted": [], "error": None, "expert_rows": None, "verify_rows": 0,
+                      "draft_tokens": 0, "accepted_tokens": 0, "speculation": "",
+                      "entry": {"run_id": "A", "phase": "decode", "rows": 1, "context_len": 12,
+                                "blocks_held": 1, "sampled": True, "drafted": 0, "accepted": 0}}
+    with db.read() as conn:
+        stored = conn.exec_driver_sql(
+            "SELECT prefix_cache_queries, prefix_cache_hits FROM steps ORDER BY step").all()
+    assert [tuple(r) for r in stored] == [(9, 0), (0, 0)]
