@@ -183,6 +183,10 @@ class DraftProposer:
     def cached_requests(self) -> list[str]:
         return list(self._seen)
 
+    def cached_tokens(self, seq_id: str) -> list[int]:
+        """The tokens whose keys and values the draft's cache holds for a request."""
+        return list(self._seen.get(seq_id, []))
+
     def release(self, seq_id: str) -> None:
         self._seen.pop(seq_id, None)
         self.block_manager.free(seq_id)

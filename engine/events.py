@@ -29,7 +29,7 @@ class TokenEvent:
 @dataclass
 class FinishEvent:
     request_id: str
-    reason: str  # "stop", "length", "cancelled", "error"
+    reason: str  # an engine.sequence.FinishReason: "stop", "length", "cancelled", "error"
     text: str  # the whole output
     text_delta: str  # text released only now (held back while a stop string could follow)
     token_ids: list[int]

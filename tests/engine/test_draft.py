@@ -218,16 +218,16 @@ def test_rollback_keeps_the_common_prefix_and_trims_the_blocks_past_it():
         assert drafts == fresh.propose([("f", tokens, k)])["f"]
         fresh.release("f")
         table = proposer.block_manager.block_table("s")
-        assert len(table) == -(-len(proposer._seen["s"]) // 4)  # no block past the cache
+        assert len(table) == -(-len(proposer.cached_tokens("s")) // 4)  # no block past the cache
         return drafts
 
     tokens = ByteTokenizer().encode("hello there, general")
     d = propose(tokens, 4)
-    assert len(d) == 4 and proposer._seen["s"] == tokens + d[:3]  # d4 has no KV yet
+    assert len(d) == 4 and proposer.cached_tokens("s") == tokens + d[:3]  # d4 has no KV yet
     # The target accepted d1 and chose its own next token, not d2.
     nxt = tokens + [d[0], (d[1] + 1) % 256]
     propose(nxt, 2)
-    assert proposer._seen["s"][:len(nxt)] == nxt
+    assert proposer.cached_tokens("s")[:len(nxt)] == nxt
     # Tokens that part from the cache before its end (a request id reused): only what they
     # share is kept.
     propose(ByteTokenizer().encode("hello where"), 3)

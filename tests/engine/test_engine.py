@@ -228,7 +228,7 @@ def test_idle_engine_blocks_instead_of_spinning(make_engine):
     before = engine.step_count
     threading.Event().wait(0.3)
     assert engine.step_count == before  # no steps while idle
-    assert engine._thread.is_alive()
+    assert engine.running
 
 
 def test_float32_model_gives_the_same_tokens_batched_as_alone(make_engine):
