@@ -109,9 +109,7 @@ void linear_range(const float* x, const float* w, float* out, int M, int K, int 
   for (; n < n_end; ++n) column_tile<1>(x, w, out, M, K, N, n);
 }
 
-void check(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument("decode_linear: " + message);
-}
+constexpr Check check{"decode_linear"};
 
 }  // namespace
 

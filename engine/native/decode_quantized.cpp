@@ -615,9 +615,7 @@ void compute(const Problem& p) {
   }
 }
 
-void check(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument("decode_quantized_linear: " + message);
-}
+constexpr Check check{"decode_quantized_linear"};
 
 }  // namespace
 
@@ -627,14 +625,8 @@ std::string decode_quantized_isa() {
 
 std::string set_decode_quantized_isa(const std::string& name) {
   Isa isa;
-  if (!parse_isa(name, &isa)) {
-    throw std::invalid_argument("decode_quantized_linear: unknown path '" + name +
-                                "' (auto, avx512, avx2 or portable)");
-  }
-  if (!cpu_has(isa)) {
-    throw std::invalid_argument("decode_quantized_linear: this CPU or build has no " + name +
-                                " path");
-  }
+  check(parse_isa(name, &isa), "unknown path '" + name + "' (auto, avx512, avx2 or portable)");
+  check(cpu_has(isa), "this CPU or build has no " + name + " path");
   chosen.store(static_cast<int>(isa));
   return isa_name(isa);
 }

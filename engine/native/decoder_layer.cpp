@@ -25,9 +25,7 @@ namespace batchscope {
 
 namespace {
 
-void check(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument("decoder_layer: " + message);
-}
+constexpr Check check{"decoder_layer"};
 
 // Where the inputs after the linear layers sit (DecoderLayerSpec::first holds the linears').
 struct Layout {

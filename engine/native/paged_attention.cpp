@@ -36,9 +36,7 @@ namespace batchscope {
 
 namespace {
 
-void check(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument("paged_attention: " + message);
-}
+constexpr Check check{"paged_attention"};
 
 constexpr int LANES = 16;  // rows per tile of a run, floats per vector of the value loops
 

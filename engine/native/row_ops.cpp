@@ -21,10 +21,6 @@ namespace batchscope {
 
 namespace {
 
-void check(bool ok, const char* op, const std::string& message) {
-  if (!ok) throw std::invalid_argument(std::string(op) + ": " + message);
-}
-
 // The same fixed order for every row: 16 running sums, then a tree over them.
 float sum_of_squares(const float* x, int n) {
   float lanes[16] = {};
@@ -58,10 +54,10 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array
 
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps,
                         mx::StreamOrDevice s) {
-  const char* op = "rms_norm_rows";
-  check(x.ndim() >= 1 && x.dtype() == mx::float32, op, "x must be float32 (..., D)");
+  constexpr Check check{"rms_norm_rows"};
+  check(x.ndim() >= 1 && x.dtype() == mx::float32, "x must be float32 (..., D)");
   check(weight.ndim() == 1 && weight.dtype() == mx::float32 && weight.shape(0) == x.shape(-1),
-        op, "weight must be float32 (D,) with x's last dimension");
+        "weight must be float32 (D,) with x's last dimension");
   auto stream = mx::to_stream(s);
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNormRows>(stream, eps),
                    {row_contiguous(x, stream), row_contiguous(weight, stream)});
@@ -111,7 +107,8 @@ float logsumexp_row(const float* x, int n, std::vector<float>& scratch) {
 }  // namespace
 
 mx::array logsumexp_rows(const mx::array& x, mx::StreamOrDevice s) {
-  check(x.ndim() == 2 && x.dtype() == mx::float32 && x.shape(1) > 0, "logsumexp_rows",
+  constexpr Check check{"logsumexp_rows"};
+  check(x.ndim() == 2 && x.dtype() == mx::float32 && x.shape(1) > 0,
         "x must be float32 (rows, V)");
   auto stream = mx::to_stream(s);
   return mx::array({x.shape(0)}, mx::float32, std::make_shared<LogSumExpRows>(stream),
@@ -147,17 +144,17 @@ void RmsNormRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>
 
 mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::array& inv_freqs,
                     int dims, bool traditional, float scale, mx::StreamOrDevice s) {
-  const char* op = "rope_rows";
-  check(x.ndim() == 3 && x.dtype() == mx::float32, op,
+  constexpr Check check{"rope_rows"};
+  check(x.ndim() == 3 && x.dtype() == mx::float32,
         "x must be float32 (rows, heads, head_dim)");
   check(positions.ndim() == 1 && positions.dtype() == mx::int32 &&
             positions.shape(0) == x.shape(0),
-        op, "positions must be int32 (rows,)");
-  check(dims > 0 && dims % 2 == 0 && dims <= x.shape(2), op,
+        "positions must be int32 (rows,)");
+  check(dims > 0 && dims % 2 == 0 && dims <= x.shape(2),
         "dims must be even and at most head_dim, not " + std::to_string(dims));
   check(inv_freqs.ndim() == 1 && inv_freqs.dtype() == mx::float32 &&
             inv_freqs.shape(0) == dims / 2,
-        op, "inv_freqs must be float32 (dims / 2,)");
+        "inv_freqs must be float32 (dims / 2,)");
   auto stream = mx::to_stream(s);
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<RopeRows>(stream, dims, traditional, scale),
