@@ -254,6 +254,7 @@ class RunService:
 
 
 def params_dict(params: SamplingParams) -> dict:
+    """Sampling parameters as JSON: the runs table's params and the playground's panels."""
     d = asdict(params)
     d["stop"] = list(params.stop)
     return d

@@ -18,7 +18,7 @@ import asyncio
 import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.db import runs as queries
-from app.runs import QueueFullError, Run, RunRequest
+from app.runs import QueueFullError, Run, RunRequest, params_dict
 from app.web.api.routes import MAX_STOP
 from app.web.pages.runs import run_context
 from app.web.render import (
@@ -237,12 +237,8 @@ async def start_runs(request: Request) -> Response:
     context = {"runs": [{"id": i, "url": f"/runs/{i}", "cancel_url": f"/runs/{i}/cancel",
                          "stream_url": f"/runs/{i}/stream"} for i in ids],
                "stream_url": _stream_url(ids), "saved": database(request) is not None,
-               "prompt_tokens": len(prompt_ids), "params": _params_dict(data.params)}
+               "prompt_tokens": len(prompt_ids), "params": params_dict(data.params)}
     return page_response(request, "_run_panels.html", context)
-
-
-def _params_dict(params: SamplingParams) -> dict:
-    return {**asdict(params), "stop": list(params.stop)}
 
 
 def _stream_url(ids: list[str]) -> str:
