@@ -22,6 +22,7 @@ from app.lab.calibration import (
     render_svg,
 )
 from app.web.render import page_response, view_routes
+from app.web.views import Calibration, CalibrationFile
 from engine.platform import backend_info
 
 
@@ -38,32 +39,30 @@ def _summary_row(row: dict) -> dict:
     return {k: v for k, v in row.items() if k != "detail"}
 
 
-def calibration_context(engine: Any, found: dict | None, backend: str) -> dict:
+def calibration_context(engine: Any, found: dict | None, backend: str) -> Calibration:
     policy = getattr(engine, "kernel_policy", None)
-    context: dict[str, Any] = {
-        "model": engine.loaded.name, "weights": engine.loaded.weights, "backend": backend,
-        "kernel_policy": policy.describe() if policy is not None else None,
-        # Set by the engine when it resolves the "auto" threshold (flag, calibration, default).
-        "threshold_source": getattr(engine, "kernel_threshold_source", None),
-        "command": calibrate_command(engine),
-        "expected_path": str(calibration_path(engine.loaded.name, engine.loaded.weights,
-                                              backend)),
-        "calibration": None,
-    }
+    saved = None
     if found is not None:
         rows = [_summary_row(r) for r in found["rows"] if isinstance(r, dict)]
-        context["calibration"] = {
-            "threshold": found["threshold"],
+        saved = CalibrationFile(
+            threshold=found["threshold"],
             # Recomputed from the rows: says whether the file's T still follows from its data.
-            "threshold_from_rows": choose_threshold(rows) if rows else None,
-            "threshold_basis": found.get("threshold_basis"),
-            "date": found.get("date"), "host": found.get("host"),
-            "cpu_count": found.get("cpu_count"), "mlx_version": found.get("mlx_version"),
-            "backend_info": found.get("backend_info"), "max_tokens": found.get("max_tokens"),
-            "repeats": found.get("repeats"), "elapsed_s": found.get("elapsed_s"),
-            "path": found["path"], "plot_path": found["plot_path"], "rows": rows,
-        }
-    return context
+            threshold_from_rows=choose_threshold(rows) if rows else None,
+            threshold_basis=found.get("threshold_basis"),
+            date=found.get("date"), host=found.get("host"),
+            cpu_count=found.get("cpu_count"), mlx_version=found.get("mlx_version"),
+            backend_info=found.get("backend_info"), max_tokens=found.get("max_tokens"),
+            repeats=found.get("repeats"), elapsed_s=found.get("elapsed_s"),
+            path=found["path"], plot_path=found["plot_path"], rows=rows)
+    return Calibration(
+        model=engine.loaded.name, weights=engine.loaded.weights, backend=backend,
+        kernel_policy=policy.describe() if policy is not None else None,
+        # Set by the engine when it resolves the "auto" threshold (flag, calibration, default).
+        threshold_source=getattr(engine, "kernel_threshold_source", None),
+        command=calibrate_command(engine),
+        expected_path=str(calibration_path(engine.loaded.name, engine.loaded.weights,
+                                           backend)),
+        calibration=saved)
 
 
 async def calibration_page(request: Request) -> Response:

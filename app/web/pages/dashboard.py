@@ -25,6 +25,14 @@ from starlette.routing import Route
 from app.web.api.routes import error_body
 from app.web.feeds import ACCEPTANCE_STEPS, FeedClient, compact_steps, feed_for
 from app.web.render import page_response, view_routes
+from app.web.views import (
+    Dashboard,
+    EngineLimits,
+    EngineState,
+    SpeculationSetting,
+    Steps,
+    StepSummary,
+)
 
 CHART_STEPS = 300  # steps the charts and the kernel-path strip show
 EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
@@ -145,31 +153,31 @@ def dashboard_state(engine: Any) -> dict[str, Any]:
             "kv": kv_map(engine), "experts": expert_load(engine)}
 
 
-def speculation_setting(engine: Any) -> dict[str, Any]:
+def speculation_setting(engine: Any) -> SpeculationSetting:
     """The engine's speculative decoding as configured (each step says whether it ran)."""
     spec = getattr(engine, "speculation", None)
     if spec is None or not spec.enabled:
-        return {"enabled": False, "describe": "off", "method": "off", "num_tokens": None,
-                "max_batch": None}
-    return {"enabled": True, "describe": spec.describe(), "method": spec.method,
-            "num_tokens": spec.num_tokens, "max_batch": spec.max_batch}
+        return SpeculationSetting(enabled=False, describe="off", method="off", num_tokens=None,
+                                  max_batch=None)
+    return SpeculationSetting(enabled=True, describe=spec.describe(), method=spec.method,
+                              num_tokens=spec.num_tokens, max_batch=spec.max_batch)
 
 
-def dashboard_context(engine: Any) -> dict[str, Any]:
+def dashboard_context(engine: Any) -> Dashboard:
     config = engine.config
-    return {
-        "model": engine.loaded.name,
-        "config": {"max_num_seqs": config.max_num_seqs,
-                   "max_num_batched_tokens": config.max_num_batched_tokens,
-                   "block_size": config.block_size, "num_kv_blocks": config.num_kv_blocks},
-        "speculation": speculation_setting(engine),
-        "frames_per_s": FRAMES_PER_S,
-        "chart_steps": CHART_STEPS,
-        "acceptance_steps": ACCEPTANCE_STEPS,
-        "expert_steps": EXPERT_STEPS,
-        "state": dashboard_state(engine),
-        "steps": compact_steps(engine.steps.recent(CHART_STEPS)),
-    }
+    return Dashboard(
+        model=engine.loaded.name,
+        config=EngineLimits(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            block_size=config.block_size, num_kv_blocks=config.num_kv_blocks),
+        speculation=speculation_setting(engine),
+        frames_per_s=FRAMES_PER_S,
+        chart_steps=CHART_STEPS,
+        acceptance_steps=ACCEPTANCE_STEPS,
+        expert_steps=EXPERT_STEPS,
+        state=EngineState(**dashboard_state(engine)),
+        steps=compact_steps(engine.steps.recent(CHART_STEPS)),
+    )
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -202,7 +210,7 @@ async def dashboard(request: Request) -> Response:
     context = dashboard_context(request.app.state.engine)
     # The page hands its script the whole context (`data`) as well.
     return page_response(request, "dashboard.html", context,
-                         page_only=lambda: {"data": context})
+                         page_only=lambda: {"data": context.model_dump()})
 
 
 async def steps_json(request: Request) -> Response:
@@ -216,12 +224,12 @@ async def steps_json(request: Request) -> Response:
     newer = [r for r in records if r.step > since]
     page = newer[:limit]
     oldest = records[0].step if records else None
-    return JSONResponse({
-        "since": since, "last_step": engine.step_count, "oldest_step": oldest,
+    return JSONResponse(Steps(
+        since=since, last_step=engine.step_count, oldest_step=oldest,
         # Steps after `since` that fell out of the ring buffer before this call.
-        "missed": max(0, (oldest - since - 1)) if oldest is not None else 0,
-        "next_since": page[-1].step if page else since, "more": len(newer) > len(page),
-        "steps": [r.to_dict() for r in page]})
+        missed=max(0, (oldest - since - 1)) if oldest is not None else 0,
+        next_since=page[-1].step if page else since, more=len(newer) > len(page),
+        steps=[StepSummary(**r.to_dict()) for r in page]).model_dump(mode="json"))
 
 
 def _frame(engine: Any, client: FeedClient) -> ServerSentEvent:
