@@ -4,9 +4,10 @@ It covers the OpenAI-compatible `/v1/*` routes (request bodies with their types 
 responses, errors in OpenAI's shape, streams as `text/event-stream`), generated from the models
 that check the requests and the answers (app/web/api/schemas.py), and the pages' JSON twins
 (`/runs.json`, `/runs/{run_id}.json`, `/compare.json`, `/dashboard.json`, `/steps.json`,
-`/calibration.json`, `/divergence.json`), written here. Ranges that depend on the server
-(vocabulary size, context window, --max-tokens-limit, --max-waiting-requests) are filled in from
-the running app, so the document describes this server, not a generic one.
+`/calibration.json`, `/divergence.json`), from the models of their contexts (app/web/views.py).
+Ranges that depend on the server (vocabulary size, context window, --max-tokens-limit,
+--max-waiting-requests) are filled in from the running app, so the document describes this
+server, not a generic one.
 
 tests/app/web/test_openapi.py runs schemathesis against a live server with it, checking that no
 input makes a 5xx, that responses match these schemas, and that bodies the schemas forbid are
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.web import views
 from app.web.api import schemas
 
 JSON = "application/json"
@@ -83,10 +85,13 @@ def _fill(node: Any, server: dict[str, dict]) -> Any:
     return node
 
 
-def _api_schemas(model: str, vocab: int | None, max_tokens: int) -> dict:
-    """The /v1 schemas from the request models (as validated) and the responses (as sent)."""
+def _schemas(model: str, vocab: int | None, max_tokens: int) -> dict:
+    """The /v1 schemas from the request models (as validated) and the responses (as sent), and
+    the pages' JSON twins from their context models (as sent); the models they use are
+    schemas of their own."""
     _, doc = models_json_schema(
-        [(m, "validation") for m in REQUESTS] + [(m, "serialization") for m in RESPONSES],
+        [(m, "validation") for m in REQUESTS]
+        + [(m, "serialization") for m in (*RESPONSES, *views.TWINS)],
         ref_template="#/components/schemas/{model}", schema_generator=_Untitled)
     server = {"model": {"enum": [model]}, "max_tokens": {"maximum": max_tokens},
               "vocab": {"maximum": vocab - 1} if vocab else {}}
@@ -102,158 +107,17 @@ def _event(chunk: str) -> dict:
          "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]}}]}}}
 
 
-_NUM = {"type": ["number", "null"]}
-_NULLABLE_STR = {"type": ["string", "null"]}
-# The pages' JSON twins: the same context their templates render.
-TWINS = {
-    "RunSummary": {
-        "type": "object", "required": ["id", "created_at", "model", "status"],
-        "properties": {
-            "id": {"type": "string"}, "created_at": {"type": "number"},
-            "source": {"type": "string"}, "endpoint": {"type": "string"},
-            "model": {"type": "string"}, "weights": {"type": "string"},
-            "kernel_policy": {"type": "string"}, "status": {"type": "string"},
-            "finish_reason": _NULLABLE_STR, "prompt_preview": _NULLABLE_STR,
-            "output_preview": _NULLABLE_STR,
-            "prompt_tokens": {"type": ["integer", "null"]},
-            "completion_tokens": {"type": ["integer", "null"]},
-            "ttft": _NUM, "e2e_latency": _NUM,
-        },
-    },
-    "RunList": {
-        "type": "object",
-        "required": ["runs", "total", "page", "per_page", "pages", "filters", "links"],
-        "properties": {
-            "runs": {"type": "array", "items": _ref("RunSummary")},
-            "total": {"type": "integer", "minimum": 0},
-            "page": {"type": "integer", "minimum": 1},
-            "per_page": {"type": "integer", "minimum": 1},
-            "pages": {"type": "integer", "minimum": 1},
-            "filters": {"type": "object", "additionalProperties": {"type": "string"}},
-            "options": {"type": "object"},
-            "links": {"type": "object", "required": ["prev", "next", "json"],
-                      "properties": {"prev": _NULLABLE_STR, "next": _NULLABLE_STR,
-                                     "json": {"type": "string"}}},
-        },
-    },
-    "TokenView": {
-        "type": "object", "required": ["idx", "token_id", "logprob", "alternatives"],
-        "properties": {
-            "idx": {"type": "integer", "minimum": 0}, "token_id": {"type": "integer"},
-            "text": _NULLABLE_STR, "logprob": _NUM, "offset": _NUM, "gap": _NUM,
-            "step": {"type": ["integer", "null"]},
-            "alternatives": {"type": "array", "items": {
-                "type": "object", "required": ["token_id", "logprob"],
-                "properties": {"token_id": {"type": "integer"}, "text": _NULLABLE_STR,
-                               "logprob": _NUM}}},
-        },
-    },
-    "Run": {
-        "type": "object",
-        "required": ["id", "created_at", "model", "status", "params", "tokens", "steps",
-                     "metrics", "prompt_token_ids"],
-        "properties": {
-            "id": {"type": "string"}, "session_id": {"type": ["integer", "null"]},
-            "created_at": {"type": "number"}, "model": {"type": "string"},
-            "status": {"type": "string"}, "finish_reason": _NULLABLE_STR,
-            "error": _NULLABLE_STR, "prompt_text": _NULLABLE_STR,
-            "output_text": _NULLABLE_STR, "text_tail": {"type": "string"},
-            "messages": {"type": ["array", "null"]},
-            "params": {"type": ["object", "null"]},
-            "prompt_token_ids": {"type": "array", "items": {"type": "integer"}},
-            "output_token_ids": {"type": ["array", "null"], "items": {"type": "integer"}},
-            "tokens": {"type": "array", "items": _ref("TokenView")},
-            "steps": {"type": "array", "items": {"type": "object", "required": ["step"]}},
-            "metrics": {"type": "object", "properties": {
-                "ttft": _NUM, "tpot": _NUM, "e2e_latency": _NUM, "queue_time": _NUM,
-                "tokens_per_s": _NUM}},
-        },
-    },
-    "RunPending": {
-        "type": "object", "required": ["id", "status", "message"],
-        "properties": {"id": {"type": "string"},
-                       "status": {"enum": ["running", "saving"]},
-                       "message": {"type": "string"}},
-    },
-    "Comparison": {
-        "type": "object",
-        "required": ["a", "b", "params", "params_differing", "tokens", "first_difference",
-                     "same_tokens"],
-        "properties": {
-            "a": {"type": "object", "required": ["id"]},
-            "b": {"type": "object", "required": ["id"]},
-            "params": {"type": "array", "items": {
-                "type": "object", "required": ["name", "a", "b", "differs"],
-                "properties": {"name": {"type": "string"},
-                               "differs": {"type": "boolean"}}}},
-            "params_differing": {"type": "array", "items": {"type": "string"}},
-            "tokens": {"type": "array", "items": {
-                "type": "object", "required": ["idx", "a", "b", "same", "logprob_diff"],
-                "properties": {"idx": {"type": "integer"}, "same": {"type": "boolean"},
-                               "logprob_diff": _NUM,
-                               "a": {"anyOf": [{"type": "null"}, _ref("TokenView")]},
-                               "b": {"anyOf": [{"type": "null"}, _ref("TokenView")]}}}},
-            "first_difference": {"type": ["integer", "null"]},
-            "same_tokens": {"type": "integer", "minimum": 0},
-        },
-    },
-    "Dashboard": {
-        "type": "object",
-        "required": ["model", "config", "frames_per_s", "chart_steps", "state", "steps"],
-        "properties": {
-            "model": {"type": "string"},
-            "config": {"type": "object", "required": ["max_num_seqs", "block_size",
-                                                      "num_kv_blocks"]},
-            "speculation": {"type": "object", "required": ["enabled", "describe"],
-                            "description": "the engine's speculative decoding setting; each "
-                            "step's `speculation` says whether it speculated",
-                            "properties": {"enabled": {"type": "boolean"},
-                                           "describe": {"type": "string"}}},
-            "frames_per_s": {"type": "number"}, "chart_steps": {"type": "integer"},
-            "acceptance_steps": {"type": "integer", "minimum": 1},
-            "state": {"type": "object",
-                      "required": ["time", "step", "running", "waiting", "idle", "kv"],
-                      "properties": {"running": {"type": "integer", "minimum": 0},
-                                     "waiting": {"type": "integer", "minimum": 0},
-                                     "idle": {"type": "boolean"},
-                                     "batch": {"type": ["object", "null"]}}},
-            "steps": {"type": ["array", "object"]},
-        },
-    },
-    "Steps": {
-        "type": "object",
-        "required": ["since", "last_step", "oldest_step", "missed", "next_since", "more",
-                     "steps"],
-        "properties": {
-            "since": {"type": "integer", "minimum": 0},
-            "last_step": {"type": "integer", "minimum": 0},
-            "oldest_step": {"type": ["integer", "null"]},
-            "missed": {"type": "integer", "minimum": 0},
-            "next_since": {"type": "integer", "minimum": 0},
-            "more": {"type": "boolean"},
-            "steps": {"type": "array", "items": {
-                "type": "object",
-                "required": ["step", "started_at", "total_rows", "kernel_path", "entries"],
-                "properties": {"step": {"type": "integer", "minimum": 1},
-                               "total_rows": {"type": "integer", "minimum": 0},
-                               "kernel_path": {"type": "string"},
-                               "entries": {"type": "array"}}}},
-        },
-    },
-    "Calibration": {"type": "object", "description": "the calibration for the served "
-                    "model, weights and backend, if one was measured"},
-    "Divergence": {"type": "object", "required": ["experiments", "persisted"],
-                   "properties": {
-                       "experiments": {"type": "array", "description": "newest first: "
-                                       "queued and running ones, then the saved ones"},
-                       "experiment": {"type": ["object", "null"], "description": "with "
-                                      "?id=: its record, and `runs` (its two sides' run "
-                                      "ids) once saved"},
-                       "persisted": {"type": "boolean", "description": "whether finished "
-                                     "experiments are saved in the runs database (false: "
-                                     "kept in memory only)"},
-                       "saved_total": {"type": ["integer", "null"], "minimum": 0}}},
-}
+# The divergence page's twin, until its context is a model too.
+DIVERGENCE = {"type": "object", "required": ["experiments", "persisted"],
+              "properties": {
+                  "experiments": {"type": "array", "description": "newest first: queued and "
+                                  "running ones, then the saved ones"},
+                  "experiment": {"type": ["object", "null"], "description": "with ?id=: its "
+                                 "record, and `runs` (its two sides' run ids) once saved"},
+                  "persisted": {"type": "boolean", "description": "whether finished "
+                                "experiments are saved in the runs database (false: kept in "
+                                "memory only)"},
+                  "saved_total": {"type": ["integer", "null"], "minimum": 0}}}
 
 
 # ---- operations --------------------------------------------------------------------------------
@@ -367,10 +231,11 @@ def build(*, model: str, vocab: int | None, context: int, max_tokens: int | None
                                       [_query("id", {"type": "string"})], ("401", "404")),
         },
         "components": {
-            "schemas": _api_schemas(model, vocab, cap) | {
+            "schemas": _schemas(model, vocab, cap) | {
                 "CompletionEvent": _event("CompletionChunk"),
                 "ChatCompletionEvent": _event("ChatCompletionChunk"),
-            } | TWINS,
+                "Divergence": DIVERGENCE,
+            },
             "responses": {
                 "BadRequest": _error_response("bad input: the error names the parameter"),
                 "Unauthorized": _error_response("an API key is required (--api-key)"),
