@@ -154,7 +154,7 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(tmp_path):
         ids = [httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3,
                                                           "logprobs": 2}, timeout=30).json()["id"]
                for _ in range(2)]
-        time.sleep(0.5)  # the recorder's writer thread saves them
+        assert app.state.recorder.flush()  # the recorder's writer thread has saved them
         # Valid cases of these name saved runs (random ids only find a 404 or a 400).
         fixed = {"GET /runs/{run_id}.json": {"path_parameters": {"run_id": ids[0]}},
                  "GET /compare.json": {"query": {"a": ids[0], "b": ids[1]}}}
