@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from app.stats import percentile
+
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": ("TTFT", "Time to First Token"),
@@ -79,7 +81,7 @@ def stats(values_s: Sequence[float], percentiles: Iterable[int] = PERCENTILES) -
     a = np.asarray(values_s, dtype=float) * 1000.0
     out.update({"mean_ms": float(a.mean()), "median_ms": float(np.median(a)),
                 "std_ms": float(a.std())})
-    out.update({f"p{p}_ms": float(np.percentile(a, p)) for p in percentiles})
+    out.update({f"p{p}_ms": percentile(a, p) for p in percentiles})
     return out
 
 

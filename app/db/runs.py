@@ -5,7 +5,6 @@ Each takes a Database (a fresh connection, one snapshot) or an open Connection /
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from app.db.database import Database
 from app.db.models import Run, RunToken, Step, StepEntry
+from app.stats import percentile
 from engine.telemetry import ENTRY_COLUMNS, STEP_COLUMNS, field_name
 
 PREVIEW_CHARS = 120
@@ -135,9 +135,9 @@ def run_metrics(run: dict, token_times: list[float]) -> dict:
     return {
         "ttft": _diff(run.get("first_token_at"), run.get("queued_at")),
         "tpot": sum(gaps) / len(gaps) if gaps else None,
-        "itl_p50": _percentile(gaps, 50),
-        "itl_p90": _percentile(gaps, 90),
-        "itl_p99": _percentile(gaps, 99),
+        "itl_p50": percentile(gaps, 50, method="lerp"),
+        "itl_p90": percentile(gaps, 90, method="lerp"),
+        "itl_p99": percentile(gaps, 99, method="lerp"),
         "e2e_latency": _diff(run.get("finished_at"), run.get("queued_at")),
         "queue_time": _diff(run.get("first_scheduled_at"), run.get("queued_at")),
     }
@@ -207,14 +207,3 @@ def _preview(head: str | None) -> str:
 
 def _diff(end: float | None, start: float | None) -> float | None:
     return None if end is None or start is None else end - start
-
-
-def _percentile(values: list[float], pct: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default method)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * pct / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
