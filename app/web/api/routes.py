@@ -2,10 +2,10 @@
 
 Each route reads the body into a checked request model (app/web/api/params.py, the models in
 app/web/api/schemas.py), encodes the prompt, hands it to RunService, and shapes the engine's
-events like OpenAI's responses, checked and serialized by the response models: one JSON object,
-or SSE `data: {chunk}` lines ending with `data: [DONE]`. Bad input is always a 4xx JSON error in
-OpenAI's shape naming the parameter; a full queue is a 429 with Retry-After. Nothing here
-touches MLX.
+events into OpenAI's responses, built as the response models and serialized by them: one JSON
+object, or SSE `data: {chunk}` lines ending with `data: [DONE]`. Bad input is always a 4xx JSON
+error in OpenAI's shape naming the parameter; a full queue is a 429 with Retry-After. Nothing
+here touches MLX.
 """
 
 from __future__ import annotations
@@ -29,16 +29,28 @@ from app.web.api.params import APIError, bad, read_json, read_request
 from app.web.api.schemas import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
     Completion,
+    CompletionChoice,
     CompletionChunk,
+    CompletionChunkChoice,
+    CompletionLogprobs,
     CompletionRequest,
-    ErrorResponse,
+    Delta,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
     error_body,
+    error_model,
 )
 from engine.engine import EngineError
 from engine.errors import RequestError
@@ -172,15 +184,16 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else -9999.0  # JSON has no -Infinity; OpenAI uses -9999
 
 
-def _usage(finish: FinishEvent) -> dict:
-    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": finish.cached_prompt_tokens}}
+def _usage(finish: FinishEvent) -> Usage:
+    return Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
+                 total_tokens=finish.prompt_tokens + finish.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=finish.cached_prompt_tokens))
 
 
 class _Shape:
-    """Builds one endpoint's response objects for one run (checked and serialized by the
-    response models: `Response`, `Chunk`)."""
+    """Builds one endpoint's response models for one run. They are sent without the keys left
+    unset (a chunk's usage, a delta's role: `_out`)."""
 
     object_name = ""
     chunk_name = ""
@@ -192,29 +205,28 @@ class _Shape:
         self.logprobs, self.include_usage = logprobs, include_usage
         self.created = int(run.created)
 
-    def _head(self, obj: str) -> dict:
+    def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.run.id, "object": obj, "created": self.created,
                 "model": self.service.model_name}
 
-    def chunk(self, choice: dict) -> dict:
-        out = self._head(self.chunk_name) | {"choices": [{"index": 0} | choice]}
-        if self.include_usage:
-            out["usage"] = None  # OpenAI: null on every chunk but the last
-        return out
+    def chunk(self, choice: BaseModel) -> BaseModel:
+        # OpenAI: usage is null on every chunk but the last.
+        usage = {"usage": None} if self.include_usage else {}
+        return self.Chunk(**self._head(self.chunk_name), choices=[choice], **usage)
 
-    def usage_chunk(self, finish: FinishEvent) -> dict:
-        return self._head(self.chunk_name) | {"choices": [], "usage": _usage(finish)}
+    def usage_chunk(self, finish: FinishEvent) -> BaseModel:
+        return self.Chunk(**self._head(self.chunk_name), choices=[], usage=_usage(finish))
 
-    def opening(self) -> list[dict]:
+    def opening(self) -> list[BaseModel]:
         return []
 
-    def token_chunk(self, event: TokenEvent) -> dict | None:
+    def token_chunk(self, event: TokenEvent) -> BaseModel | None:
         raise NotImplementedError
 
-    def final_chunk(self, finish: FinishEvent) -> dict:
+    def final_chunk(self, finish: FinishEvent) -> BaseModel:
         raise NotImplementedError
 
-    def response(self, result: RunResult) -> dict:
+    def response(self, result: RunResult) -> BaseModel:
         raise NotImplementedError
 
 
@@ -226,7 +238,7 @@ class _CompletionShape(_Shape):
         super().__init__(*args, **kwargs)
         self._offset = 0  # characters of completion text released so far
 
-    def _logprobs(self, events: list[TokenEvent]) -> dict | None:
+    def _logprobs(self, events: list[TokenEvent]) -> CompletionLogprobs | None:
         if not self.logprobs:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -243,25 +255,26 @@ class _CompletionShape(_Shape):
             tops.append(top)
             offsets.append(self._offset)
             self._offset += len(e.text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops,
+                                  text_offset=offsets)
 
-    def token_chunk(self, event: TokenEvent) -> dict | None:
+    def token_chunk(self, event: TokenEvent) -> BaseModel | None:
         if not event.text and not self.logprobs:
             return None  # text held back (stop string or partial character): nothing to say
-        return self.chunk({"text": event.text, "logprobs": self._logprobs([event]),
-                           "finish_reason": None})
+        return self.chunk(CompletionChunkChoice(index=0, text=event.text,
+                                                logprobs=self._logprobs([event]),
+                                                finish_reason=None))
 
-    def final_chunk(self, finish: FinishEvent) -> dict:
-        return self.chunk({"text": finish.text_delta, "logprobs": None,
-                           "finish_reason": finish.reason})
+    def final_chunk(self, finish: FinishEvent) -> BaseModel:
+        return self.chunk(CompletionChunkChoice(index=0, text=finish.text_delta, logprobs=None,
+                                                finish_reason=finish.reason))
 
-    def response(self, result: RunResult) -> dict:
-        choice = {"index": 0, "text": result.finish.text,
-                  "logprobs": self._logprobs(result.tokens),
-                  "finish_reason": result.finish.reason}
-        return self._head(self.object_name) | {"choices": [choice],
-                                               "usage": _usage(result.finish)}
+    def response(self, result: RunResult) -> BaseModel:
+        choice = CompletionChoice(index=0, text=result.finish.text,
+                                  logprobs=self._logprobs(result.tokens),
+                                  finish_reason=result.finish.reason)
+        return Completion(**self._head(self.object_name), choices=[choice],
+                          usage=_usage(result.finish))
 
 
 class _ChatShape(_Shape):
@@ -269,75 +282,77 @@ class _ChatShape(_Shape):
     chunk_name = "chat.completion.chunk"
     Response, Chunk = ChatCompletion, ChatCompletionChunk
 
-    def _entry(self, token_id: int, logprob: float) -> dict:
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self.service.token_text(token_id), "logprob": _lp(logprob),
                 "bytes": list(self.service.token_bytes(token_id))}
 
-    def _logprobs(self, events: list[TokenEvent]) -> dict | None:
+    def _logprobs(self, events: list[TokenEvent]) -> ChatLogprobs | None:
         if not self.logprobs:
             return None
-        content = [self._entry(e.token_id, e.logprob)
-                   | {"top_logprobs": [self._entry(t, lp) for t, lp in e.top_logprobs]}
+        content = [TokenLogprob(**self._entry(e.token_id, e.logprob),
+                                top_logprobs=[TopLogprob(**self._entry(t, lp))
+                                              for t, lp in e.top_logprobs])
                    for e in events]
-        return {"content": content, "refusal": None}
+        return ChatLogprobs(content=content, refusal=None)
 
-    def opening(self) -> list[dict]:
-        return [self.chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})]
+    def opening(self) -> list[BaseModel]:
+        return [self.chunk(ChatChunkChoice(index=0, delta=Delta(role="assistant", content=""),
+                                           logprobs=None, finish_reason=None))]
 
-    def token_chunk(self, event: TokenEvent) -> dict | None:
+    def token_chunk(self, event: TokenEvent) -> BaseModel | None:
         if not event.text and not self.logprobs:
             return None
-        return self.chunk({"delta": {"content": event.text},
-                           "logprobs": self._logprobs([event]), "finish_reason": None})
+        return self.chunk(ChatChunkChoice(index=0, delta=Delta(content=event.text),
+                                          logprobs=self._logprobs([event]), finish_reason=None))
 
-    def final_chunk(self, finish: FinishEvent) -> dict:
-        delta = {"content": finish.text_delta} if finish.text_delta else {}
-        return self.chunk({"delta": delta, "logprobs": None, "finish_reason": finish.reason})
+    def final_chunk(self, finish: FinishEvent) -> BaseModel:
+        delta = Delta(content=finish.text_delta) if finish.text_delta else Delta()
+        return self.chunk(ChatChunkChoice(index=0, delta=delta, logprobs=None,
+                                          finish_reason=finish.reason))
 
-    def response(self, result: RunResult) -> dict:
-        message = {"role": "assistant", "content": result.finish.text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(result.tokens),
-                  "finish_reason": result.finish.reason}
-        return self._head(self.object_name) | {"choices": [choice],
-                                               "usage": _usage(result.finish)}
-
-
-def _out(model: type[BaseModel], obj: dict) -> str:
-    """`obj` as JSON, checked against its response model: the keys it leaves out (a chunk's
-    usage, a delta's role) stay out."""
-    return model.model_validate(obj).model_dump_json(exclude_unset=True)
+    def response(self, result: RunResult) -> BaseModel:
+        message = AssistantMessage(role="assistant", content=result.finish.text, refusal=None)
+        choice = ChatChoice(index=0, message=message, logprobs=self._logprobs(result.tokens),
+                            finish_reason=result.finish.reason)
+        return ChatCompletion(**self._head(self.object_name), choices=[choice],
+                              usage=_usage(result.finish))
 
 
-def _json(model: type[BaseModel], obj: dict) -> Response:
-    return Response(_out(model, obj), media_type="application/json")
+def _out(model: BaseModel) -> str:
+    """A response model as JSON: the keys it leaves unset (a chunk's usage, a delta's role)
+    stay out."""
+    return model.model_dump_json(exclude_unset=True)
 
 
-def _sse(model: type[BaseModel], obj: dict) -> dict:
-    return {"data": _out(model, obj)}
+def _json(model: BaseModel) -> Response:
+    return Response(_out(model), media_type="application/json")
+
+
+def _sse(model: BaseModel) -> dict:
+    return {"data": _out(model)}
 
 
 async def _stream(run: Run, shape: _Shape) -> AsyncIterator[dict]:
     """SSE events for one run. Leaving early (client gone) ends run.events(), which cancels."""
     for chunk in shape.opening():
-        yield _sse(shape.Chunk, chunk)
+        yield _sse(chunk)
     error: str | None = None
     async for event in run.events():
         if isinstance(event, TokenEvent):
             chunk = shape.token_chunk(event)
             if chunk is not None:
-                yield _sse(shape.Chunk, chunk)
+                yield _sse(chunk)
         elif isinstance(event, ErrorEvent):
             error = event.message
         elif isinstance(event, FinishEvent):
             if event.reason in ("error", "cancelled"):
                 message = error or event.error or f"request {event.reason}"
-                yield _sse(ErrorResponse, error_body(f"the request ended early: {message}",
-                                                     "server_error", None, "engine_error"))
+                yield _sse(error_model(f"the request ended early: {message}",
+                                       "server_error", None, "engine_error"))
             else:
-                yield _sse(shape.Chunk, shape.final_chunk(event))
+                yield _sse(shape.final_chunk(event))
                 if shape.include_usage:
-                    yield _sse(shape.Chunk, shape.usage_chunk(event))
+                    yield _sse(shape.usage_chunk(event))
     yield {"data": "[DONE]"}
 
 
@@ -348,7 +363,7 @@ async def _respond(request: Request, run: Run, shape: _Shape, stream: bool) -> R
         return EventSourceResponse(_stream(run, shape), sep="\n")
     result = await _collect(request, run)
     _raise_for_failure(result)
-    return _json(shape.Response, shape.response(result))
+    return _json(shape.response(result))
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -388,22 +403,22 @@ async def chat_completions(request: Request) -> Response:
     return await _respond(request, run, shape, req.stream)
 
 
-def _model_card(request: Request) -> dict:
+def _model_card(request: Request) -> ModelCard:
     state = request.app.state
-    return {"id": _service(request).model_name, "object": "model",
-            "created": int(state.started_at), "owned_by": "batchscope",
-            "max_model_len": _service(request).max_model_len}
+    return ModelCard(id=_service(request).model_name, object="model",
+                     created=int(state.started_at), owned_by="batchscope",
+                     max_model_len=_service(request).max_model_len)
 
 
 async def list_models(request: Request) -> Response:
-    return _json(ModelList, {"object": "list", "data": [_model_card(request)]})
+    return _json(ModelList(object="list", data=[_model_card(request)]))
 
 
 async def get_model(request: Request) -> Response:
     model = request.path_params["model"]
     if model != _service(request).model_name:
         raise APIError(404, f"the model '{model}' does not exist", "model", "model_not_found")
-    return _json(ModelCard, _model_card(request))
+    return _json(_model_card(request))
 
 
 routes = [

@@ -469,7 +469,11 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def error_model(message: str, type: str = "invalid_request_error", param: str | None = None,
+                code: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param,
-                                           code=code)).model_dump()
+    return error_model(message, type, param, code).model_dump()
