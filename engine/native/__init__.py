@@ -84,7 +84,8 @@ def decode_quantized_fast() -> bool:
 
 def decode_quantized_isa() -> str | None:
     """The instruction set the quantized op runs: "avx512", "avx2" or "portable" (the best this
-    CPU has unless BATCHSCOPE_QUANTIZED_ISA names another); None when not built."""
+    CPU has, which the module is built for, unless BATCHSCOPE_QUANTIZED_ISA names another);
+    None when not built."""
     module = _load()
     return module.decode_quantized_isa() if module else None
 

@@ -1,42 +1,17 @@
 #include "decode_linear.h"
 
 #include <algorithm>
-#include <stdexcept>
+#include <cmath>
 
 #include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "simd.h"
 #include "workers.h"
 
 namespace batchscope {
 
 namespace {
-
-// 16 floats: one AVX-512 register, two AVX2 or four NEON registers (the compiler splits it).
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-inline v16 load(const float* p) {
-  v16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// A fixed tree over the 16 lanes, so every output is reduced in the same order: lane i + lane
-// i + 8, then + 4, then the last four as (0 + 2) + (1 + 3).
-inline float lane_sum(v16 a) {
-#if defined(__clang__) || __GNUC__ >= 12
-  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-#else  // older GCC: the same tree, lane by lane
-  float b[8], c[4];
-  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
-#endif
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
 
 // A tile is 8 x rows by 3 weight rows: 24 accumulators and 8 x vectors fill the 32 AVX-512
 // registers, and each k step loads 11 vectors for 24 multiply-adds (a 4 x 4 tile loads 8 for
@@ -49,28 +24,41 @@ constexpr int COLS = 3;
 // at 16). Past the last row it is harmless: a prefetch never faults.
 constexpr int PREFETCH_ROWS = 2 * COLS;
 
+// s plus the k % 16 tail's n < 16 products x[k] * w[k], in k order, in the steps the kernel has
+// always taken (those of its compiler's vectorized tail when it was built with contraction): a
+// chunk of 8 if there are 8, then one of 4 if 4 are left, each product rounded and then added,
+// and the last (at most 3) one fma each.
+inline float tail_sum(float s, const float* x, const float* w, int n) {
+  int k = 0;
+  for (int chunk = 8; chunk >= 4; chunk /= 2) {
+    if (n - k < chunk) continue;
+    for (const int end = k + chunk; k < end; ++k) s += x[k] * w[k];
+  }
+  for (; k < n; ++k) s = std::fma(x[k], w[k], s);
+  return s;
+}
+
 // out[m][n] for m in [m0, m0+MR), n in [n0, n0+NR). Each output sums x[m][k] * w[n][k] in 16
-// lanes (lane l takes k = l, l+16, ...), then lane_sum, then the k % 16 tail in order: the
-// same steps for any MR and NR, so a row's result does not depend on the tile it lands in.
+// lanes (lane l takes k = l, l+16, ..., one fma each), then lane_sum's tree (vector_math.h),
+// then tail_sum: the same steps for any MR and NR, so a row's result does not depend on the
+// tile it lands in.
 template <int MR, int NR>
 inline void tile(const float* x, const float* w, float* out, int K, int N, int m0, int n0) {
-  v16 acc[MR][NR];
+  V acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = v16{};
+    for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
   const int k16 = K - K % 16;
   for (int k = 0; k < k16; k += 16) {
-    v16 xv[MR];
+    V xv[MR];
     for (int i = 0; i < MR; ++i) {
-      xv[i] = load(x + static_cast<size_t>(m0 + i) * K + k);
-#if defined(__x86_64__)
-      asm("" : "+v"(xv[i]));  // keep it in a register: loaded once, used NR times
-#endif
+      xv[i] = V::load(x + static_cast<size_t>(m0 + i) * K + k);
+      pin(xv[i]);  // keep it in a register: loaded once, used NR times
     }
     for (int j = 0; j < NR; ++j) {
       const float* wr = w + static_cast<size_t>(n0 + j) * K + k;
       __builtin_prefetch(wr + static_cast<size_t>(PREFETCH_ROWS) * K);
-      const v16 wv = load(wr);
-      for (int i = 0; i < MR; ++i) acc[i][j] += xv[i] * wv;
+      const V wv = V::load(wr);
+      for (int i = 0; i < MR; ++i) acc[i][j] = fma(xv[i], wv, acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -78,8 +66,7 @@ inline void tile(const float* x, const float* w, float* out, int K, int N, int m
       float s = lane_sum(acc[i][j]);
       const float* xr = x + static_cast<size_t>(m0 + i) * K;
       const float* wr = w + static_cast<size_t>(n0 + j) * K;
-      for (int k = k16; k < K; ++k) s += xr[k] * wr[k];
-      out[static_cast<size_t>(m0 + i) * N + n0 + j] = s;
+      out[static_cast<size_t>(m0 + i) * N + n0 + j] = tail_sum(s, xr + k16, wr + k16, K - k16);
     }
   }
 }

@@ -9,14 +9,10 @@
 #include <stdexcept>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "vector_math.h"
+#include "simd.h"
 #include "workers.h"
 
 // The arithmetic, the same on every path (so every path gives the same bits):
@@ -28,20 +24,13 @@
 //   ones (odd k: k = 2l + 1), the order a byte-to-int widening gives with no shuffle. x is
 //   put into that order once per call. in_features is a multiple of the group (>= 32), so
 //   there is no tail. The file is built with -ffp-contract=off: no fma but the written ones.
+// Each path is a Kern below (its tile sizes and its dequantization); the dot products are
+// dot<Kern> on Vec<Kern::ISA> (simd.h). The build has every path up to the CPU's best, and
+// one is picked at run time (decode_quantized_isa), so the tests compare them here.
 
 namespace batchscope {
 
 namespace {
-
-enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::avx512: return "avx512";
-    case Isa::avx2: return "avx2";
-    default: return "portable";
-  }
-}
 
 enum class ScaleType { f32, f16, bf16 };
 
@@ -55,10 +44,13 @@ struct Problem {
   int M, K, N, group_size, bits;
 };
 
+// A scale or bias as float32 (exact; float16 through F16C where the build has it: a scale and a
+// bias are read per group per output, and a software conversion slowed a 1-row call at group
+// size 32, one thread, an 8192 x 2048 layer: 9.8 against 13 Gweights/s).
 inline float scale_at(const void* p, ScaleType t, size_t i) {
   switch (t) {
-    case ScaleType::f16: return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
-    case ScaleType::bf16: return static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[i]);
+    case ScaleType::f16: return to_float(static_cast<const mx::float16_t*>(p)[i]);
+    case ScaleType::bf16: return to_float(static_cast<const mx::bfloat16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
   }
 }
@@ -80,9 +72,35 @@ constexpr int fused_nr(int R) {
                                                                     : Kern::NR;
 }
 
-// ---- portable: plain C++, std::fma -------------------------------------------------------
+// out[m0 + i][n0 + j] for an mr x nr tile, from weights dequantized into wt (nr rows of K, in
+// lane order): one Vec<Kern::ISA> accumulator per output, one fma per 16 k's.
+template <class Kern, int mr, int nr>
+void dot(const Problem& p, const float* wt, int m0, int n0) {
+  using W = Vec<Kern::ISA>;
+  W acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = W::zero();
+  for (int k = 0; k < p.K; k += 16) {
+    W xv[mr];
+    for (int i = 0; i < mr; ++i) {
+      xv[i] = W::load(p.x + static_cast<size_t>(m0 + i) * p.K + k);
+      // AVX-512's 32 registers hold them: loaded once, used nr times
+      if constexpr (Kern::ISA == Isa::avx512) pin(xv[i]);
+    }
+    for (int j = 0; j < nr; ++j) {
+      const W wv = W::load(wt + static_cast<size_t>(j) * p.K + k);
+      for (int i = 0; i < mr; ++i) acc[i][j] = fma(xv[i], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j)
+      p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = lane_sum(acc[i][j]);
+}
+
+// ---- portable: plain C++ -----------------------------------------------------------------
 
 struct Portable {
+  static constexpr Isa ISA = Isa::portable;
   static constexpr int MR = 4, NR = 2;
   static constexpr int FUSED_MR = 0;  // no buffer-free path: the buffer serves every step
   static constexpr int FUSED_NR1 = NR, FUSED_NR2 = NR, FUSED_NR4 = NR;
@@ -116,87 +134,27 @@ struct Portable {
       }
     }
   }
-
-  template <int mr, int nr>
-  static void dot(const Problem& p, const float* wt, int m0, int n0) {
-    float acc[mr][nr][16] = {};
-    for (int k = 0; k < p.K; k += 16) {
-      for (int i = 0; i < mr; ++i) {
-        const float* xr = p.x + static_cast<size_t>(m0 + i) * p.K + k;
-        for (int j = 0; j < nr; ++j) {
-          const float* wr = wt + static_cast<size_t>(j) * p.K + k;
-          for (int l = 0; l < 16; ++l) acc[i][j][l] = std::fma(xr[l], wr[l], acc[i][j][l]);
-        }
-      }
-    }
-    for (int i = 0; i < mr; ++i)
-      for (int j = 0; j < nr; ++j)
-        p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = lane_sum(acc[i][j]);
-  }
 };
-
-#if defined(__x86_64__)
-
-// The scale_at values, float16 through the F16C instruction: a scale and a bias are read per
-// group per output, and the software conversion slowed a 1-row call at group size 32 (one
-// thread, an 8192 x 2048 layer: 9.8 against 13 Gweights/s).
-__attribute__((target("f16c"))) inline float scale_x86(const void* p, ScaleType t, size_t i) {
-  switch (t) {
-    case ScaleType::f16: return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-    case ScaleType::bf16: {
-      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, sizeof(f));
-      return f;
-    }
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-// n scales (or biases) from index `at` as float32 into dst, the values scale_x86 gives;
-// float16 sixteen at a time.
-__attribute__((target("avx512f,f16c"))) inline void to_float(const void* p, ScaleType t,
-                                                               size_t at, int n, float* dst) {
-  int i = 0;
-  if (t == ScaleType::f16) {
-    const uint16_t* h = static_cast<const uint16_t*>(p) + at;
-    for (; i + 16 <= n; i += 16) {
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(
-                                    reinterpret_cast<const __m256i*>(h + i))));
-    }
-  }
-  for (; i < n; ++i) dst[i] = scale_x86(p, t, at + i);
-}
-
-// lane_sum's tree on a register, in vector adds (each add the one lane_sum does, so the same
-// bits), where a spill and sixteen scalar loads per output were.
-__attribute__((target("avx512f"))) inline float lane_sum_512(__m512 a) {
-  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // c0 + c2, c1 + c3
-  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
-}
 
 // ---- AVX2 + FMA: a 16-lane vector is two 8-float registers --------------------------------
 
-#define BATCHSCOPE_AVX2 __attribute__((target("avx2,fma,f16c")))
-
+#if BATCHSCOPE_HAS_AVX2
 struct Avx2 {
+  static constexpr Isa ISA = Isa::avx2;
   // 2 x 2 tiles: 8 accumulator registers, 4 for x and 2 for the weights, of the 16.
   static constexpr int MR = 2, NR = 2;
   static constexpr int FUSED_MR = 2;  // steps of up to 2 rows skip the buffer (see Avx512)
   static constexpr int FUSED_NR1 = 4, FUSED_NR2 = 2, FUSED_NR4 = 2;  // see fused_nr
 
-  BATCHSCOPE_AVX2 static void dequant(const Problem& p, int n, float* dst) {
+  static void dequant(const Problem& p, int n, float* dst) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
     const uint32_t* ahead = wr + PREFETCH_ROWS * row_words(p);
     const int groups = p.K / p.group_size;
     const __m256i mask = _mm256_set1_epi32(0xf);
     for (int g = 0; g < groups; ++g) {
       const size_t at = static_cast<size_t>(n) * groups + g;
-      const __m256 s = _mm256_set1_ps(scale_x86(p.scales, p.scale_type, at));
-      const __m256 b = _mm256_set1_ps(scale_x86(p.biases, p.scale_type, at));
+      const __m256 s = _mm256_set1_ps(scale_at(p.scales, p.scale_type, at));
+      const __m256 b = _mm256_set1_ps(scale_at(p.biases, p.scale_type, at));
       const int k0 = g * p.group_size;
       const int step = p.bits == 4 ? 32 : 16;  // weights per 16 bytes
       for (int k = k0; k < k0 + p.group_size; k += step) {
@@ -222,43 +180,13 @@ struct Avx2 {
     }
   }
 
-  template <int mr, int nr>
-  BATCHSCOPE_AVX2 static void dot(const Problem& p, const float* wt, int m0, int n0) {
-    __m256 lo[mr][nr], hi[mr][nr];
-    for (int i = 0; i < mr; ++i)
-      for (int j = 0; j < nr; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
-    for (int k = 0; k < p.K; k += 16) {
-      __m256 xl[mr], xh[mr];
-      for (int i = 0; i < mr; ++i) {
-        const float* xr = p.x + static_cast<size_t>(m0 + i) * p.K + k;
-        xl[i] = _mm256_loadu_ps(xr);
-        xh[i] = _mm256_loadu_ps(xr + 8);
-      }
-      for (int j = 0; j < nr; ++j) {
-        const float* wr = wt + static_cast<size_t>(j) * p.K + k;
-        const __m256 wl = _mm256_loadu_ps(wr), wh = _mm256_loadu_ps(wr + 8);
-        for (int i = 0; i < mr; ++i) {
-          lo[i][j] = _mm256_fmadd_ps(xl[i], wl, lo[i][j]);
-          hi[i][j] = _mm256_fmadd_ps(xh[i], wh, hi[i][j]);
-        }
-      }
-    }
-    for (int i = 0; i < mr; ++i) {
-      for (int j = 0; j < nr; ++j) {
-        float lanes[16];
-        _mm256_storeu_ps(lanes, lo[i][j]);
-        _mm256_storeu_ps(lanes + 8, hi[i][j]);
-        p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = lane_sum(lanes);
-      }
-    }
-  }
-
-  // As Avx512::fused: lanes 0-7 of the 16 in `lo`, 8-15 in `hi`, each fed in dot's order.
+  // As Avx512::fused: each 16 k's weights dequantized in registers as one VecAvx2 (lanes 0-7,
+  // 8-15), fed to the rows in dot's order.
   template <int BITS, int mr, int nr>
-  BATCHSCOPE_AVX2 static void fused(const Problem& p, int n0) {
-    __m256 lo[mr][nr], hi[mr][nr];
+  static void fused(const Problem& p, int n0) {
+    VecAvx2 acc[mr][nr];
     for (int i = 0; i < mr; ++i)
-      for (int j = 0; j < nr; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+      for (int j = 0; j < nr; ++j) acc[i][j] = VecAvx2::zero();
     const size_t rw = row_words(p);
     const uint32_t* w0 = p.w + static_cast<size_t>(n0) * rw;
     const int groups = p.K / p.group_size;
@@ -268,8 +196,8 @@ struct Avx2 {
       __m256 s[nr], b[nr];
       for (int j = 0; j < nr; ++j) {
         const size_t at = static_cast<size_t>(n0 + j) * groups + g;
-        s[j] = _mm256_set1_ps(scale_x86(p.scales, p.scale_type, at));
-        b[j] = _mm256_set1_ps(scale_x86(p.biases, p.scale_type, at));
+        s[j] = _mm256_set1_ps(scale_at(p.scales, p.scale_type, at));
+        b[j] = _mm256_set1_ps(scale_at(p.biases, p.scale_type, at));
       }
       const int k0 = g * p.group_size;
       for (int k = k0; k < k0 + p.group_size; k += step) {
@@ -281,65 +209,66 @@ struct Avx2 {
           const __m256i v0 = _mm256_cvtepu8_epi32(bytes);
           const __m256i v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
           if constexpr (BITS == 4) {
-            const __m256 d0 =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)), s[j], b[j]);
-            const __m256 d1 =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, mask)), s[j], b[j]);
-            const __m256 d2 =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s[j], b[j]);
-            const __m256 d3 =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s[j], b[j]);
+            const VecAvx2 low = {
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)), s[j], b[j]),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, mask)), s[j], b[j])};
+            const VecAvx2 high = {
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s[j], b[j]),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s[j], b[j])};
             for (int i = 0; i < mr; ++i) {
               const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
-              lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), d0, lo[i][j]);
-              hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), d1, hi[i][j]);
-              lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), d2, lo[i][j]);
-              hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), d3, hi[i][j]);
+              acc[i][j] = fma(VecAvx2::load(xr), low, acc[i][j]);
+              acc[i][j] = fma(VecAvx2::load(xr + 16), high, acc[i][j]);
             }
           } else {
-            const __m256 d0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v0), s[j], b[j]);
-            const __m256 d1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v1), s[j], b[j]);
+            const VecAvx2 wv = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(v0), s[j], b[j]),
+                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(v1), s[j], b[j])};
             for (int i = 0; i < mr; ++i) {
               const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
-              lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), d0, lo[i][j]);
-              hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), d1, hi[i][j]);
+              acc[i][j] = fma(VecAvx2::load(xr), wv, acc[i][j]);
             }
           }
         }
       }
     }
-    for (int i = 0; i < mr; ++i) {
-      for (int j = 0; j < nr; ++j) {
-        float lanes[16];
-        _mm256_storeu_ps(lanes, lo[i][j]);
-        _mm256_storeu_ps(lanes + 8, hi[i][j]);
-        p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum(lanes);
-      }
-    }
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum(acc[i][j]);
   }
 
   static void fused_range(const Problem& p, int n_begin, int n_end);
 };
+#endif  // BATCHSCOPE_HAS_AVX2
 
 // ---- AVX-512F: a 16-lane vector is one register -------------------------------------------
 
-#define BATCHSCOPE_AVX512 __attribute__((target("avx512f,f16c")))
+#if BATCHSCOPE_HAS_AVX512
+// n scales (or biases) from index `at` as float32 into dst, the values scale_at gives; float16
+// sixteen at a time.
+inline void scales_to_float(const void* p, ScaleType t, size_t at, int n, float* dst) {
+  int i = 0;
+  if (t == ScaleType::f16) {
+    const mx::float16_t* h = static_cast<const mx::float16_t*>(p) + at;
+    for (; i + 16 <= n; i += 16) VecAvx512::load(h + i).store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = scale_at(p, t, at + i);
+}
 
 struct Avx512 {
+  static constexpr Isa ISA = Isa::avx512;
   // 8 x 3 tiles, as decode_linear: 24 accumulators and 8 x vectors in the 32 registers.
   static constexpr int MR = 8, NR = 3;
   static constexpr int FUSED_MR = 8;
   static constexpr int FUSED_NR1 = 8, FUSED_NR2 = 6, FUSED_NR4 = 4;  // see fused_nr
 
-  BATCHSCOPE_AVX512 static void dequant(const Problem& p, int n, float* dst) {
+  static void dequant(const Problem& p, int n, float* dst) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
     const uint32_t* ahead = wr + PREFETCH_ROWS * row_words(p);
     const int groups = p.K / p.group_size;
     const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int g = 0; g < groups; ++g) {
       const size_t at = static_cast<size_t>(n) * groups + g;
-      const __m512 s = _mm512_set1_ps(scale_x86(p.scales, p.scale_type, at));
-      const __m512 b = _mm512_set1_ps(scale_x86(p.biases, p.scale_type, at));
+      const __m512 s = _mm512_set1_ps(scale_at(p.scales, p.scale_type, at));
+      const __m512 b = _mm512_set1_ps(scale_at(p.biases, p.scale_type, at));
       const __m512 table = _mm512_fmadd_ps(nibbles, s, b);  // 4 bits: see fused
       const int k0 = g * p.group_size;
       const int step = p.bits == 4 ? 32 : 16;
@@ -359,39 +288,14 @@ struct Avx512 {
     }
   }
 
-  template <int mr, int nr>
-  BATCHSCOPE_AVX512 static void dot(const Problem& p, const float* wt, int m0, int n0) {
-    __m512 acc[mr][nr];
-    for (int i = 0; i < mr; ++i)
-      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
-    for (int k = 0; k < p.K; k += 16) {
-      __m512 xv[mr];
-      for (int i = 0; i < mr; ++i) {
-        xv[i] = _mm512_loadu_ps(p.x + static_cast<size_t>(m0 + i) * p.K + k);
-        asm("" : "+v"(xv[i]));  // keep it in a register: loaded once, used nr times
-      }
-      for (int j = 0; j < nr; ++j) {
-        const __m512 wv = _mm512_loadu_ps(wt + static_cast<size_t>(j) * p.K + k);
-        for (int i = 0; i < mr; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
-      }
-    }
-    for (int i = 0; i < mr; ++i) {
-      for (int j = 0; j < nr; ++j) {
-        float lanes[16];
-        _mm512_storeu_ps(lanes, acc[i][j]);
-        p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = lane_sum(lanes);
-      }
-    }
-  }
-
   // A step of at most MR rows: each chunk of packed weights is dequantized in registers and
   // multiplied with every row at once, with no buffer (the same fmas in the same order as
   // dequant + dot, so the same bits).
   template <int BITS, int mr, int nr>
-  BATCHSCOPE_AVX512 static void fused(const Problem& p, int n0) {
-    __m512 acc[mr][nr];
+  static void fused(const Problem& p, int n0) {
+    VecAvx512 acc[mr][nr];
     for (int i = 0; i < mr; ++i)
-      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (int j = 0; j < nr; ++j) acc[i][j] = VecAvx512::zero();
     const size_t rw = row_words(p);
     const uint32_t* w0 = p.w + static_cast<size_t>(n0) * rw;
     const int groups = p.K / p.group_size;
@@ -409,8 +313,8 @@ struct Avx512 {
     float* bi = sc + static_cast<size_t>(nr) * groups;
     for (int j = 0; j < nr; ++j) {
       const size_t at = static_cast<size_t>(n0 + j) * groups;
-      to_float(p.scales, p.scale_type, at, groups, sc + static_cast<size_t>(j) * groups);
-      to_float(p.biases, p.scale_type, at, groups, bi + static_cast<size_t>(j) * groups);
+      scales_to_float(p.scales, p.scale_type, at, groups, sc + static_cast<size_t>(j) * groups);
+      scales_to_float(p.biases, p.scale_type, at, groups, bi + static_cast<size_t>(j) * groups);
     }
     for (int g = 0; g < groups; ++g) {
       __m512 s[nr], b[nr];
@@ -429,18 +333,18 @@ struct Avx512 {
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
           if constexpr (BITS == 4) {
             // The permute reads the low 4 bits of each lane: the low nibble as it is.
-            const __m512 lo = _mm512_permutexvar_ps(v, s[j]);
-            const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), s[j]);
+            const VecAvx512 lo = {_mm512_permutexvar_ps(v, s[j])};
+            const VecAvx512 hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), s[j])};
             for (int i = 0; i < mr; ++i) {
               const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
-              acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), lo, acc[i][j]);
-              acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), hi, acc[i][j]);
+              acc[i][j] = fma(VecAvx512::load(xr), lo, acc[i][j]);
+              acc[i][j] = fma(VecAvx512::load(xr + 16), hi, acc[i][j]);
             }
           } else {
-            const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[j], b[j]);
+            const VecAvx512 wv = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[j], b[j])};
             for (int i = 0; i < mr; ++i) {
               const float* xr = p.x + static_cast<size_t>(i) * p.K + k;
-              acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), wv, acc[i][j]);
+              acc[i][j] = fma(VecAvx512::load(xr), wv, acc[i][j]);
             }
           }
         }
@@ -448,13 +352,14 @@ struct Avx512 {
     }
     for (int i = 0; i < mr; ++i) {
       for (int j = 0; j < nr; ++j) {
-        p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum_512(acc[i][j]);
+        p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum(acc[i][j]);
       }
     }
   }
 
   static void fused_range(const Problem& p, int n_begin, int n_end);
 };
+#endif  // BATCHSCOPE_HAS_AVX512
 
 template <class Kern, int R, int nr>
 void fused_tile(const Problem& p, int n0) {
@@ -483,15 +388,18 @@ void fused_outputs(const Problem& p, int n_begin, int n_end) {
   }
 }
 
+#if BATCHSCOPE_HAS_AVX2
 void Avx2::fused_range(const Problem& p, int n_begin, int n_end) {
   fused_outputs<Avx2>(p, n_begin, n_end);
 }
+#endif
 
+#if BATCHSCOPE_HAS_AVX512
 void Avx512::fused_range(const Problem& p, int n_begin, int n_end) {
   fused_outputs<Avx512>(p, n_begin, n_end);
 }
+#endif
 
-#endif  // __x86_64__
 
 // ---- shared driver -----------------------------------------------------------------------
 
@@ -499,7 +407,7 @@ template <class Kern, int NR, int R = Kern::MR - 1>
 void row_tail(const Problem& p, const float* wt, int m, int n0, int rows) {
   if constexpr (R >= 1) {
     if (rows == R) {
-      Kern::template dot<R, NR>(p, wt, m, n0);
+      dot<Kern, R, NR>(p, wt, m, n0);
     } else {
       row_tail<Kern, NR, R - 1>(p, wt, m, n0, rows);
     }
@@ -509,7 +417,7 @@ void row_tail(const Problem& p, const float* wt, int m, int n0, int rows) {
 template <class Kern, int NR>
 void all_rows(const Problem& p, const float* wt, int n0) {
   int m = 0;
-  for (; m + Kern::MR <= p.M; m += Kern::MR) Kern::template dot<Kern::MR, NR>(p, wt, m, n0);
+  for (; m + Kern::MR <= p.M; m += Kern::MR) dot<Kern, Kern::MR, NR>(p, wt, m, n0);
   row_tail<Kern, NR>(p, wt, m, n0, p.M - m);
 }
 
@@ -552,30 +460,9 @@ void compute_with(const Problem& p) {
   output_range<Kern>(p, 0, p.N);
 }
 
-bool cpu_has(Isa isa) {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (isa == Isa::avx512) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
-  }
-  if (isa == Isa::avx2) {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }
-#endif
-  return isa == Isa::portable;
-}
-
-Isa best_isa() {
-  for (Isa isa : {Isa::avx512, Isa::avx2}) {
-    if (cpu_has(isa)) return isa;
-  }
-  return Isa::portable;
-}
-
 bool parse_isa(const std::string& name, Isa* isa) {
   if (name == "auto") {
-    *isa = best_isa();
+    *isa = BEST_ISA;
   } else if (name == "avx512") {
     *isa = Isa::avx512;
   } else if (name == "avx2") {
@@ -593,11 +480,12 @@ std::atomic<int> chosen{-1};
 Isa current_isa() {
   int c = chosen.load();
   if (c < 0) {
-    // BATCHSCOPE_QUANTIZED_ISA picks a path this CPU has; an unknown or missing one: the best.
-    Isa isa = best_isa();
+    // BATCHSCOPE_QUANTIZED_ISA picks a path this build has (it is built for this CPU: simd.h);
+    // an unknown or missing one: the best.
+    Isa isa = BEST_ISA;
     const char* env = std::getenv("BATCHSCOPE_QUANTIZED_ISA");
     Isa wanted;
-    if (env != nullptr && parse_isa(env, &wanted) && cpu_has(wanted)) isa = wanted;
+    if (env != nullptr && parse_isa(env, &wanted) && isa_built(wanted)) isa = wanted;
     int expected = -1;
     chosen.compare_exchange_strong(expected, static_cast<int>(isa));
     c = chosen.load();
@@ -607,8 +495,10 @@ Isa current_isa() {
 
 void compute(const Problem& p) {
   switch (current_isa()) {
-#if defined(__x86_64__)
+#if BATCHSCOPE_HAS_AVX512
     case Isa::avx512: compute_with<Avx512>(p); return;
+#endif
+#if BATCHSCOPE_HAS_AVX2
     case Isa::avx2: compute_with<Avx2>(p); return;
 #endif
     default: compute_with<Portable>(p); return;
@@ -626,7 +516,7 @@ std::string decode_quantized_isa() {
 std::string set_decode_quantized_isa(const std::string& name) {
   Isa isa;
   check(parse_isa(name, &isa), "unknown path '" + name + "' (auto, avx512, avx2 or portable)");
-  check(cpu_has(isa), "this CPU or build has no " + name + " path");
+  check(isa_built(isa), "this CPU or build has no " + name + " path");
   chosen.store(static_cast<int>(isa));
   return isa_name(isa);
 }

@@ -28,8 +28,9 @@ void quantized_linear_rows(const float* x, int M, int K, const uint32_t* w, cons
                            const void* biases, mx::Dtype scale_dtype, int N, int group_size,
                            int bits, float* out);
 
-// The instruction set the op uses: "avx512", "avx2" or "portable" (best this CPU has, unless
-// BATCHSCOPE_QUANTIZED_ISA or set_decode_quantized_isa chose another it also has).
+// The instruction set the op uses: "avx512", "avx2" or "portable" (the best the build has: it is
+// built for this CPU, simd.h), unless BATCHSCOPE_QUANTIZED_ISA or set_decode_quantized_isa
+// chose another it also has).
 std::string decode_quantized_isa();
 
 // Forces a path (tests compare them): "auto", "avx512", "avx2" or "portable". Returns the one
