@@ -61,6 +61,9 @@ def pool_for(family: Family, num_blocks: int, block_size: int,
 
 
 class ModelRunner(NativeOps):
+    """A model over its paged pool: runs groups of rows (RowGroup) and returns what they emit;
+    the native ops it computes with are its base (engine/native_ops.py)."""
+
     def __init__(self, model, pool: KVPool, attention: str = NativeSetting.AUTO,
                  decode_matmul: str = NativeSetting.AUTO, family: Family | None = None, *,
                  tile: int = DEFAULT_TILE, stacks: dict | None = None):

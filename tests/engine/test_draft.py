@@ -88,7 +88,7 @@ def expected_tokens(make_engine, prompts=PROMPTS) -> list[list[int]]:
 
 def _proposer(loaded, draft_spec="layers:1", num_blocks=64, block_size=4, max_rows=32,
               loader=None):
-    """A DraftProposer on its own, as the engine builds one (engine.Engine._draft_proposer)."""
+    """A DraftProposer on its own, as engine.draft.draft_proposer builds one."""
     family = family_for(loaded.model, loaded.config)
     draft = load_draft(draft_spec, loaded, family, loader)
     runner = ModelRunner(draft.model, pool_for(draft.family, num_blocks, block_size), "auto",
