@@ -106,9 +106,8 @@ def render_table(rows: list[dict], repeats: int) -> str:
     head = (f"Per-token cost of OutputText.add on the embedded model's tokenizer (SmolLM2), one "
             f"stop string that never matches; the median of tokens n-{WINDOW - 1}..n, median "
             f"of {repeats} rounds. Before: the whole output decoded again each token; after: "
-            "the incremental decode, whose only length-dependent work is one copy of the text "
-            "(OutputText.text is one string; this text's CJK and emoji make it 4 bytes a "
-            "character).\n\n"
+            "the incremental decode, which keeps as one string only the text a stop string may "
+            "still claim, so no work grows with the output.\n\n"
             "| output length (tokens) | before: full re-decode (µs/token) "
             "| after: incremental (µs/token) | speedup |\n|---|---|---|---|")
     lines = [f"| {r['tokens']} | {r['full_redecode_us']:.1f} | {r['incremental_us']:.2f} "

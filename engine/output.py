@@ -37,18 +37,20 @@ _BYTE_SOURCES: WeakKeyDictionary[Any, TokenBytes | None] = WeakKeyDictionary()
 
 
 class _ByteStream:
-    """A token's bytes in, the text so far out; a character split across tokens waits."""
+    """A token's bytes in, the text they complete out; a character split across tokens waits."""
 
     def __init__(self, token_bytes: Callable[[int], bytes]):
         self._token_bytes = token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._text = ""
 
     def add(self, token_id: int) -> str:
-        self._text += self._utf8.decode(self._token_bytes(token_id))
+        """The text this token completes (not the whole text: that would cost O(n))."""
+        return self._utf8.decode(self._token_bytes(token_id))
+
+    def incomplete(self) -> str:
+        """An incomplete character at the end, as a full decode reads it (U+FFFD)."""
         pending = self._utf8.getstate()[0]
-        # An incomplete character at the end reads as U+FFFD, as in a full decode.
-        return self._text + pending.decode("utf-8", errors="replace") if pending else self._text
+        return pending.decode("utf-8", errors="replace") if pending else ""
 
 
 def _streams_as_bytes(tokenizer: Any, token_bytes: TokenBytes) -> bool:
@@ -57,8 +59,12 @@ def _streams_as_bytes(tokenizer: Any, token_bytes: TokenBytes) -> bool:
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
     ids = list(tokenizer.encode(_PROBE))
-    stream = _ByteStream(token_bytes)
-    return all(stream.add(t) == tokenizer.decode(ids[:i + 1]) for i, t in enumerate(ids))
+    stream, text = _ByteStream(token_bytes), ""
+    for i, t in enumerate(ids):
+        text += stream.add(t)
+        if text + stream.incomplete() != tokenizer.decode(ids[:i + 1]):
+            return False
+    return True
 
 
 def byte_source(tokenizer: Any) -> TokenBytes | None:
@@ -79,46 +85,73 @@ def _probed(tokenizer: Any) -> TokenBytes | None:
 
 
 class OutputText:
+    """A request's text: `add` each sampled token, `flush` when the request ends.
+
+    Only the text a stop string may still claim is kept as one string (from `_hold`
+    characters before the release point on); released text is kept in pieces. So a token
+    costs the same at any output length on the byte path, and `text` joins when read."""
+
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""
-        self._decoded = ""  # tokenizer.decode(token_ids)
-        self._released = 0
+        self._released: list[str] = []  # the text handed out, in pieces
+        self._num_released = 0
+        self._start = 0  # where the kept text starts: _hold characters before the release point
+        self._decoded = ""  # the decoded text from _start on (may end in U+FFFD)
+        self._shown = ""  # the text from _start on: no trailing U+FFFD, cut at a stop string
+        self._stopped = False
+        self._whole: str | None = None  # re-decoding tokenizers: the whole decoded text
         source = byte_source(tokenizer)
-        self._decode: Callable[[int], str] = (
-            _ByteStream(source).add if source is not None
-            else lambda _token_id: tokenizer.decode(self.token_ids))
+        if source is not None:
+            stream = _ByteStream(source)
+            self._incomplete = stream.incomplete
+
+            def advance(token_id: int) -> None:
+                self._decoded += stream.add(token_id)
+        else:
+            self._incomplete = str
+
+            def advance(token_id: int) -> None:
+                self._whole = tokenizer.decode(self.token_ids)
+                self._decoded = self._whole[self._start:]
+        self._advance = advance
+
+    @property
+    def text(self) -> str:
+        """The text so far: what was released and what is held back."""
+        before = self._whole if self._whole is not None else "".join(self._released)
+        return before[:self._start] + self._shown
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Add a token; returns (text to release now, whether a stop string was hit)."""
         self.token_ids.append(token_id)
-        self._decoded = self._decode(token_id)
+        self._advance(token_id)
         # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the next token.
-        text = self._decoded.rstrip("\ufffd")
-        stopped = False
+        shown = self._decoded.rstrip("\ufffd")
         if self._stop:
-            search_from = max(0, self._released - self._hold)
-            hits = [i for i in (text.find(s, search_from) for s in self._stop) if i >= 0]
+            hits = [i for i in (shown.find(s) for s in self._stop) if i >= 0]
             if hits:
-                text, stopped = text[:min(hits)], True
-        self.text = text
-        safe = len(text) if stopped else len(text) - self._hold
-        return self._release(safe), stopped
+                shown, self._stopped = shown[:min(hits)], True
+        self._shown = shown
+        end = self._start + len(shown)
+        return self._release(end if self._stopped else end - self._hold), self._stopped
 
     def flush(self) -> str:
         """Release whatever is held back (the request is ending)."""
-        if self.token_ids and not self._stop_hit_in(self._decoded):
-            self.text = self._decoded
-        return self._release(len(self.text))
-
-    def _stop_hit_in(self, text: str) -> bool:
-        return any(s in text for s in self._stop)
+        if self.token_ids and not self._stopped:
+            self._shown = self._decoded + self._incomplete()
+        return self._release(self._start + len(self._shown))
 
     def _release(self, upto: int) -> str:
-        if upto <= self._released:
+        if upto <= self._num_released:
             return ""
-        out = self.text[self._released:upto]
-        self._released = upto
+        out = self._shown[self._num_released - self._start:upto - self._start]
+        self._released.append(out)
+        self._num_released = upto
+        # Keep only what a stop string may still begin in.
+        start = max(0, upto - self._hold)
+        self._decoded = self._decoded[start - self._start:]
+        self._shown = self._shown[start - self._start:]
+        self._start = start
         return out
