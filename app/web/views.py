@@ -9,7 +9,7 @@ Numbers that may be whole or fractional are `int | float`, so 3 stays 3 and 3.0 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -317,6 +317,141 @@ class Calibration(View):
     calibration: CalibrationFile | None
 
 
+# ---- divergence ----------------------------------------------------------------------------
+ExperimentStatus = Literal["queued", "running", "done", "error"]
+VerdictKind = Literal["identical", "same_tokens", "forked"]
+
+
+class ExperimentRuns(View):
+    """An experiment's two sides as recorded runs (/runs/{id})."""
+
+    a: str | None
+    b: str | None
+
+
+class ExperimentSummary(View):
+    """An experiment in the list (without its record)."""
+
+    id: str
+    status: ExperimentStatus
+    created: float
+    source: str = Field(description="web, or cli (batchscope diverge --db)")
+    prompt: str = Field(description="the prompt's first characters")
+    a: str | None = Field(description="side A's set-up")
+    b: str | None = Field(description="side B's set-up")
+    verdict: str | None = Field(description="the verdict, or the error")
+    verdict_kind: VerdictKind | None
+    fork_token_index: int | None
+    runs: ExperimentRuns | None
+    saved: bool = Field(description="saved in the runs database (false: held in memory)")
+
+
+class Experiment(View):
+    id: str
+    status: ExperimentStatus
+    created: float
+    started: float | None
+    finished: float | None
+
+
+ExperimentRecord = Annotated[dict[str, Any] | None, Field(
+    description="the finished experiment's record (app/lab/divergence/record.py: "
+                "DivergenceRecord.to_dict())")]
+
+
+class HeldExperiment(Experiment):
+    """An experiment the server holds in memory: queued or running, or finished without a
+    database (or when saving it failed: save_error)."""
+
+    params: dict[str, Any]
+    progress: list[str]
+    record: ExperimentRecord
+    error: str | None
+    source: str
+    runs: None
+    saved: Literal[False]
+    save_error: str | None
+
+
+class SavedExperiment(Experiment):
+    """An experiment read back from the runs database, its two sides recorded as runs."""
+
+    source: str
+    params: dict[str, Any]
+    progress: list[str]
+    record: ExperimentRecord
+    error: str | None
+    verdict_kind: VerdictKind | None
+    fork_token_index: int | None
+    runs: ExperimentRuns | None
+    saved: Literal[True]
+    save_error: None
+
+
+class KvWriter(View):
+    """The step that wrote a position's keys and values on one side."""
+
+    step: int
+    path: str
+    step_rows: int
+    phase: str
+    start: int
+    rows: int
+    prefill_rows: int | None
+    decode_rows: int | None
+    requests: int | None
+
+
+class KvTimelineRow(View):
+    """Positions first..last of the contamination timeline, written alike on each side."""
+
+    first: int = Field(ge=0)
+    last: int = Field(ge=0)
+    a: KvWriter | None
+    b: KvWriter | None
+    max_abs_delta: Number
+    first_difference: int | None
+    count: int = Field(ge=1, description="the segments merged into this row")
+    steps_a: list[int | None] = Field(description="the first and last writing step on A")
+    steps_b: list[int | None] = Field(description="the first and last writing step on B")
+    has_first: bool = Field(description="holds the first position whose keys/values differ")
+    what: str
+
+
+class SideText(View):
+    shared: str = Field(description="the text both sides produced (all of it, without a fork)")
+    rest: str = Field(description="this side's continuation after the fork")
+
+
+class DivergenceResult(View):
+    """What the page shows of a finished record (app/lab/divergence/report.py)."""
+
+    texts: dict[str, SideText]
+    timeline: list[KvTimelineRow]
+    fork_token: int | None
+
+
+class Divergence(View):
+    """The divergence page: its form, the experiments, and with ?id= one of them."""
+
+    form: dict[str, str] = Field(description="the form's fields: the defaults, or the shown "
+                                             "experiment's parameters")
+    errors: dict[str, str] = Field(description="a refused form's messages, by field")
+    weights_choices: list[str]
+    policies: list[str]
+    matmul_choices: list[str]
+    max_tokens_limit: int
+    persisted: bool = Field(description="whether finished experiments are saved in the runs "
+                                        "database (false: kept in memory only)")
+    saved_total: int | None = Field(ge=0)
+    max_keep: int = Field(description="finished experiments kept in memory without a database")
+    experiments: list[ExperimentSummary] = Field(description="newest first: queued and "
+                                                             "running ones, then the saved ones")
+    experiment: SavedExperiment | HeldExperiment | None = Field(description="with ?id=: that "
+                                                                            "experiment")
+    view: DivergenceResult | None = Field(description="with ?id= and a finished experiment")
+
+
 # The twins /openapi.json describes, by schema name.
 TWINS: tuple[type[View], ...] = (RunList, Run, RunPending, Comparison, Dashboard, Steps,
-                                 Calibration)
+                                 Calibration, Divergence)

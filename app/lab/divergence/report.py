@@ -4,7 +4,7 @@ contamination timeline merged for reading, and what the page shows of a record."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from app.lab.divergence.record import DivergenceRecord, RecordPart, TimelineRow, Writer
 
@@ -137,7 +137,6 @@ class ResultView(RecordPart):
     texts: dict[str, SideText]
     timeline: list[ViewRow]
     fork_token: int | None
-    chart: str | None = field(default=None, repr=False)  # the page's markup, not in to_dict()
 
     def to_dict(self) -> dict:
         return {"texts": {s: t.to_dict() for s, t in self.texts.items()},

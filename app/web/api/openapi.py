@@ -107,19 +107,6 @@ def _event(chunk: str) -> dict:
          "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]}}]}}}
 
 
-# The divergence page's twin, until its context is a model too.
-DIVERGENCE = {"type": "object", "required": ["experiments", "persisted"],
-              "properties": {
-                  "experiments": {"type": "array", "description": "newest first: queued and "
-                                  "running ones, then the saved ones"},
-                  "experiment": {"type": ["object", "null"], "description": "with ?id=: its "
-                                 "record, and `runs` (its two sides' run ids) once saved"},
-                  "persisted": {"type": "boolean", "description": "whether finished "
-                                "experiments are saved in the runs database (false: kept in "
-                                "memory only)"},
-                  "saved_total": {"type": ["integer", "null"], "minimum": 0}}}
-
-
 # ---- operations --------------------------------------------------------------------------------
 def _generation(summary: str, request: str, response: str) -> dict:
     return {
@@ -234,7 +221,6 @@ def build(*, model: str, vocab: int | None, context: int, max_tokens: int | None
             "schemas": _schemas(model, vocab, cap) | {
                 "CompletionEvent": _event("CompletionChunk"),
                 "ChatCompletionEvent": _event("ChatCompletionChunk"),
-                "Divergence": DIVERGENCE,
             },
             "responses": {
                 "BadRequest": _error_response("bad input: the error names the parameter"),

@@ -17,20 +17,25 @@ finished experiments stay in memory, the latest MAX_KEEP, and the page says so.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
-from starlette.routing import Route
 
 from app.charts import Panel, Point, Scale, Series, Svg
 from app.db import experiments as store
 from app.lab.divergence import DivergenceRecord, SideConfig
 from app.lab.divergence.report import result_view
-from app.web.api.routes import error_body
 from app.web.divergence_lab import MAX_KEEP, LabBusy, lab_for
-from app.web.render import error_response, html_response, page_response, read_form, wants_json
+from app.web.render import (
+    error_response,
+    form_errors,
+    page_response,
+    read_form,
+    view_routes,
+    wants_json,
+)
+from app.web.views import Divergence, DivergenceResult, HeldExperiment, SavedExperiment
 from engine.config import POLICIES, WEIGHT_FORMATS
 
 MAX_LISTED = 100  # saved experiments listed on the page
@@ -179,7 +184,14 @@ def chart_svg(record: DivergenceRecord) -> str | None:
 
 
 # ---- views ---------------------------------------------------------------------------------
-async def _context(request: Request, form: dict, errors: dict, entry: dict | None) -> dict:
+def _experiment(entry: dict) -> SavedExperiment | HeldExperiment:
+    """An entry (the Lab's or the database's: their keys differ) with its record as to_dict()."""
+    record = entry["record"]
+    fields = {**entry, "record": None if record is None else record.to_dict()}
+    return (SavedExperiment if entry["saved"] else HeldExperiment).model_validate(fields)
+
+
+async def _context(request: Request, form: dict, errors: dict, entry: dict | None) -> Divergence:
     lab = lab_for(request.app)
     experiments = lab.recent()
     total_saved = None
@@ -189,17 +201,14 @@ async def _context(request: Request, form: dict, errors: dict, entry: dict | Non
         held = {e["id"] for e in experiments}  # just saved, not yet dropped from memory
         experiments += [e for e in saved["experiments"] if e["id"] not in held]
         experiments.sort(key=lambda e: e["created"], reverse=True)
-    context: dict[str, Any] = {
-        "form": form, "errors": errors, "weights_choices": list(WEIGHT_FORMATS),
-        "policies": list(POLICIES), "matmul_choices": list(MATMUL_CHOICES),
-        "max_tokens_limit": MAX_TOKENS_LIMIT,
-        "persisted": lab.database is not None, "saved_total": total_saved,
-        "max_keep": MAX_KEEP, "experiments": experiments, "experiment": None, "view": None}
-    if entry is not None:
-        context["experiment"] = entry
-        if entry["record"] is not None:
-            context["view"] = result_view(entry["record"])
-    return context
+    record = entry["record"] if entry is not None else None
+    return Divergence(
+        form=form, errors=errors, weights_choices=list(WEIGHT_FORMATS), policies=list(POLICIES),
+        matmul_choices=list(MATMUL_CHOICES), max_tokens_limit=MAX_TOKENS_LIMIT,
+        persisted=lab.database is not None, saved_total=total_saved, max_keep=MAX_KEEP,
+        experiments=experiments, experiment=_experiment(entry) if entry is not None else None,
+        view=(DivergenceResult.model_validate(result_view(record).to_dict())
+              if record is not None else None))
 
 
 async def divergence(request: Request) -> Response:
@@ -219,14 +228,14 @@ async def divergence(request: Request) -> Response:
         if entry["params"]:
             form = form_values(entry["params"])
     context = await _context(request, form, {}, entry)
-    view = context["view"]
-    if view is not None and wants_json(request):
-        context["experiment"] = {**entry, "record": entry["record"].to_dict()}
-        context["view"] = view.to_dict()
-    elif view is not None:
+
+    def page_only() -> dict:
         # The chart is markup for the page only; the JSON twin has its numbers in the record.
-        view.chart = chart_svg(entry["record"])
-    return page_response(request, "divergence.html", context)
+        if entry is None or context.view is None:
+            return {}
+        return {"view": {**context.view.model_dump(), "chart": chart_svg(entry["record"])}}
+
+    return page_response(request, "divergence.html", context, page_only=page_only)
 
 
 async def start_divergence(request: Request) -> Response:
@@ -236,11 +245,10 @@ async def start_divergence(request: Request) -> Response:
     params, errors = parse_form(form)
     if params is None:
         if wants_json(request):
-            name, message = next(iter(errors.items()))
-            return JSONResponse(error_body(message, param=name, code="invalid_value"), 400)
+            return form_errors(request, errors)
         values = {**DEFAULT_FORM, **{k: v for k, v in form.items() if k in DEFAULT_FORM}}
         context = await _context(request, values, errors, None)
-        return html_response(request, "divergence.html", context, 400)
+        return page_response(request, "divergence.html", context, 400)
     try:
         exp_id = lab_for(request.app).submit(params)
     except LabBusy as e:
@@ -251,9 +259,6 @@ async def start_divergence(request: Request) -> Response:
     return RedirectResponse(f"/divergence?id={exp_id}", status_code=303)
 
 
-routes = [
-    Route("/divergence", divergence, methods=["GET"]),
-    Route("/divergence", start_divergence, methods=["POST"]),
-    Route("/divergence.json", divergence, methods=["GET"]),
-    Route("/divergence.json", start_divergence, methods=["POST"]),
-]
+# The page and its JSON twin: GET shows, POST starts an experiment.
+routes = [*view_routes("/divergence", divergence),
+          *view_routes("/divergence", start_divergence, methods=("POST",))]
