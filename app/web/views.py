@@ -452,6 +452,59 @@ class Divergence(View):
     view: DivergenceResult | None = Field(description="with ?id= and a finished experiment")
 
 
+# ---- benchmarks ----------------------------------------------------------------------------
+class BenchmarkFields(View):
+    """A recorded `batchscope bench serve` run (app/db/benchmarks.py)."""
+
+    id: int
+    created_at: float
+    url: str
+    model: str
+    label: str | None
+    endpoint: str = Field(description="completions or chat")
+    dataset: str
+    num_prompts: int
+    request_rate: float | None = Field(description="requests per second (null: all at once)")
+    max_concurrency: int | None = Field(description="null: unlimited")
+    seed: int
+    duration_s: float
+    completed: int
+    failed: int
+    config: dict[str, Any]
+    summary: dict[str, Any] = Field(description="the report's numbers: counts, tokens, "
+                                                "throughputs, latency statistics (ms) per "
+                                                "metric, goodput")
+
+
+RunName = Annotated[str, Field(description="the name the plots' legends give the run")]
+MetricTitles = Annotated[dict[str, tuple[str, str]],
+                         Field(description="metric -> [abbreviation, title]")]
+
+
+class BenchmarkRow(BenchmarkFields):
+    name: RunName
+
+
+class Benchmarks(View):
+    """The recorded benchmark runs, newest first."""
+
+    total: int = Field(ge=0)
+    runs: list[BenchmarkRow]
+    plotted: list[int] = Field(description="the runs in the latency plots")
+    metrics: list[str]
+    metric_titles: MetricTitles
+
+
+class Benchmark(BenchmarkFields):
+    """One benchmark run: its report and every request."""
+
+    requests: list[dict[str, Any]] = Field(description="one per request: lengths, timings "
+                                                       "(s), ITLs, error")
+    name: RunName
+    metrics: list[str]
+    metric_titles: MetricTitles
+
+
 # The twins /openapi.json describes, by schema name.
 TWINS: tuple[type[View], ...] = (RunList, Run, RunPending, Comparison, Dashboard, Steps,
-                                 Calibration, Divergence)
+                                 Calibration, Divergence, Benchmarks, Benchmark)

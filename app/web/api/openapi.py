@@ -4,7 +4,8 @@ It covers the OpenAI-compatible `/v1/*` routes (request bodies with their types 
 responses, errors in OpenAI's shape, streams as `text/event-stream`), generated from the models
 that check the requests and the answers (app/web/api/schemas.py), and the pages' JSON twins
 (`/runs.json`, `/runs/{run_id}.json`, `/compare.json`, `/dashboard.json`, `/steps.json`,
-`/calibration.json`, `/divergence.json`), from the models of their contexts (app/web/views.py).
+`/calibration.json`, `/divergence.json`, `/benchmarks.json`, `/benchmarks/{run_id}.json`), from
+the models of their contexts (app/web/views.py).
 Ranges that depend on the server (vocabulary size, context window, --max-tokens-limit,
 --max-waiting-requests) are filled in from the running app, so the document describes this
 server, not a generic one.
@@ -216,6 +217,16 @@ def build(*, model: str, vocab: int | None, context: int, max_tokens: int | None
             "/divergence.json": _twin("Divergence experiments (saved in the runs database; "
                                       "in memory without one)", "Divergence",
                                       [_query("id", {"type": "string"})], ("401", "404")),
+            "/benchmarks.json": _twin("Recorded serving benchmarks, newest first", "Benchmarks",
+                                      [_query("runs", {"type": "string"},
+                                              description="the run ids to plot, separated by "
+                                                          "commas (empty: the newest 6)")],
+                                      ("400", "401", "404", *no_db)),
+            "/benchmarks/{run_id}.json": _twin(
+                "One recorded serving benchmark: its report and requests", "Benchmark",
+                [{"name": "run_id", "in": "path", "required": True,
+                  "schema": {"type": "string", "minLength": 1}}],
+                ("401", "404", *no_db)),
         },
         "components": {
             "schemas": _schemas(model, vocab, cap) | {

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -26,6 +24,7 @@ from app.web.render import (
     page_response,
     view_routes,
 )
+from app.web.views import Benchmark, Benchmarks
 
 LIST_LIMIT = 200
 DEFAULT_PLOTTED = 6
@@ -70,9 +69,8 @@ async def benchmarks(request: Request) -> Response:
         if run is None:
             return error_response(request, 404, f"no benchmark run {run_id}", "runs", "not_found")
         plotted.append(run)
-    context: dict[str, Any] = {"total": listing["total"], "runs": runs,
-                               "plotted": [r["id"] for r in plotted],
-                               "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
+    context = Benchmarks(total=listing["total"], runs=runs, plotted=[r["id"] for r in plotted],
+                         metrics=list(METRICS), metric_titles=METRIC_TITLES)
 
     def page_only() -> dict:
         svgs = {"throughput": plots.throughput_svg(listing["runs"])}
@@ -95,7 +93,7 @@ async def benchmark_detail(request: Request) -> Response:
     run = await in_thread(request, store.get_run, run_id)
     if run is None:
         return error_response(request, 404, f"no benchmark run {run_id}", "run_id", "not_found")
-    context = {**_view(run), "metrics": list(METRICS), "metric_titles": METRIC_TITLES}
+    context = Benchmark(**_view(run), metrics=list(METRICS), metric_titles=METRIC_TITLES)
     return page_response(request, "benchmark.html", context, page_only=lambda: {"svgs": {
         metric: plots.latency_cdf_svg([run], metric, title) for metric, title in CDF_METRICS}})
 

@@ -78,8 +78,7 @@ def test_every_json_route_is_documented_and_nothing_else(client):
     assert documented <= routes | {model_route}  # nothing documented that does not exist
     api = {p.replace("{model:path}", "{model}") for p in routes if p.startswith("/v1")}
     assert api <= documented
-    twins = {p for p in routes if p.endswith(".json") and p != "/openapi.json"
-             and not p.startswith("/benchmarks")}  # benchmarks: their own change, in progress
+    twins = {p for p in routes if p.endswith(".json") and p != "/openapi.json"}
     assert twins <= documented, twins - documented
 
 
