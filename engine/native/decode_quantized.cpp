@@ -232,7 +232,8 @@ struct Avx2 {
       }
     }
     for (int i = 0; i < mr; ++i)
-      for (int j = 0; j < nr; ++j) p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum(acc[i][j]);
+      for (int j = 0; j < nr; ++j)
+        p.out[static_cast<size_t>(i) * p.N + n0 + j] = lane_sum(acc[i][j]);
   }
 
   static void fused_range(const Problem& p, int n_begin, int n_end);
