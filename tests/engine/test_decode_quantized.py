@@ -291,12 +291,11 @@ def test_stacked_projections_give_the_bits_of_one_call_each_and_add_no_memory(qu
         grew = mx.get_active_memory() - before
         weights = sum(m.weight.nbytes for m in modules)
         assert grew < weights / 4, (grew, weights)  # the stacked copy replaced the originals
-    assert list(runner._stacks.values())[0][1] == ("q" if quantize else "f32")
+    assert list(runner.stacks.values())[0][1] == ("q" if quantize else "f32")
     # The row-wise path still calls each layer (MLX's own kernel).
-    runner.path = "gemv"
     x = mx.array(random((1, 2, features), 99))
-    for a, m in zip(runner.linears(modules, x), modules, strict=True):
-        assert mx.array_equal(a, runner.linear(m, x)).item()
+    for a, m in zip(runner.linears(modules, x, path="gemv"), modules, strict=True):
+        assert mx.array_equal(a, runner.linear(m, x, path="gemv")).item()
 
 
 def test_a_quantized_linear_with_bias_adds_it():
