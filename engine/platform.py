@@ -49,7 +49,7 @@ def _candidate_paths() -> list[str]:
     return paths
 
 
-def _find_openblas() -> list[str]:
+def find_openblas() -> list[str]:
     """Candidates to try in order: the dynamic loader's answer, then well-known paths."""
     found: list[str] = []
     name = ctypes.util.find_library("openblas")
@@ -77,7 +77,7 @@ def preload_blas() -> str | None:
         return None
 
     _attempted = True
-    for candidate in _find_openblas():
+    for candidate in find_openblas():
         try:
             ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
         except OSError:

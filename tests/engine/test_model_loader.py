@@ -375,7 +375,7 @@ def _in_fresh_python(code: str, **env: str) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="BLAS preloading is Linux-only")
 def test_preload_blas_binds_openblas():
-    if not platform._find_openblas():
+    if not platform.find_openblas():
         pytest.skip("no libopenblas on this machine (Debian: apt-get install libopenblas0-pthread)")
     code = (
         "from engine.platform import preload_blas, backend_info\n"
