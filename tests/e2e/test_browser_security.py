@@ -144,21 +144,21 @@ def test_a_cross_site_form_post_is_refused_with_the_cookie_in_place(live, browse
                  '<input name="mode" value="raw"><input name="prompt" value="forged">'
                  '<input name="max_tokens" value="2"><button type="submit">go</button></form>')
     evil = Starlette(routes=[Route("/", lambda request: HTMLResponse(evil_page))])
-    before = len(app.state.live_runs._runs)
+    before = len(app.state.live_runs)
     with serving(evil, WAIT) as evil_url:
         browser.get(evil_url + "/")
         browser.find_element(By.CSS_SELECTOR, "#f button").click()
         wait(browser, lambda d: d.current_url.startswith(server))
         message = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".error-message"))
         assert "cross-origin" in message[0].text
-    assert len(app.state.live_runs._runs) == before  # nothing started
+    assert len(app.state.live_runs) == before  # nothing started
 
     # The same form on the server's own page works (the browser sends the right Origin).
     browser.get(server + "/")
     browser.find_element(By.NAME, "prompt").send_keys("fine")
     browser.find_element(By.CSS_SELECTOR, "#playground button[type=submit]").click()
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "section.panel"))
-    assert len(app.state.live_runs._runs) == before + 1
+    assert len(app.state.live_runs) == before + 1
 
 
 def test_logout_ends_the_session(live, browser):

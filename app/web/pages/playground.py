@@ -198,6 +198,10 @@ class LiveRuns:
     def get(self, run_id: str) -> LiveRun | None:
         return self._runs.get(run_id)
 
+    def __len__(self) -> int:
+        """How many runs it holds, finished ones included."""
+        return len(self._runs)
+
 
 def live_runs(app: Any) -> LiveRuns:
     """The app's registry (made by the lifespan: app/web/app.py)."""

@@ -276,11 +276,11 @@ def test_every_state_changing_route_refuses_a_cross_site_form(open_client):
 
 def test_cross_site_posts_change_nothing(open_client):
     app = open_client.app
-    before = len(app.state.live_runs._runs)
+    before = len(app.state.live_runs)
     r = open_client.post("/playground", data={"mode": "raw", "prompt": "x", "max_tokens": "2"},
                          headers={**EVIL, "accept": "text/html"})
     assert r.status_code == 403 and "cross-origin" in BeautifulSoup(r.text, "html.parser").text
-    assert len(app.state.live_runs._runs) == before
+    assert len(app.state.live_runs) == before
     r = open_client.post("/divergence.json", data={"prompt": "x"}, headers=EVIL)
     assert r.status_code == 403 and r.json()["error"]["code"] == "csrf_failed"
     assert lab_for(app).recent() == []
