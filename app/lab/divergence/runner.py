@@ -6,8 +6,9 @@ composition is the same on every run of a side."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
+from types import MappingProxyType
 from typing import Any
 
 from app.lab.divergence.compare import SideRun, compare
@@ -71,6 +72,11 @@ class DivergenceRunner:
         for engine in self._engines.values():
             engine.stop()
         self._engines.clear()
+
+    @property
+    def engines(self) -> Mapping[tuple, Engine]:
+        """The engines it holds by SideConfig.engine_key(), read-only."""
+        return MappingProxyType(self._engines)
 
     def reserve(self, prompts: Iterable[str | list[int]], sides: Iterable[SideConfig],
                 max_tokens: int, chat: bool = False) -> None:

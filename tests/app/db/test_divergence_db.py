@@ -166,7 +166,7 @@ def test_the_sides_steps_are_recorded_like_a_served_runs(db_path, monkeypatch):
     close = app.lab.divergence.DivergenceRunner.close
 
     def count_then_close(runner):
-        ran.update({key[0]: e.step_count for key, e in runner._engines.items()})
+        ran.update({key[0]: e.step_count for key, e in runner.engines.items()})
         close(runner)
 
     monkeypatch.setattr(app.lab.divergence.DivergenceRunner, "close", count_then_close)

@@ -163,8 +163,8 @@ def test_each_side_keeps_every_step_its_engine_ran():
     b = SideConfig(weights="q4", kernel_policy="gemv", alongside=(30,), join_at=2)
     with DivergenceRunner(loader) as runner:
         r = runner.run(PROMPT, a, b, max_tokens=5)
-        engine = runner._engines[a.engine_key()]  # both sides ran on this one, A then B
-        assert engine is runner._engines[b.engine_key()]
+        engine = runner.engines[a.engine_key()]  # both sides ran on this one, A then B
+        assert engine is runner.engines[b.engine_key()]
         ring = {rec.step: rec.to_dict() for rec in engine.steps.recent()}
         ran = engine.step_count
     sa, sb = r.sides.a, r.sides.b
