@@ -16,7 +16,7 @@ from engine.models.base import Family, LayerKV, UnsupportedModelError
 from engine.models.experts import SwitchExperts
 
 
-def _swiglu_oai(gate: mx.array, x: mx.array, alpha: float, limit: float) -> mx.array:
+def uncompiled_swiglu_oai(gate: mx.array, x: mx.array, alpha: float, limit: float) -> mx.array:
     # mlx-lm's swiglu_oai, uncompiled: a function compiled on the engine thread makes the
     # process abort at exit (MLX 0.32); the bits are the same (tests/engine/test_family_gpt_oss).
     gate = mx.minimum(gate, limit)
@@ -29,7 +29,7 @@ def oai_experts(switch: nn.Module) -> SwitchExperts:
     act = switch.activation
     alpha, limit = getattr(act, "_alpha", None), getattr(act, "_limit", None)
     return SwitchExperts(switch, gpt_oss.SwigluOAI,
-                         lambda gate, up: _swiglu_oai(gate, up, alpha, limit))
+                         lambda gate, up: uncompiled_swiglu_oai(gate, up, alpha, limit))
 
 
 class GptOss(Family):
