@@ -96,7 +96,8 @@ class KVPool:
         """Gather whole blocks (in order) -> (kv_heads, len(block_ids) * block_size, head_dim).
 
         Indexing blocks of block_size * head_dim contiguous values is faster than indexing the
-        same slots one by one: 1.1-1.4x at 4-16 sequences in benchmarks/attention.py."""
+        same slots one by one ("gather by block" against "gather by slot" at 4-16 decode rows
+        in benchmarks/results/attention.md)."""
         kv, dim, bs = self.kv_heads[layer], self.head_dims[layer], self.block_size
         blocks = (kv, self.num_blocks, bs * dim)
         return (self._keys[layer].reshape(blocks)[:, block_ids].reshape(kv, -1, dim),

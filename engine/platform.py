@@ -1,7 +1,8 @@
 """Platform setup: bind MLX to an optimized BLAS on Linux, and describe the backend.
 
 The `mlx[cpu]` wheel on Linux bundles the reference (netlib) BLAS, which runs float32
-matmuls ~20x slower than OpenBLAS. Loading libopenblas with RTLD_GLOBAL *before* the first
+matmuls far slower than OpenBLAS (benchmarks/weights_speed.py measures both; its table is in
+docs/weights.md). Loading libopenblas with RTLD_GLOBAL *before* the first
 `import mlx.core` makes MLX's BLAS symbols resolve to OpenBLAS instead. This module must
 therefore never import mlx at module level.
 """

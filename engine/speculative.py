@@ -34,8 +34,8 @@ class SpeculativeConfig:
     num_tokens: int  # drafts per step per request (k)
     lookup_min: int  # shortest n-gram matched (prompt lookup)
     lookup_max: int  # longest n-gram matched, tried first
-    # Speculate only while at most this many requests run (benchmarks/speculative.py: on open
-    # questions drafts cost throughput from 4 streams on).
+    # Speculate only while at most this many requests run (on open questions drafts cost
+    # throughput once a few streams share the step: benchmarks/results/speculative_open.md).
     max_batch: int
     # method "draft": "layers:N" (the target's first N layers), "embedded" or a model folder.
     draft_model: str | None = None

@@ -23,8 +23,9 @@ ThresholdTable = Mapping[tuple[str, str, str], tuple[int, str]]
 def backend_key(info: Mapping[str, Any] | str) -> str:
     """Short backend name for calibrations: "metal", "cuda", "cpu-openblas", "cpu"...
 
-    The CPU BLAS is part of the key: OpenBLAS makes f32 GEMM ~20x faster than the bundled
-    reference BLAS, which moves the crossing entirely.
+    The CPU BLAS is part of the key: OpenBLAS makes f32 GEMM far faster than the bundled
+    reference BLAS (benchmarks/weights_speed.py, with and without it), which moves the
+    crossing entirely.
     """
     if isinstance(info, str):
         return info

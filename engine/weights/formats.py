@@ -40,21 +40,22 @@ def resolve_weights(requested: str, backend_info: dict | None = None,
     """Turn a requested weights format into a concrete one ("q4", "f32" or "bf16").
 
     Explicit formats pass through. "auto" picks the fastest format for the backend, as
-    measured by benchmarks/llama_cpp_peer.py and benchmarks/weights_speed.py (docs/weights.md
-    has the tables):
+    measured by benchmarks/engine_weights.py, benchmarks/llama_cpp_peer.py and
+    benchmarks/weights_speed.py (benchmarks/results/engine_weights.md and llama_cpp.md;
+    docs/weights.md has weights_speed.py's table):
       - Metal / CUDA: "q4". MLX has fast quantized GPU kernels, and decode is bound by
         memory bandwidth, which 4-bit weights cut ~4x against bf16.
       - CPU with the native quantized kernel built and a vector path for it (AVX-512 or
         AVX2; native_quantized, default: native.decode_quantized_fast()): "q4". The engine
-        decodes at q4 as fast as at f32 or faster (1.2-1.4x at one sequence, level at 8-16),
-        in a fifth of the memory, and every row of a step gets the same bits whatever shares
-        it; prefill runs at 0.8-1.1x f32.
+        decodes at q4 as fast as at f32 or faster (faster at one sequence, about level at
+        8-16 in benchmarks/results/engine_weights.md), in a fifth of the memory, and every
+        row of a step gets the same bits whatever shares it; its prefill stays close to f32's.
       - CPU without it, with an optimized BLAS (OpenBLAS preloaded on Linux; Accelerate on
         macOS): "f32". MLX's CPU quantized matmul computes one row at a time: f32 decodes
-        1.5-2.6x faster at batch 1, 4.4-7.4x at batch 4, and prefills 20-35x faster.
-      - CPU with only MLX's bundled reference BLAS: "bf16" (MLX's own kernels; ~1.7-1.8x q4
-        and f32 at batch 4, ~2.2x for prefill; bf16 rounds the weights, top-1 agreement with
-        q4 ~98%).
+        faster at batch 1, more so batched, and prefills far faster (weights_speed.py).
+      - CPU with only MLX's bundled reference BLAS: "bf16" (MLX's own kernels: ahead of q4
+        and f32 once rows are batched and for prefill, in weights_speed.py; bf16 rounds the
+        weights, so greedy text can differ from q4's: docs/weights.md, Numerics).
     A folder whose quantization the native kernel cannot take falls back to the CPU rules
     without it (settle_folder_format).
     """

@@ -99,7 +99,7 @@ def _gguf_config(metadata: dict, tied_embeddings: bool) -> dict:
         "rope_theta": _float32_repr(metadata_value(metadata, "llama.rope.freq_base")),
         # GGUF keeps Q/K in llama.cpp's interleaved rotary layout (convert_hf_to_gguf
         # permutes them), which is what rope_traditional=True expects. With False the text
-        # still looks fluent but logits drift (top-1 agreement with llama.cpp ~50%).
+        # still looks fluent but its logits drift from llama.cpp's (often another top-1 token).
         "rope_traditional": True,
         "rms_norm_eps": _float32_repr(
             metadata_value(metadata, "llama.attention.layer_norm_rms_epsilon")),
