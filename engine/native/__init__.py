@@ -76,9 +76,9 @@ def decoder_layer() -> Callable | None:
 
 def decode_quantized_fast() -> bool:
     """Whether the quantized op runs a vector path here (AVX-512 or AVX2). Its portable path is
-    correct everywhere but slower than MLX's own quantized matmul: 0.5x at 1 row and 0.7-0.8x
-    at 4-16 rows (benchmarks/decode_linear.py --weights q4 with
-    BATCHSCOPE_QUANTIZED_ISA=portable on an x86-64 baseline build), so `auto` prefers MLX's."""
+    correct everywhere but slower than MLX's own quantized matmul at 1-16 rows (measured by
+    benchmarks/decode_linear.py --weights q4 with BATCHSCOPE_QUANTIZED_ISA=portable on an
+    x86-64 baseline build), so `auto` prefers MLX's."""
     return decode_quantized_isa() in ("avx512", "avx2")
 
 

@@ -20,8 +20,8 @@ constexpr int ROWS = 8;
 constexpr int COLS = 3;
 // Prefetch the weight rows this far ahead (two tiles): memory, not arithmetic, bounds a
 // few-row step, and the prefetch hides the next rows' latency behind this tile's work
-// (benchmarks/decode_linear.py without and with it: 39.7 -> 32.4 ms at 8 rows, 62.5 -> 44.9 ms
-// at 16). Past the last row it is harmless: a prefetch never faults.
+// (measured by benchmarks/decode_linear.py --rows 8 16 on builds without and with it). Past
+// the last row it is harmless: a prefetch never faults.
 constexpr int PREFETCH_ROWS = 2 * COLS;
 
 // s plus the k % 16 tail's n < 16 products x[k] * w[k], in k order, in the steps the kernel has

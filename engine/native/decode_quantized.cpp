@@ -45,8 +45,8 @@ struct Problem {
 };
 
 // A scale or bias as float32 (exact; float16 through F16C where the build has it: a scale and a
-// bias are read per group per output, and a software conversion slowed a 1-row call at group
-// size 32, one thread, an 8192 x 2048 layer: 9.8 against 13 Gweights/s).
+// bias are read per group per output, and a software conversion slowed a 1-row call in
+// benchmarks/decode_linear.py --weights q4).
 inline float scale_at(const void* p, ScaleType t, size_t i) {
   switch (t) {
     case ScaleType::f16: return to_float(static_cast<const mx::float16_t*>(p)[i]);
