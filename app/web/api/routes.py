@@ -96,14 +96,15 @@ exception_handlers: dict[Any, Callable] = {
 
 
 # ---- submitting ------------------------------------------------------------------------------
-INLINE_TOKENIZE_CHARS = 8192  # ~8 ms for the real tokenizer: cheaper than a thread hop
+INLINE_TOKENIZE_CHARS = 8192  # short enough that tokenizing inline beats a thread hop
 
 
 async def _encode(encode: Callable[[Any], list[int]], prompt: Any, param: str,
                   chars: int) -> list[int]:
-    """Tokenize a long prompt off the event loop (1 MiB takes the real tokenizer ~1 s, and it
-    releases the GIL, so streams keep flowing meanwhile); a short one inline, without the
-    thread hop. The tokenizer's refusals (a chat template raising) are the caller's 400."""
+    """Tokenize a long prompt off the event loop (a prompt near the 1 MiB body limit keeps the
+    real tokenizer busy far longer than a step, and it releases the GIL, so streams keep
+    flowing meanwhile); a short one inline, without the thread hop. The tokenizer's refusals
+    (a chat template raising) are the caller's 400."""
     from jinja2 import TemplateError
 
     try:
