@@ -28,7 +28,8 @@ bench-context: setup
 	.venv/bin/python benchmarks/context_length.py
 
 # batchscope vs mlx-lm batch_generate and mlx_lm.server, static vs continuous batching, and the
-# max_num_seqs sweep, in one run (~30 min on 2 cores; QUICK=1 for a smoke test)
+# max_num_seqs sweep, in one long run (it prints its time estimate first; QUICK=1 for a smoke
+# test)
 peers: setup
 	.venv/bin/python benchmarks/peers.py $(if $(QUICK),--quick)
 

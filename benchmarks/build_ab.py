@@ -1,7 +1,8 @@
 """Two builds of the engine back to back in one run: a base revision against the working tree.
 
 For a change that must not change speed (a restructuring, a cleanup), measure both builds on
-the same machine at the same time, since this kind of machine drifts by 10-30% between runs.
+the same machine at the same time, since this kind of machine drifts between runs by more than
+such a change should move.
 The script checks the base revision out into a temporary git worktree and builds its native
 kernels there, then runs interleaved rounds. In each round each build runs in a fresh process
 of its own (same model, weights, prompts and engine set-up) and measures the engine's prefill

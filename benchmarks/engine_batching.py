@@ -21,8 +21,8 @@ request generates exactly max_tokens.
 
 With --repeats N each concurrency runs N interleaved rounds (engine, batch_generate, serial,
 again); the table gives each rate's median over the rounds, the median of the per-round
-ratios, and the range of the decode ratio, since one round on a shared machine can be off by
-10% or more.
+ratios, and the range of the decode ratio, since one round on a shared machine can be well off
+the others (the bracketed ranges in benchmarks/results/engine_batching.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ steps, then the median of --repeats timed runs of --tokens steps (the cache is t
 to the prompt between runs). Batch 1 is the headline; batch 4 (the same
 prompt in every row, one forward call for all rows) shows which format gains from
 batching. Speeds are aggregate tokens/s. Prefill: one forward call over a --prefill-token
-prompt, best of two. The whole run takes ~6 minutes on a 2-core x86 machine.
+prompt, best of two. docs/weights.md holds the table of a past run.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Builds llama.cpp's llama-bench, llama-batched-bench and llama-server, the peer that
 # benchmarks/llama_cpp.py measures on the embedded model's own GGUF. The sources come from
 # PyPI's llama-cpp-python sdist (it vendors llama.cpp), so nothing but the package registry is
-# reached. About 12 minutes on 2 cores; the build is cached outside the repository:
+# reached. A long C++ build, cached outside the repository:
 #
 #   ./scripts/build-llama-cpp.sh            # builds into ~/.cache/batchscope/llama.cpp
 #   BATCHSCOPE_LLAMA_CPP=DIR ./scripts/build-llama-cpp.sh

@@ -6,9 +6,9 @@
     .venv/bin/python scripts/soak.py --url http://127.0.0.1:8000 [--db PATH] [--pid PID]
 
 Without --url it starts `batchscope serve` itself on loopback (port 0, a temporary database,
-the embedded model with --weights auto, float32 with OpenBLAS on Linux, several times faster
-than q4 here, and a 256-block KV pool; --server-args changes them). Each client loops until
-the duration is over, picking at random:
+the embedded model with --weights auto, the fastest format on this machine
+(engine/weights/formats.py), and a 256-block KV pool; --server-args changes them). Each client
+loops until the duration is over, picking at random:
 
     stream      a streamed completion or chat request, read to [DONE]
     disconnect  a streamed request (ignore_eos, long) dropped after a few chunks: the server
