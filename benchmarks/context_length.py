@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['decode_tps']:.1f} tok/s")
                 rows.append(row)
         weights = eng.loaded.weights
-        paths = {"attention": eng.attention, "decode_matmul": eng.decode_matmul}
+        paths = {"attention": eng.attention, "row_kernels": eng.row_kernels}
     finally:
         for e in engines.values():
             e.stop()

@@ -3,7 +3,7 @@
 For R rows, runs every linear layer of the real model once (7 per block, then the tied
 lm_head), as a decode step does: each weight is read from memory, not from a cache warmed by a
 repeat. Variants are interleaved round by round so machine noise hits both alike. This is the
-measurement behind DECODE_MATMUL_MAX_ROWS in engine/model_runner.py.
+measurement behind DECODE_MATMUL_MAX_ROWS in engine/native_ops.py.
 
 --weights q4: the shipped 4-bit layers (and the 8-bit tied head) through the native quantized
 kernel against MLX's quantized_matmul (the modules' own call), and against the float32 kernel

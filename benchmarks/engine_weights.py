@@ -56,7 +56,7 @@ def main() -> int:
         row["ratio"] = {k: statistics.median(r["q4"][k] / r["f32"][k] for r in rounds)
                         for k in rounds[0]["q4"]}
         rows.append(row)
-    descriptions = {w: eng.decode_matmul for w, eng in engines.items()}
+    descriptions = {w: eng.row_kernels for w, eng in engines.items()}
     for eng in engines.values():
         eng.stop()
 
@@ -66,7 +66,7 @@ def main() -> int:
              f"{native.decode_quantized_isa()}; prompts of 20-120 tokens, greedy; prefill from "
              f"a 1-token call, decode from the extra time of a {args.max_tokens + 1}-token "
              f"call; medians of {args.repeats} interleaved rounds, ratio q4 / f32 the median "
-             f"of the rounds' ratios. Decode matmul: q4 {descriptions['q4']}; f32 "
+             f"of the rounds' ratios. Row kernels: q4 {descriptions['q4']}; f32 "
              f"{descriptions['f32']}.", "",
              "| requests | decode tok/s: q4 | f32 | q4 / f32 | prefill tok/s: q4 | f32 "
              "| q4 / f32 |",

@@ -7,7 +7,7 @@ runs 16 prompts at once in each of two engines and compares their greedy tokens:
      16-row decode steps go row-wise (GEMV), as each request's decode steps do when it runs
      alone under auto with T = 1.
   B: --kernel-policy gemm: every step is one batched GEMM, as when it shares its steps.
-     With --decode-matmul mlx (the default here) that GEMM is MLX's (the BLAS); with auto, the
+     With --row-kernels mlx (the default here) that GEMM is MLX's (the BLAS); with auto, the
      decode steps take the native kernel, which gives each row its alone-bits, so only the
      prefill step differs from A.
 
@@ -54,10 +54,10 @@ def prompts(start: int, count: int) -> list[str]:
 
 
 def generate(texts: list[str], weights: str, policy: str, threshold: int | None,
-             max_tokens: int, decode_matmul: str) -> list[list[int]]:
+             max_tokens: int, row_kernels: str) -> list[list[int]]:
     config = EngineConfig(weights=weights, kernel_policy=policy, kernel_threshold=threshold,
                           max_num_seqs=BATCH, max_num_batched_tokens=4096, num_kv_blocks=1024,
-                          enable_prefix_caching=False, decode_matmul=decode_matmul)
+                          enable_prefix_caching=False, row_kernels=row_kernels)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     out: list[list[int]] = []
     with Engine(config).start() as eng:
@@ -75,13 +75,15 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=128, help=f"prompts (of {len(prompts(0, 10**6))})")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--weights", default="f32")
-    ap.add_argument("--decode-matmul", default="mlx", choices=["auto", "mlx"])
+    ap.add_argument("--row-kernels", "--decode-matmul", dest="row_kernels", default="mlx",
+                    choices=["auto", "mlx"], help="the engine's --row-kernels (old name: "
+                    "--decode-matmul)")
     args = ap.parse_args()
     texts = prompts(args.start, args.count)
     t0 = time.perf_counter()
-    alone = generate(texts, args.weights, "auto", BATCH, args.max_tokens, args.decode_matmul)
+    alone = generate(texts, args.weights, "auto", BATCH, args.max_tokens, args.row_kernels)
     t1 = time.perf_counter()
-    shared = generate(texts, args.weights, "gemm", None, args.max_tokens, args.decode_matmul)
+    shared = generate(texts, args.weights, "gemm", None, args.max_tokens, args.row_kernels)
     t2 = time.perf_counter()
     forks = []
     for text, a, b in zip(texts, alone, shared, strict=True):
@@ -89,13 +91,13 @@ def main() -> int:
             index = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
             forks.append({"prompt": text, "token_index": index})
     print(json.dumps({"prompts": len(texts), "tokens_per_side": sum(map(len, alone)),
-                      "weights": args.weights, "decode_matmul": args.decode_matmul,
+                      "weights": args.weights, "row_kernels": args.row_kernels,
                       "seconds_a": round(t1 - t0, 1),
                       "seconds_b": round(t2 - t1, 1), "forks": forks}, indent=1))
     for f in forks:
         print(f"confirm: batchscope diverge {json.dumps(f['prompt'])} --chat --weights "
               f"{args.weights} --max-tokens {args.max_tokens} --a policy=auto,threshold=1 "
-              f"--b policy=auto,threshold=1,matmul={args.decode_matmul},alongside=40,35,30,45,"
+              f"--b policy=auto,threshold=1,row_kernels={args.row_kernels},alongside=40,35,30,45,"
               f"50,38,42,33,47,36,44,39,41,37,43,others_tokens={args.max_tokens}",
               file=sys.stderr)
     return 0

@@ -97,7 +97,7 @@ def engine_decode(weights: str, repeats: int) -> dict[int, list[float]]:
                       ["decode_tps"] for _ in range(repeats)]
             log(f"decode: batchscope {weights}, {n} sequences: "
                 f"{', '.join(f'{r:.1f}' for r in out[n])} tok/s")
-        return {"rates": out, "decode_matmul": eng.decode_matmul}
+        return {"rates": out, "row_kernels": eng.row_kernels}
     finally:
         eng.stop()
 
@@ -183,12 +183,13 @@ def render(data: dict) -> str:
              f"llama-cpp-python {data['llama_cpp_python']} sdist.", ""]
     if "decode" in data:
         d = data["decode"]
+        q4 = d["engines"]["q4"]
+        kernels = q4.get("row_kernels") or q4["decode_matmul"]  # the key of older results
         lines += ["## Decode, aggregate tok/s", "", f"Run {d['started']}.", "",
                   "llama.cpp: `llama-batched-bench -npp 64 -ntg 32` (S_TG, the better of a run "
                   "before and one after the engine's). batchscope: the engine in process, "
                   "prompts of 20-120 tokens, decode from the extra time of a 33-token call, "
-                  f"median of {data['repeats']}. Decode matmul at q4: "
-                  f"{d['engines']['q4']['decode_matmul']}.", "",
+                  f"median of {data['repeats']}. Row kernels at q4: {kernels}.", "",
                   "| sequences | llama.cpp | batchscope q4 | batchscope f32 | q4 / llama.cpp "
                   "| goal |", "|---|---|---|---|---|---|"]
         for r in d["rows"]:

@@ -60,9 +60,10 @@ KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 class NativeSetting(ValueEnum):
-    """The native-kernel settings, attention (engine/attention.py) and decode_matmul
-    (engine/native_ops.py, float32 steps of up to DECODE_MATMUL_MAX_ROWS rows on the "gemm"
-    path, and the quantized, row and fused-layer ops)."""
+    """The native-kernel settings: attention (engine/attention.py) and row_kernels
+    (engine/native_ops.py: everything a step computes per row outside attention, i.e. the
+    float32 and affine 4/8-bit linear layers, RMS norm, RoPE, the sampler's logsumexp and the
+    fused decoder layer)."""
 
     AUTO = "auto"  # the native op on the CPU backend when it is built, else MLX's own
     NATIVE = "native"  # requires the native op
@@ -103,7 +104,7 @@ class EngineConfig:
     batch_invariant: bool = False
     invariant_tile: int = DEFAULT_TILE
     attention: str = NativeSetting.AUTO
-    decode_matmul: str = NativeSetting.AUTO
+    row_kernels: str = NativeSetting.AUTO
     # Speculative decoding (engine/speculative.py): "off", "ngram" (prompt lookup) or "draft"
     # (a draft model, engine/draft.py); drafts per request per step; the n-gram sizes matched;
     # the most running requests at which a step still speculates; and the draft model:
@@ -128,7 +129,7 @@ class EngineConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         check_native_setting("attention", self.attention)
-        check_native_setting("decode_matmul", self.decode_matmul)
+        check_native_setting("row_kernels", self.row_kernels)
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
         _ = self.speculation  # raises on bad values

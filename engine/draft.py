@@ -108,7 +108,7 @@ def draft_proposer(cfg: EngineConfig, target: LoadedModel, target_runner: ModelR
     pool = pool_for(draft.family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
     # A draft of the target's own modules shares its stacked q/k/v and gate/up weights (the
     # layers' weights are views of them), so it adds no weight memory.
-    runner = ModelRunner(draft.model, pool, cfg.attention, cfg.decode_matmul, draft.family,
+    runner = ModelRunner(draft.model, pool, cfg.attention, cfg.row_kernels, draft.family,
                          tile=cfg.invariant_tile,
                          stacks=target_runner.stacks if draft.shared else None)
     runner.run([RowGroup("warmup", [0], 0, [0], sample=False)])

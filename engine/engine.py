@@ -225,9 +225,10 @@ class Engine:
         return self.runner.describe_attention(self.config.attention)
 
     @property
-    def decode_matmul(self) -> str:
-        """Which matmul few-row float32 or quantized steps use, in words (logged at start)."""
-        return self.runner.describe_matmul(self.config.decode_matmul, self.loaded.weights)
+    def row_kernels(self) -> str:
+        """Which kernels a step's linear layers and other per-row math outside attention run
+        on, in words (logged at start)."""
+        return self.runner.describe_row_kernels(self.config.row_kernels, self.loaded.weights)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, exact even for part of a UTF-8 character (logprobs)."""
@@ -292,7 +293,7 @@ class Engine:
         kv_dtype = None if cfg.kv_dtype == "auto" else getattr(mx, cfg.kv_dtype)
         self.pool = pool_for(family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
         self.runner = ModelRunner(self.loaded.model, self.pool, cfg.attention,
-                                  cfg.decode_matmul, family, tile=cfg.invariant_tile)
+                                  cfg.row_kernels, family, tile=cfg.invariant_tile)
         threshold, self.kernel_threshold_source = resolve_threshold(
             cfg, self.loaded.name, self.loaded.weights, backend_info(), self._thresholds)
         self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)
@@ -305,10 +306,10 @@ class Engine:
                  self.pool.dtype, time.perf_counter() - t0)
         info = backend_info()
         log.info("model %s (%s family, %s weights) on %s, BLAS %s; KV pool %d blocks x %d "
-                 "tokens; context %d; attention: %s; decode matmul: %s",
+                 "tokens; context %d; attention: %s; row kernels: %s",
                  self.loaded.name, family.name, self.loaded.weights, info["backend"],
                  info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
-                 self.max_model_len, self.attention, self.decode_matmul)
+                 self.max_model_len, self.attention, self.row_kernels)
         for line in family.describe_layers():
             log.info("layers: %s", line)
         if self.speculation.method == "draft" and self.proposer is None:

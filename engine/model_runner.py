@@ -65,13 +65,13 @@ class ModelRunner(NativeOps):
     the native ops it computes with are its base (engine/native_ops.py)."""
 
     def __init__(self, model, pool: KVPool, attention: str = NativeSetting.AUTO,
-                 decode_matmul: str = NativeSetting.AUTO, family: Family | None = None, *,
+                 row_kernels: str = NativeSetting.AUTO, family: Family | None = None, *,
                  tile: int = DEFAULT_TILE, stacks: dict | None = None):
         """model: a loaded mlx-lm model; its family adapter is looked up by model_type
         (engine/models/) unless given. Raises UnsupportedModelError for one it cannot run.
         tile: rows per call on the batch-invariant ("tiled") path. stacks: the `stacks` of a
         runner over the same modules (a layers:N draft shares the target's)."""
-        super().__init__(model, attention, decode_matmul, stacks)
+        super().__init__(model, attention, row_kernels, stacks)
         self.family = family or family_for(model)
         self.pool = pool
         self.tile = tile

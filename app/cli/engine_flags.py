@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from engine.config import KV_DTYPES, NATIVE_SETTING, POLICIES, WEIGHT_FORMATS, EngineConfig
 from engine.speculative import METHODS as SPECULATIVE_METHODS
@@ -32,10 +33,11 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "attention": ("attention of decode rows and prefill chunks: the native paged kernel "
                   "(CPU backend, built by scripts/setup.sh), MLX ops, or auto (native when "
                   "available)", NATIVE_SETTING),
-    "decode_matmul": ("linear layers on the gemm path (float32 steps of up to 32 rows, 4/8-bit "
-                      "ones of any size), RMS norms, RoPE and the sampler's logsumexp: the "
-                      "native kernels (CPU backend, batch-invariant), MLX's own ops, or auto "
-                      "(native when available)", NATIVE_SETTING),
+    "row_kernels": ("everything a step computes per row outside attention: the float32 "
+                    "(steps of up to 32 rows) and affine 4/8-bit linear layers of the gemm "
+                    "path, RMS norm, RoPE, the sampler's logsumexp and the fused decoder layer "
+                    "on the native kernels (CPU backend, batch-invariant), on MLX's own ops, or "
+                    "auto (native when available)", NATIVE_SETTING),
     "speculative": ("speculative decoding: drafted tokens verified inside the shared step; "
                     "ngram proposes what followed the request's last tokens earlier in its own "
                     "prompt and output, draft the greedy tokens of --draft-model (see "
@@ -50,6 +52,8 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                     "'embedded' (the embedded model at its 4-bit weights, for an f32 target) "
                     "or a local mlx-lm folder with the target's tokenizer", None),
 }
+# Old flag -> the field it sets now: still accepted, hidden from --help, warned about.
+RENAMED = {"decode_matmul": "row_kernels"}
 SWITCHES = {  # boolean fields: the flag flips the default
     "enable_prefix_caching": ("--no-prefix-caching", "turn prefix caching off"),
     "batch_invariant": ("--batch-invariant", "a request's output does not depend on what shares "
@@ -64,13 +68,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (help_text, choices) in FLAGS.items():
         default = fields[name].default
         kind = str if name in ("model", "weights", "kv_dtype", "kernel_policy", "attention",
-                               "decode_matmul", "speculative", "draft_model") else int
+                               "row_kernels", "speculative", "draft_model") else int
         shown = f" (default: {default})" if default is not None and choices is None else ""
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=default,
                            type=kind, choices=choices, help=help_text + shown)
     for name, (flag, help_text) in SWITCHES.items():
         action = "store_false" if fields[name].default else "store_true"
         group.add_argument(flag, dest=name, action=action, help=help_text)
+    for old, name in RENAMED.items():
+        group.add_argument("--" + old.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
+                           choices=FLAGS[name][1], action=_RenamedFlag, help=argparse.SUPPRESS)
+
+
+class _RenamedFlag(argparse.Action):
+    """An old spelling of a flag: sets the new flag's field and says so on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.dest.replace("_", "-")
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {new}",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -40,9 +40,9 @@ def outputs(engine: Engine, target: str, companions: int) -> list[tuple[int, flo
     return result
 
 
-def engine_for(batch_invariant: bool, decode_matmul: str = "auto") -> Engine:
+def engine_for(batch_invariant: bool, row_kernels: str = "auto") -> Engine:
     return Engine(EngineConfig(weights="f32", batch_invariant=batch_invariant,
-                               num_kv_blocks=512, max_num_seqs=16, decode_matmul=decode_matmul))
+                               num_kv_blocks=512, max_num_seqs=16, row_kernels=row_kernels))
 
 
 def test_batch_invariant_mode_gives_the_same_bits_at_every_batch_size():
@@ -63,7 +63,7 @@ def test_normal_mode_is_not_batch_invariant_here():
     if not blas_loaded():
         pytest.fail("needs OpenBLAS (libopenblas0-pthread): with the reference BLAS float32 "
                     "GEMM and GEMV agree and this comparison shows nothing")
-    with engine_for(False, decode_matmul="mlx").start() as engine:
+    with engine_for(False, row_kernels="mlx").start() as engine:
         alone = outputs(engine, TARGETS[0], 0)
         batched = outputs(engine, TARGETS[0], 7)
     delta = max(abs(a[1] - b[1]) for a, b in zip(alone, batched, strict=True))

@@ -139,10 +139,10 @@ def test_the_table_and_goals_render_met_and_not_met():
 
 def test_without_llama_cpp_or_the_goal_lengths_no_goal_is_claimed():
     data = result([row(512, 2.0, 60.0), row(4096, 20.0, 40.0)], llama=False)
-    data["engine_paths"] = {"attention": "native paged attention", "decode_matmul": "mlx"}
+    data["engine_paths"] = {"attention": "native paged attention", "row_kernels": "mlx"}
     text = cl.render(data)
     assert "llama.cpp not built" in text
-    assert ", attention native paged attention, decode matmul mlx;" in text
+    assert ", attention native paged attention, row kernels mlx;" in text
     assert "| 4096 | auto (float32) | 20.000 | 205 | – | – | 40.0 | – | – |" in text
     assert "TTFT at 4k" not in text
     assert f"prefill rate at 4096 within 30% of the rate at 512 {F32}: met" in text

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
 
-def run(weights: str, policy: str, decode_matmul: str = "auto") -> list:
+def run(weights: str, policy: str, row_kernels: str = "auto") -> list:
     config = EngineConfig(weights=weights, kernel_policy=policy, num_kv_blocks=64,
-                          decode_matmul=decode_matmul)
+                          row_kernels=row_kernels)
     with Engine(config).start() as engine:
         handle = engine.submit(PROMPT, SamplingParams(max_tokens=16, logprobs=2, ignore_eos=True))
         tokens = [e for e in handle if hasattr(e, "token_id")]

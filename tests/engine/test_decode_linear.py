@@ -98,12 +98,12 @@ def test_refuses_other_dtypes_and_mismatched_shapes():
         op(mx.zeros((2, 4)), mx.zeros((4,)))
 
 
-def test_decode_matmul_setting_is_checked():
+def test_row_kernels_setting_is_checked():
     from engine.config import EngineConfig
     from engine.native_ops import _matmul_kernel
 
-    with pytest.raises(ValueError, match="decode_matmul must be one of"):
-        EngineConfig(decode_matmul="fast")
+    with pytest.raises(ValueError, match="row_kernels must be one of"):
+        EngineConfig(row_kernels="fast")
     assert _matmul_kernel("mlx", fused=False) is None
     assert _matmul_kernel("auto", fused=True) is None  # GPU: MLX's matmul
     with pytest.raises(ValueError, match="CPU backend only"):

@@ -319,8 +319,8 @@ def test_eight_requests_batched_equal_each_alone_on_the_kernel(make_engine):
     # No prefix caching: a cached prompt's tail is prefilled against the cache, and that
     # attention (not the linear layers) sums in another order than the whole prompt's.
     engine = make_engine(block_size=4, enable_prefix_caching=False)
-    assert "native quantized kernel" in engine.decode_matmul
-    assert native.decode_quantized_isa() in engine.decode_matmul
+    assert "native quantized kernel" in engine.row_kernels
+    assert native.decode_quantized_isa() in engine.row_kernels
 
     def tokens(handle):
         return [(e.token_id, e.logprob) for e in handle if hasattr(e, "token_id")]

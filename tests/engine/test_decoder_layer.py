@@ -125,7 +125,7 @@ def test_other_kernel_paths_keep_the_layer_op_by_op(folders):
         assert calls == 0
     family = family_for(loaded.model)
     runner = ModelRunner(loaded.model, pool_for(family, 64, 16), "auto", "mlx", family)
-    assert runner.layer_kernel is None  # --decode-matmul mlx: MLX's own ops throughout
+    assert runner.layer_kernel is None  # --row-kernels mlx: MLX's own ops throughout
 
 
 def bad_call(loaded, **change):

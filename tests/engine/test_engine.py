@@ -255,12 +255,12 @@ def test_float32_model_gives_the_same_tokens_batched_as_alone(make_engine):
 def test_kernel_paths_give_identical_tokens_on_a_row_independent_backend(make_engine, policy,
                                                                          threshold):
     """4-bit on MLX's CPU backend computes each row alone: the path must not change a bit. On
-    MLX's kernel for every path (decode_matmul "mlx"): the native one that gemm steps take by
+    MLX's kernel for every path (row_kernels "mlx"): the native one that gemm steps take by
     default sums in another order (tests/engine/test_decode_quantized.py bounds the gap)."""
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
-    gemm = make_engine(block_size=4, decode_matmul="mlx")
+    gemm = make_engine(block_size=4, row_kernels="mlx")
     other = make_engine(block_size=4, kernel_policy=policy, kernel_threshold=threshold,
-                        decode_matmul="mlx")
+                        row_kernels="mlx")
     a = [[(e.token_id, e.logprob) for e in h if hasattr(e, "token_id")]
          for h in [gemm.submit(p, params) for p in PROMPTS[:4]]]
     b = [[(e.token_id, e.logprob) for e in h if hasattr(e, "token_id")]

@@ -29,8 +29,9 @@ class SideConfig:
     max_num_seqs: int = 16
     block_size: int = 16
     batch_invariant: bool = False  # the engine's tiled, batch-invariant path (if it has one)
-    # Few-row float32 gemm steps: the native kernel ("auto"/"native") or MLX's matmul ("mlx").
-    decode_matmul: str = "auto"
+    # The engine's row_kernels: a row's linear layers, norms, RoPE and logsumexp on the native
+    # kernels ("auto"/"native") or on MLX's own ops ("mlx").
+    row_kernels: str = "auto"
     # Speculative decoding of the target (and the others): "off", "ngram" or "draft", k drafts
     # a step. A side speculates whatever shares its steps (no automatic turn-down).
     speculative: str = "off"
@@ -44,7 +45,7 @@ class SideConfig:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
                              f"got {self.weights!r}")
         KernelPolicy(self.kernel_policy, self.kernel_threshold)  # raises on bad values
-        check_native_setting("decode_matmul", self.decode_matmul)
+        check_native_setting("row_kernels", self.row_kernels)
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative!r}")
@@ -81,17 +82,17 @@ class SideConfig:
             lengths = ",".join(str(n) for n in self.alongside)
             context = f"alongside {lengths}" + (f" from token {self.join_at}"
                                                  if self.join_at else "")
-        matmul = "" if self.decode_matmul == "auto" else f" · matmul {self.decode_matmul}"
+        kernels = "" if self.row_kernels == "auto" else f" · row kernels {self.row_kernels}"
         spec = ("" if self.speculative == "off"
                 else f" · {self.speculative} k={self.num_speculative_tokens}")
         if self.speculative == "draft":
             spec += f" ({self.draft_model})"
-        return f"{self.weights} · {path}{matmul}{spec} · {context}"
+        return f"{self.weights} · {path}{kernels}{spec} · {context}"
 
     def engine_key(self) -> tuple:
         """Sides with equal keys share an engine (the kernel policy is set per run)."""
         return (self.weights, self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
-                self.batch_invariant, self.decode_matmul, self.speculative,
+                self.batch_invariant, self.row_kernels, self.speculative,
                 self.num_speculative_tokens, self.engine_draft_model)
 
     @property
@@ -104,8 +105,10 @@ class SideConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> SideConfig:
+        """A to_dict() back, records saved by older builds included (RENAMED_FIELDS)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        renamed = {RENAMED_FIELDS[k]: v for k, v in data.items() if k in RENAMED_FIELDS}
+        return cls(**{k: v for k, v in {**renamed, **data}.items() if k in names})
 
     @classmethod
     def parse(cls, spec: str, base: SideConfig | None = None) -> SideConfig:
@@ -132,7 +135,7 @@ class SideConfig:
             if name == "alongside":
                 changes[name] = _lengths(value)
                 list_key = name
-            elif name in ("weights", "kernel_policy", "decode_matmul", "speculative",
+            elif name in ("weights", "kernel_policy", "row_kernels", "speculative",
                           "draft_model"):
                 changes[name] = value
             elif name == "batch_invariant":
@@ -154,11 +157,16 @@ SPEC_KEYS = {
     "others_tokens": "alongside_max_tokens", "alongside_max_tokens": "alongside_max_tokens",
     "max_batched": "max_num_batched_tokens", "max_num_batched_tokens": "max_num_batched_tokens",
     "max_seqs": "max_num_seqs", "max_num_seqs": "max_num_seqs", "block_size": "block_size",
-    "batch_invariant": "batch_invariant", "matmul": "decode_matmul",
-    "decode_matmul": "decode_matmul", "speculative": "speculative", "spec": "speculative",
+    "batch_invariant": "batch_invariant", "row_kernels": "row_kernels",
+    "matmul": "row_kernels", "decode_matmul": "row_kernels",  # the setting's older names
+    "speculative": "speculative", "spec": "speculative",
     "k": "num_speculative_tokens", "num_speculative_tokens": "num_speculative_tokens",
     "draft": "draft_model", "draft_model": "draft_model",
 }
+
+
+# A field's older name -> its name now, as records saved by older builds hold it.
+RENAMED_FIELDS = {"decode_matmul": "row_kernels"}
 
 
 def _lengths(text: str) -> list[int]:

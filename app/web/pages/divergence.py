@@ -49,8 +49,9 @@ DEFAULT_FORM = {
     "b_weights": "f32", "b_policy": "auto", "b_threshold": "1", "b_alongside": "120,60,30",
     "b_join": "0", "b_others_tokens": "16", "b_matmul": "auto",
 }
-# Decode matmul choices offered on the form: the native kernel where it applies, or MLX's.
-MATMUL_CHOICES = ("auto", "mlx")
+# Row kernels offered on the form (fields a_matmul, b_matmul, their names of old): the native
+# kernels where they apply, or MLX's own ops.
+ROW_KERNEL_CHOICES = ("auto", "mlx")
 
 
 # ---- the form ------------------------------------------------------------------------------
@@ -85,9 +86,10 @@ def parse_form(form: dict[str, str]) -> tuple[dict | None, dict[str, str]]:
             errors[f"{s}_weights"] = f"weights must be one of {', '.join(WEIGHT_FORMATS)}"
         if policy not in POLICIES:
             errors[f"{s}_policy"] = f"kernel policy must be one of {', '.join(POLICIES)}"
-        matmul = form.get(f"{s}_matmul", "auto")
-        if matmul not in MATMUL_CHOICES:
-            errors[f"{s}_matmul"] = f"decode matmul must be one of {', '.join(MATMUL_CHOICES)}"
+        kernels = form.get(f"{s}_matmul", "auto")
+        if kernels not in ROW_KERNEL_CHOICES:
+            errors[f"{s}_matmul"] = (f"row kernels must be one of "
+                                     f"{', '.join(ROW_KERNEL_CHOICES)}")
         threshold = number(f"{s}_threshold", "threshold", 0, 100_000)
         join = number(f"{s}_join", "join at", 0, MAX_TOKENS_LIMIT)
         others_tokens = number(f"{s}_others_tokens", "tokens of the others", 1, MAX_TOKENS_LIMIT)
@@ -103,7 +105,7 @@ def parse_form(form: dict[str, str]) -> tuple[dict | None, dict[str, str]]:
             sides[s] = SideConfig(weights=weights, kernel_policy=policy,
                                   kernel_threshold=threshold, alongside=alongside,
                                   join_at=join, alongside_max_tokens=others_tokens,
-                                  decode_matmul=matmul)
+                                  row_kernels=kernels)
         except ValueError as e:
             errors[f"{s}_alongside"] = str(e)
     if errors:
@@ -124,7 +126,7 @@ def form_values(params: dict) -> dict:
                        f"{s}_alongside": ",".join(str(n) for n in c["alongside"]),
                        f"{s}_join": str(c["join_at"]),
                        f"{s}_others_tokens": str(c["alongside_max_tokens"]),
-                       f"{s}_matmul": c.get("decode_matmul", "auto")})
+                       f"{s}_matmul": SideConfig.from_dict(c).row_kernels})
     return values
 
 
@@ -204,7 +206,7 @@ async def _context(request: Request, form: dict, errors: dict, entry: dict | Non
     record = entry["record"] if entry is not None else None
     return Divergence(
         form=form, errors=errors, weights_choices=list(WEIGHT_FORMATS), policies=list(POLICIES),
-        matmul_choices=list(MATMUL_CHOICES), max_tokens_limit=MAX_TOKENS_LIMIT,
+        matmul_choices=list(ROW_KERNEL_CHOICES), max_tokens_limit=MAX_TOKENS_LIMIT,
         persisted=lab.database is not None, saved_total=total_saved, max_keep=MAX_KEEP,
         experiments=experiments, experiment=_experiment(entry) if entry is not None else None,
         view=(DivergenceResult.model_validate(result_view(record).to_dict())

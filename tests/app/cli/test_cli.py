@@ -7,6 +7,8 @@ import dataclasses
 import subprocess
 import sys
 
+import pytest
+
 from app.cli import build_parser, main
 from app.cli.engine_flags import FLAGS, SWITCHES, engine_config
 from engine.config import EngineConfig
@@ -27,6 +29,23 @@ def test_engine_flags_reach_the_config():
     assert (config.weights, config.max_num_seqs, config.enable_prefix_caching,
             config.batch_invariant, config.kernel_policy, config.kernel_threshold) == (
         "q4", 3, False, True, "auto", 0)
+
+
+def test_row_kernels_flag_and_its_old_name(capsys):
+    args = build_parser().parse_args(["generate", "--row-kernels", "mlx", "hello"])
+    assert engine_config(args).row_kernels == "mlx"
+    assert capsys.readouterr().err == ""
+    # --decode-matmul, the setting's old name: still works, hidden from --help, warned about.
+    args = build_parser().parse_args(["serve", "--decode-matmul", "native"])
+    assert engine_config(args).row_kernels == "native"
+    err = capsys.readouterr().err
+    assert err == "batchscope serve: warning: --decode-matmul is deprecated; use --row-kernels\n"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--row-kernels" in help_text and "--decode-matmul" not in help_text
+    with pytest.raises(SystemExit):  # its values are checked as the new flag's
+        build_parser().parse_args(["serve", "--decode-matmul", "fast"])
 
 
 def test_help_loads_no_mlx_nor_the_web_stack():

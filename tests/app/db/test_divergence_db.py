@@ -303,8 +303,9 @@ def test_cli_db_writes_an_experiment_the_page_reads(db_path, monkeypatch, capsys
                         functools.partial(app.lab.divergence.run_experiment, loader=q4_loader))
     parser = build_parser()
     # MLX's quantized_matmul on both sides, which computes each row alike on every path.
-    args = parser.parse_args(["diverge", "Hello there", "--a", "weights=q4,policy=gemm,matmul=mlx",
-                              "--b", "weights=q4,policy=gemv,matmul=mlx", "--max-tokens", "5",
+    args = parser.parse_args(["diverge", "Hello there",
+                              "--a", "weights=q4,policy=gemm,row_kernels=mlx",
+                              "--b", "weights=q4,policy=gemv,row_kernels=mlx", "--max-tokens", "5",
                               "--db", str(db_path)])
     assert args.func(args) == 0
     err = capsys.readouterr().err

@@ -34,11 +34,11 @@ def loader(weights: str):
 
 
 def test_four_bit_gemm_and_gemv_are_bit_identical_alone_and_alongside():
-    """On MLX's quantized_matmul (decode_matmul "mlx"), which computes each row alone. The
+    """On MLX's quantized_matmul (row_kernels "mlx"), which computes each row alone. The
     native quantized kernel (gemm steps by default) is row-independent too, but sums in
     another order than MLX's, which the gemv path keeps: tests/engine/test_decode_quantized.py."""
-    a = SideConfig(weights="q4", kernel_policy="gemm", alongside=(40, 25), decode_matmul="mlx")
-    b = SideConfig(weights="q4", kernel_policy="gemv", decode_matmul="mlx")
+    a = SideConfig(weights="q4", kernel_policy="gemm", alongside=(40, 25), row_kernels="mlx")
+    b = SideConfig(weights="q4", kernel_policy="gemv", row_kernels="mlx")
     r = run_experiment(PROMPT, a, b, max_tokens=12, loader=loader)
     assert r.identical and r.bit_identical
     assert r.fork is None
@@ -129,14 +129,28 @@ def test_side_spec_parsing():
                                                                kernel_policy="gemv")
     assert SideConfig.parse("alongside=none", base).alongside == ()
     assert "alongside 120,30 from token 2" in SideConfig.parse("alongside=120,30,join=2").label()
-    mlx = SideConfig.parse("weights=f32,matmul=mlx")
-    assert mlx.decode_matmul == "mlx" and "matmul mlx" in mlx.label()
+    mlx = SideConfig.parse("weights=f32,row_kernels=mlx")
+    assert mlx.row_kernels == "mlx" and "row kernels mlx" in mlx.label()
     assert mlx.engine_key() != SideConfig(weights="f32").engine_key()  # not one shared engine
-    assert SideConfig.from_dict({"weights": "f32"}).decode_matmul == "auto"  # older records
+    assert SideConfig.from_dict({"weights": "f32"}).row_kernels == "auto"  # older records
     for bad in ("policy=fast", "weights=f64", "bogus=1", "threshold=x", "7", "alongside=0",
-                "join=-1", "matmul=blas"):
+                "join=-1", "row_kernels=blas", "matmul=blas"):
         with pytest.raises(ValueError):
             SideConfig.parse(bad)
+
+
+def test_row_kernels_keeps_its_older_names():
+    """The setting was called decode_matmul (key matmul=): old commands still parse, and
+    records saved under the old key read back; new records hold the new key only."""
+    mlx = SideConfig(weights="f32", row_kernels="mlx")
+    for spec in ("weights=f32,matmul=mlx", "weights=f32,decode_matmul=mlx",
+                 "weights=f32,decode-matmul=mlx"):
+        assert SideConfig.parse(spec) == mlx, spec
+    saved = mlx.to_dict()
+    assert saved["row_kernels"] == "mlx" and "decode_matmul" not in saved
+    older = {k: v for k, v in saved.items() if k != "row_kernels"} | {"decode_matmul": "mlx"}
+    assert SideConfig.from_dict(older) == mlx
+    assert SideConfig.from_dict(saved) == mlx
 
 
 def test_search_counts_and_prompt_files(tmp_path):
@@ -144,8 +158,8 @@ def test_search_counts_and_prompt_files(tmp_path):
     path.write_text('Once upon a time\n\n"two\\nlines"\nx' + "y" * 600 + "\n", encoding="utf-8")
     prompts = load_prompts(path)
     assert prompts[1] == "two\nlines" and len(prompts) == 3
-    q4 = SideConfig(weights="q4", decode_matmul="mlx")  # MLX's kernel on both: the same bits
-    out = search(prompts, q4, SideConfig(weights="q4", kernel_policy="gemv", decode_matmul="mlx"),
+    q4 = SideConfig(weights="q4", row_kernels="mlx")  # MLX's kernel on both: the same bits
+    out = search(prompts, q4, SideConfig(weights="q4", kernel_policy="gemv", row_kernels="mlx"),
                  max_tokens=6, loader=loader)
     assert out.prompts == 3 and out.errors == 1  # the last one is too long for 512
     assert out.bit_identical == 2 and out.forked == 0 and out.forks == []

@@ -14,7 +14,7 @@ from app.lab.divergence import SideConfig, run_experiment, search
 from app.lab.divergence.text import clean, format_record, format_search
 from app.settings import Settings
 from app.web.app import create_app
-from app.web.pages.divergence import lab_for
+from app.web.pages.divergence import form_values, lab_for
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model
@@ -147,7 +147,8 @@ def test_the_form_runs_an_experiment_in_the_worker(client):
     # path, alone or not (the native kernel on gemm steps sums in another order than MLX's).
     assert record["bit_identical"] and record["fork"] is None
     assert record["sides"]["a"]["others_joined"]
-    assert record["sides"]["a"]["label"] == "q4 · gemm · matmul mlx · alongside 20,10 from token 2"
+    assert record["sides"]["a"]["label"] == ("q4 · gemm · row kernels mlx · alongside 20,10 "
+                                             "from token 2")
     page = soup(client.get(f"/divergence?id={exp_id}"))
     assert page.find("meta", attrs={"http-equiv": "refresh"}) is None
     assert page.find(class_="verdict").get_text().startswith("bit-identical")
@@ -165,9 +166,22 @@ def test_form_errors(client):
     page = BeautifulSoup(r.text, "html.parser")
     fields = {p["data-field"] for p in page.select(".form-errors p")}
     assert {"prompt", "max_tokens", "a_policy", "a_threshold", "b_alongside"} <= fields
-    assert "decode matmul must be one of auto, mlx" in r.text
+    assert "row kernels must be one of auto, mlx" in r.text
     r = client.post("/divergence.json", data=bad)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_the_row_kernels_field_reads_older_experiments(client):
+    """The form's a_matmul/b_matmul fields are the row_kernels setting, labelled so; an
+    experiment saved under the setting's old name (decode_matmul) fills them back."""
+    page = soup(client.get("/divergence"))
+    field = page.find("select", attrs={"name": "a_matmul"})
+    assert field.find_parent("label").get_text().startswith("Row kernels")
+    side = SideConfig(weights="q4", row_kernels="mlx").to_dict()
+    older = {k: v for k, v in side.items() if k != "row_kernels"} | {"decode_matmul": "mlx"}
+    params = {"prompt": "hi", "max_tokens": 4, "top_k": 3, "a": side, "b": older}
+    values = form_values(params)
+    assert values["a_matmul"] == values["b_matmul"] == "mlx"
 
 
 def test_cli_text_output(forked):
@@ -179,8 +193,8 @@ def test_cli_text_output(forked):
     assert f"{fork.table[0].logit_a:.6f}" in text
     assert "Contamination timeline" in text and "prompt" in text
     assert clean("a\x1b[31mred\x07") == "a\\x1b[31mred\\x07"
-    s = search(["hello", "hi"], SideConfig(weights="q4", decode_matmul="mlx"),
-               SideConfig(weights="q4", kernel_policy="gemv", decode_matmul="mlx"),
+    s = search(["hello", "hi"], SideConfig(weights="q4", row_kernels="mlx"),
+               SideConfig(weights="q4", kernel_policy="gemv", row_kernels="mlx"),
                max_tokens=4, loader=q4_loader)
     out = format_search(s)
     assert "Forked: 0 of 2" in out and "bit-identical: 2" in out
