@@ -86,9 +86,9 @@ class EngineConfig:
     max_num_seqs: int = 16  # requests that may share one step
     # Rows (token positions) one step may hold: a long prompt's prefill chunk. Decode rows go
     # first, so a chunk is how long running streams wait for their next token while a prompt
-    # prefills: benchmarks/chunk_size.py measured the same TTFT for a 4096-token prompt with
-    # chunks of 128 to 2048 rows (18.1-19.0 s at q4 on 2 cores), and 4 streams' longest wait
-    # growing with the chunk (0.8, 1.5, 2.8, 5.8 and 11.1 s).
+    # prefills: in benchmarks/results/chunk_size.md (benchmarks/chunk_size.py) a 4096-token
+    # prompt's TTFT is about the same with chunks of 128 to 2048 rows, and 4 streams' longest
+    # wait grows with the chunk.
     max_num_batched_tokens: int = 256
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 1024  # blocks in the pool (x block_size = KV capacity in tokens)

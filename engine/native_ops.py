@@ -18,15 +18,15 @@ from engine.attention import use_fused_attention
 from engine.config import DEFAULT_TILE, KernelPath, NativeSetting, check_native_setting
 from engine.kernels import apply_linear
 
-# Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: in
-# benchmarks/decode_linear.py it is faster than MLX's BLAS matmul at every row count up to 32
-# (1.2-1.8x here), and the gap closes above.
+# Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: it is
+# faster than MLX's BLAS matmul at every row count up to 32 in
+# benchmarks/results/decode_linear.md (benchmarks/decode_linear.py), and the gap closes above.
 DECODE_MATMUL_MAX_ROWS = 32
 # The same for MLX's affine-quantized layers (the shipped 4-bit linears and 8-bit tied head):
 # the native quantized kernel. On the CPU MLX's quantized_matmul computes one row at a time,
-# and the kernel is faster at every row count measured over the whole model: 7x at 1 row and
-# 16-55x from 4 to 128 (benchmarks/decode_linear.py --weights q4, results/decode_quantized.md;
-# `--rows 512 2048` measures larger steps). Since MLX's cost grows with every row, every gemm
+# and the kernel is faster at every row count measured over the whole model, the more so the
+# more rows (benchmarks/results/decode_quantized.md, from benchmarks/decode_linear.py --weights
+# q4; `--rows 512 2048` measures larger steps). Since MLX's cost grows with every row, every gemm
 # step up to this many rows takes it, and a row gets the same bits in every such step.
 DECODE_QUANTIZED_MAX_ROWS = 4096
 
