@@ -3,8 +3,8 @@
 The same prompts and measurement as benchmarks/engine_batching.py (prefill from a 1-token
 call, decode from the extra time of a max_tokens+1 call; C prompts of 20-120 tokens, greedy,
 no EOS), for the engine only: mlx-lm's runs there take MLX's one-row-at-a-time CPU quantized
-matmul at q4, which makes a q4 run of that script last an hour at 16 requests. Both engines
-are started once and measured in interleaved rounds, so machine noise hits both alike.
+matmul at q4, which makes a q4 run of that script impractically long at 16 requests. Both
+engines are started once and measured in interleaved rounds, so machine noise hits both alike.
 
     .venv/bin/python benchmarks/engine_weights.py [--concurrency 1 4 8 16] [--repeats 3]
 """

@@ -15,7 +15,7 @@ A prompt whose tokens differ is a candidate; confirm it with `batchscope diverge
 alongside 15 others), which also gives the logits at the fork and the cache-contamination trace.
 With float32 + OpenBLAS the two sides differ by ~3e-5 in the logits, so only a near-tie forks:
 on the development machine, with the native attention kernel, all 240 prompts x 160 tokens
-(38400 tokens a side, 29 minutes) gave 1 fork (docs/divergence-fork.md).
+(38400 tokens a side) gave 1 fork (docs/divergence-fork.md).
 
     .venv/bin/python benchmarks/fork_screen.py [--count 128] [--max-tokens 160] [--weights f32]
 """

@@ -1,8 +1,8 @@
 """batchscope against llama.cpp on the very GGUF the embedded model loads, in one run.
 
 llama.cpp is optional: ./scripts/build-llama-cpp.sh builds llama-bench, llama-batched-bench and
-llama-server (about 12 minutes on 2 cores, cached outside the repository; BATCHSCOPE_LLAMA_CPP
-names another build). Without it this script says so and exits with code 3.
+llama-server (a long C++ build, cached outside the repository; BATCHSCOPE_LLAMA_CPP names
+another build). Without it this script says so and exits with code 3.
 
     .venv/bin/python benchmarks/llama_cpp_peer.py [--sections decode serve] [--threads 2]
 
@@ -12,10 +12,10 @@ decode  the engine's aggregate decode tok/s (weights q4 and f32; benchmarks/engi
 serve   `batchscope serve` (its default weights: q4 where the native kernel is built),
         `llama-server -np 8` on the GGUF, and `mlx_lm.server` on the folder `batchscope
         export-model --weights f32` writes (its fastest format on the CPU: at q4 MLX's CPU
-        quantized matmul makes it ~20 minutes a run), one at a time, each driven twice (cold,
-        then warm: llama-server's prompt cache and batchscope's prefix cache are warm) by
-        `batchscope bench serve --num-prompts 32 --max-concurrency 8 --seed 0 --ignore-eos
-        on`: output tok/s, median TPOT, p99 TTFT.
+        quantized matmul takes one row at a time, benchmarks/results/decode_quantized.md),
+        one at a time, each driven twice (cold, then warm: llama-server's prompt cache and
+        batchscope's prefix cache are warm) by `batchscope bench serve --num-prompts 32
+        --max-concurrency 8 --seed 0 --ignore-eos on`: output tok/s, median TPOT, p99 TTFT.
 
 Writes llama_cpp.md and llama_cpp.json to --out-dir (benchmarks/results); a run of one section
 keeps the other's last results (each section is one run of its own). Progress on stderr.
