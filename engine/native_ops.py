@@ -66,9 +66,9 @@ class NativeOps:
         target's layers), shared instead of stacked again."""
         self.model = model
         self.fused_attention = use_fused_attention()
-        self.attention_kernel = _attention_kernel(attention, self.fused_attention)
-        self.matmul_kernel = _matmul_kernel(row_kernels, self.fused_attention)
-        self.quantized_kernel = _quantized_kernel(row_kernels, self.fused_attention)
+        self.attention_kernel = attention_kernel(attention, self.fused_attention)
+        self.matmul_kernel = matmul_kernel(row_kernels, self.fused_attention)
+        self.quantized_kernel = quantized_kernel(row_kernels, self.fused_attention)
         # RMS norm, RoPE and the sampler's logsumexp as one native op each
         # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
         # for all of a row's math.
@@ -280,17 +280,17 @@ class NativeOps:
         return max_rows, head, tail, spec.scale, block_size
 
 
-def _attention_kernel(attention: str, fused: bool):
+def attention_kernel(attention: str, fused: bool):
     """The native attention op to use, or None for MLX ops (see engine/attention.py)."""
     return _native_op("attention", attention, fused, native.paged_attention)
 
 
-def _matmul_kernel(row_kernels: str, fused: bool):
+def matmul_kernel(row_kernels: str, fused: bool):
     """The native float32 linear op to use, or None for MLX's matmul."""
     return _native_op("row_kernels", row_kernels, fused, native.decode_linear)
 
 
-def _quantized_kernel(row_kernels: str, fused: bool):
+def quantized_kernel(row_kernels: str, fused: bool):
     """The native quantized decode linear op to use (the same setting), or None for MLX's:
     "auto" takes it only where it runs a vector path (native.decode_quantized_fast)."""
     if row_kernels == NativeSetting.AUTO and not fused and not native.decode_quantized_fast():

@@ -270,14 +270,14 @@ def test_native_kernel_refuses_bad_tables_and_shapes_with_errors():
 
 def test_attention_setting_is_checked():
     from engine.config import EngineConfig
-    from engine.native_ops import _attention_kernel
+    from engine.native_ops import attention_kernel
 
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="fast")
-    assert _attention_kernel("mlx", fused=False) is None
-    assert _attention_kernel("auto", fused=True) is None  # GPU: MLX's fused attention
+    assert attention_kernel("mlx", fused=False) is None
+    assert attention_kernel("auto", fused=True) is None  # GPU: MLX's fused attention
     with pytest.raises(ValueError, match="CPU backend only"):
-        _attention_kernel("native", fused=True)
+        attention_kernel("native", fused=True)
 
 
 def test_one_rope_call_over_queries_and_keys_equals_two():

@@ -100,14 +100,14 @@ def test_refuses_other_dtypes_and_mismatched_shapes():
 
 def test_row_kernels_setting_is_checked():
     from engine.config import EngineConfig
-    from engine.native_ops import _matmul_kernel
+    from engine.native_ops import matmul_kernel
 
     with pytest.raises(ValueError, match="row_kernels must be one of"):
         EngineConfig(row_kernels="fast")
-    assert _matmul_kernel("mlx", fused=False) is None
-    assert _matmul_kernel("auto", fused=True) is None  # GPU: MLX's matmul
+    assert matmul_kernel("mlx", fused=False) is None
+    assert matmul_kernel("auto", fused=True) is None  # GPU: MLX's matmul
     with pytest.raises(ValueError, match="CPU backend only"):
-        _matmul_kernel("native", fused=True)
+        matmul_kernel("native", fused=True)
 
 
 # ---- in the model runner ----------------------------------------------------------------------

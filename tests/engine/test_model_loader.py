@@ -90,15 +90,15 @@ def test_a_cpu_with_only_the_portable_path_keeps_mlx_and_f32(monkeypatch):
     """The portable path is slower than MLX's quantized matmul: auto prefers MLX's kernel for
     q4 layers and f32 weights; "native" still forces the kernel."""
     from engine import native
-    from engine.native_ops import _quantized_kernel
+    from engine.native_ops import quantized_kernel
 
     if native.decode_quantized_linear() is None:
         pytest.skip(f"native kernel {native.why_not()}")
     monkeypatch.setattr(native, "decode_quantized_isa", lambda: "portable")
     cpu = {"backend": "cpu", "blas": "/usr/lib/libopenblas.so.0", "platform": "linux"}
     assert resolve_weights("auto", cpu) == "f32"
-    assert _quantized_kernel("auto", False) is None
-    assert _quantized_kernel("native", False) is native.decode_quantized_linear()
+    assert quantized_kernel("auto", False) is None
+    assert quantized_kernel("native", False) is native.decode_quantized_linear()
 
 
 def test_missing_folder_is_model_not_found(tmp_path):
