@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-bench, llama-batched-bench and llama-server, the peer that
-# benchmarks/llama_cpp.py measures on the embedded model's own GGUF. The sources come from
+# benchmarks/llama_cpp_peer.py measures on the embedded model's own GGUF. The sources come from
 # PyPI's llama-cpp-python sdist (it vendors llama.cpp), so nothing but the package registry is
 # reached. A long C++ build, cached outside the repository:
 #
@@ -9,6 +9,11 @@
 #
 # Needs cmake and a C++ compiler (apt-get install cmake g++).
 set -euo pipefail
+
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the comment above, nothing built
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+    exit 0
+fi
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 ROOT="${BATCHSCOPE_LLAMA_CPP:-${XDG_CACHE_HOME:-$HOME/.cache}/batchscope/llama.cpp}"
@@ -38,6 +43,6 @@ fi
 echo "# configuring (GGML_NATIVE: the kernels this CPU has)"
 cmake -S src -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
-echo "# building ${TARGETS[*]} (about 12 minutes on 2 cores)"
+echo "# building ${TARGETS[*]} (a long C++ build)"
 cmake --build build --config Release -j "$(nproc)" --target "${TARGETS[@]}"
 echo "llama.cpp built in $BIN"
