@@ -20,7 +20,7 @@ import numpy as np
 from engine.config import DEFAULT_TILE, KernelPath, NativeSetting
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
-from engine.native_ops import NativeOps
+from engine.native_ops import NativeLayer, NativeOps
 from engine.sampler import Sampled, sample
 from engine.scheduler import RowGroup
 from engine.step import Step, slots
@@ -81,7 +81,7 @@ class ModelRunner(NativeOps):
         pool_layers = 1 + max(kv.pool_layer for kv in self.layer_kv)
         if pool.num_layers != pool_layers:
             raise ValueError(f"the pool has {pool.num_layers} layers, the model {pool_layers}")
-        self._fused: dict[int, tuple | None] = {}  # layer -> fused_layer_args
+        self._fused: dict[int, NativeLayer | None] = {}  # layer -> its fused op's spec
 
     def window_savings(self, groups: list[RowGroup]) -> dict[str, int]:
         """What the sliding layers no longer read in these groups' sequences after the step:
@@ -100,14 +100,15 @@ class ModelRunner(NativeOps):
                           for kv in self.layer_kv if kv.window and kv.writes)
         return {"window_blocks_behind": behind, "window_bytes_reclaimable": behind * block_bytes}
 
-    def fused_args(self, i: int) -> tuple | None:
-        """What the fused op takes for layer i that does not change from step to step
-        (NativeOps.fused_layer_args of the family's spec), or None where the layer has no
-        fused op: the family names no spec, or the layer reads another layer's keys."""
+    def fused_layer_of(self, i: int) -> NativeLayer | None:
+        """Layer i as the fused op takes it (NativeOps.fused_layer of the family's spec, made
+        on first use), or None where the layer has no fused op: the family names no spec, or
+        the layer reads another layer's keys."""
         if i not in self._fused:
             spec = self.family.fused_layer_spec(i)
-            self._fused[i] = (self.fused_layer_args(spec, self.pool.block_size)
-                              if spec is not None and self.layer_kv[i].writes else None)
+            kv = self.layer_kv[i]
+            self._fused[i] = (self.fused_layer(spec, self.pool.block_size, kv.window or 0)
+                              if spec is not None and kv.writes else None)
         return self._fused[i]
 
     def decoder_layer(self, step: Step, i: int, x: mx.array) -> mx.array | None:
@@ -118,17 +119,16 @@ class ModelRunner(NativeOps):
         op = self.layer_kernel
         if op is None or step.path != KernelPath.GEMM or x.dtype != mx.float32:
             return None
-        found = self.fused_args(i)
-        if found is None or x.shape[1] > found[0]:
+        layer = self.fused_layer_of(i)
+        if layer is None or x.shape[1] > layer.max_rows:
             return None
-        head, tail = found[1], found[2]
         kv = self.layer_kv[i]
         plan = step.plan(kv.window)
         # The op writes the rows' keys and values into these arrays when it is evaluated
         # (decoder_layer.h): the step's output depends on it, and _forward evaluates that.
         k_pool, v_pool = self.pool.writable(kv.pool_layer, x.dtype)
-        return op(x[0], *head, k_pool, v_pool, step.write, step.pos, *tail, plan.tables,
-                  plan.lens, plan.query_lens, *found[3:], plan.window or 0)[None]
+        return op(x[0], layer.spec, k_pool, v_pool, step.write, step.pos, plan.tables,
+                  plan.lens, plan.query_lens)[None]
 
     def run(self, groups: list[RowGroup], path: str = KernelPath.GEMM) -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path`."""

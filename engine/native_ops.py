@@ -36,7 +36,7 @@ class FusedLayer:
     """A llama-style pre-norm block as the native fused decoder layer computes it:
     x + o(attention(rope(q_norm(q)), rope(k_norm(k)), v)) over input_norm(x), then
     + down(silu(gate) * up) over post_attention_norm(x). The family names its modules
-    (Family.fused_layer_spec); the binding's argument order is this module's."""
+    (Family.fused_layer_spec); NativeOps.fused_layer makes the op's spec of it."""
 
     input_norm: nn.Module
     post_attention_norm: nn.Module
@@ -54,6 +54,14 @@ class FusedLayer:
     q_norm: nn.Module | None = None  # per-head RMSNorms before RoPE (both or neither)
     k_norm: nn.Module | None = None
     rope: nn.Module | None = None  # None: a layer without RoPE
+
+
+@dataclass(frozen=True)
+class NativeLayer:
+    """A layer as the fused op takes it, made once per layer (NativeOps.fused_layer)."""
+
+    spec: object  # engine.native's LayerSpec: the layer's weights and shape, checked
+    max_rows: int  # the most rows a step may have for every part to take its native kernel
 
 
 class NativeOps:
@@ -239,26 +247,26 @@ class NativeOps:
             return self.row_ops[2](logits)[:, None]
         return mx.logsumexp(logits, axis=-1, keepdims=True)
 
-    def fused_layer_args(self, spec: FusedLayer, block_size: int) -> tuple | None:
-        """What the fused op takes for a layer that does not change from step to step: (most
-        rows, arguments before the pool, RoPE arguments, attention scale, block size), or
-        None where a part of the layer has no native op."""
-        if self.attention_kernel is None:
+    def fused_layer(self, spec: FusedLayer, block_size: int, window: int) -> NativeLayer | None:
+        """The fused op's spec of a layer (native.layer_spec(), every field named and checked
+        once, here), or None where a part of the layer has no native op. block_size: the
+        pool's; window: the layer's sliding window (0: none)."""
+        layer_spec = native.layer_spec()
+        if self.attention_kernel is None or layer_spec is None:
             return None
         norms = [spec.input_norm, spec.post_attention_norm]
-        qk_norm = spec.q_norm is not None
-        qk_norms = [spec.q_norm, spec.k_norm] if qk_norm else []
+        qk_norms = [spec.q_norm, spec.k_norm] if spec.q_norm is not None else []
         if (any(type(n) is not nn.RMSNorm or n.weight.dtype != mx.float32
                 for n in norms + qk_norms)
                 or norms[0].eps != norms[1].eps
-                or (qk_norm and qk_norms[0].eps != qk_norms[1].eps)
+                or (qk_norms and qk_norms[0].eps != qk_norms[1].eps)
                 or any(getattr(m, "bias", None) is not None
                        for m in (spec.o, spec.gate, spec.up, spec.down))):
             return None
         qkv_modules = [spec.q, spec.k, spec.v]
         qkv_bias = [getattr(m, "bias", None) for m in qkv_modules]
         if all(b is None for b in qkv_bias):
-            qkv_bias = []
+            qkv_bias = [None] * 3
         elif any(b is None or b.dtype != mx.float32 for b in qkv_bias):
             return None
         linears = [self._native_weights(modules, 1, mx.float32) for modules in
@@ -268,16 +276,23 @@ class NativeOps:
         # Float32 layers take the native kernel on steps of few rows only.
         max_rows = min(DECODE_MATMUL_MAX_ROWS if bits == 0 else DECODE_QUANTIZED_MAX_ROWS
                        for _, bits, _ in linears)
-        tail = (None, 0, False, 1.0)  # inv_freqs, dims, traditional, scale: no RoPE
+        rope = None
         if spec.rope is not None:
             freqs = self.rope_freqs(spec.rope)
             if freqs is None:
                 return None
-            tail = (freqs[0], spec.rope.dims, spec.rope.traditional, freqs[1])
-        head = (norms[0].weight, norms[1].weight, norms[0].eps, *linears, qkv_bias,
-                [n.weight for n in qk_norms], qk_norms[0].eps if qk_norm else 0.0,
-                spec.n_heads, spec.n_kv_heads, spec.head_dim)
-        return max_rows, head, tail, spec.scale, block_size
+            rope = layer_spec.Rope(inv_freqs=freqs[0], dims=spec.rope.dims,
+                                   traditional=spec.rope.traditional, scale=freqs[1])
+        qkv, o, gate_up, down = (_linear_spec(layer_spec.Linear, *found) for found in linears)
+        q_bias, k_bias, v_bias = qkv_bias
+        q_norm, k_norm = (n.weight for n in qk_norms) if qk_norms else (None, None)
+        return NativeLayer(layer_spec(
+            attn_norm=norms[0].weight, mlp_norm=norms[1].weight, norm_eps=norms[0].eps,
+            qkv=qkv, o=o, gate_up=gate_up, down=down,
+            q_bias=q_bias, k_bias=k_bias, v_bias=v_bias,
+            q_norm=q_norm, k_norm=k_norm, qk_norm_eps=qk_norms[0].eps if qk_norms else 0.0,
+            heads=spec.n_heads, kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, rope=rope,
+            attn_scale=spec.scale, block_size=block_size, window=window), max_rows)
 
 
 def attention_kernel(attention: str, fused: bool):
@@ -356,6 +371,14 @@ def quantized_weight(module, kind=nn.QuantizedLinear) -> tuple | None:
             or getattr(module, "biases", None) is None):
         return None
     return module.weight, module.scales, module.biases, module.group_size, module.bits
+
+
+def _linear_spec(linear: type, arrays: list, bits: int, group_size: int):
+    """A LayerSpec.Linear of NativeOps._native_weights' (arrays, bits, group_size)."""
+    if bits == 0:
+        return linear(arrays[0])
+    weight, scales, biases = arrays
+    return linear(weight, scales=scales, biases=biases, bits=bits, group_size=group_size)
 
 
 def _stack_rows(modules: list, names: list[str]) -> list[mx.array]:

@@ -74,6 +74,13 @@ def decoder_layer() -> Callable | None:
     return module.decoder_layer if module else None
 
 
+def layer_spec() -> type | None:
+    """The fused layer's spec class (LayerSpec, with its LayerSpec.Linear and LayerSpec.Rope),
+    or None when it cannot be loaded here."""
+    module = _load()
+    return module.LayerSpec if module else None
+
+
 def decode_quantized_fast() -> bool:
     """Whether the quantized op runs a vector path here (AVX-512 or AVX2). Its portable path is
     correct everywhere but slower than MLX's own quantized matmul at 1-16 rows (measured by

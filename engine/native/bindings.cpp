@@ -1,11 +1,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/optional.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
-#include <tuple>
+#include <optional>
+#include <utility>
 
 #include "decode_linear.h"
 #include "decode_quantized.h"
@@ -43,36 +43,93 @@ NB_MODULE(_kernels, m) {
         "RoPE of (rows, heads, head_dim) float32 rows, each at its own position.");
   m.def("logsumexp_rows", &batchscope::logsumexp_rows, "x"_a, nb::kw_only(),
         "stream"_a = nb::none(), "log(sum(exp(x))) of each float32 row of (rows, V).");
-  // A linear layer as (arrays, bits, group_size): ([weight], 0, 0) for float32.
-  using Linear = std::tuple<std::vector<mx::array>, int, int>;
-  auto weights = [](const Linear& l) {
-    return batchscope::LinearWeights{std::get<0>(l), std::get<1>(l), std::get<2>(l)};
-  };
-  m.def(
-      "decoder_layer",
-      [weights](const mx::array& x, const mx::array& attn_norm, const mx::array& mlp_norm,
-                float norm_eps, const Linear& qkv, const Linear& o, const Linear& gate_up,
-                const Linear& down, const std::vector<mx::array>& qkv_bias,
-                const std::vector<mx::array>& qk_norm, float qk_norm_eps, int heads,
-                int kv_heads, int head_dim, const mx::array& k_pool, const mx::array& v_pool,
-                const mx::array& slots, const mx::array& positions,
-                const std::optional<mx::array>& inv_freqs, int rope_dims, bool rope_traditional,
-                float rope_scale, const mx::array& block_tables, const mx::array& context_lens,
-                const mx::array& query_lens, float attn_scale, int block_size, int window) {
-        return batchscope::decoder_layer(
-            x, attn_norm, mlp_norm, norm_eps, weights(qkv), weights(o), weights(gate_up),
-            weights(down), qkv_bias, qk_norm, qk_norm_eps, heads, kv_heads, head_dim, k_pool,
-            v_pool, slots, positions, inv_freqs, rope_dims, rope_traditional, rope_scale,
-            block_tables, context_lens, query_lens, attn_scale, block_size, window);
-      },
-      "x"_a, "attn_norm"_a, "mlp_norm"_a, "norm_eps"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a,
-      "qkv_bias"_a, "qk_norm"_a, "qk_norm_eps"_a, "heads"_a, "kv_heads"_a, "head_dim"_a,
-      "k_pool"_a, "v_pool"_a, "slots"_a, "positions"_a, "inv_freqs"_a.none(), "rope_dims"_a,
-      "rope_traditional"_a, "rope_scale"_a, "block_tables"_a, "context_lens"_a, "query_lens"_a,
-      "attn_scale"_a, "block_size"_a, "window"_a,
-      "A llama-style decoder layer (norms, q/k/v, RoPE, paged KV write and attention, o, "
-      "SwiGLU MLP, residuals) as one op; returns its output and writes the rows' keys and "
-      "values into the pool arrays when evaluated.");
+  // The fused layer's spec, made once per layer: every field named, checked when it is made;
+  // Linear and Rope are its nested classes (LayerSpec.Linear, LayerSpec.Rope).
+  using batchscope::LayerSpec;
+  using batchscope::Linear;
+  using batchscope::Rope;
+  using Array = std::optional<mx::array>;
+  auto spec = nb::class_<LayerSpec>(
+      m, "LayerSpec",
+      "A llama-style decoder layer's weights and shape as decoder_layer takes them, checked "
+      "when made (ValueError naming the field).");
+  nb::class_<Linear>(spec, "Linear",
+                     "A linear layer: weight float32 (out, in) with bits 0, or MLX's affine "
+                     "quantization (weight, scales, biases, bits 4 or 8, group_size).")
+      .def(nb::init<mx::array, Array, Array, int, int>(), "weight"_a, nb::kw_only(),
+           "scales"_a = nb::none(), "biases"_a = nb::none(), "bits"_a = 0, "group_size"_a = 0)
+      .def_ro("weight", &Linear::weight)
+      .def_ro("scales", &Linear::scales)
+      .def_ro("biases", &Linear::biases)
+      .def_ro("bits", &Linear::bits)
+      .def_ro("group_size", &Linear::group_size);
+  nb::class_<Rope>(spec, "Rope", "RoPE at each row's position, as rope_rows takes it.")
+      .def(nb::init<mx::array, int, bool, float>(), nb::kw_only(), "inv_freqs"_a, "dims"_a,
+           "traditional"_a, "scale"_a)
+      .def_ro("inv_freqs", &Rope::inv_freqs)
+      .def_ro("dims", &Rope::dims)
+      .def_ro("traditional", &Rope::traditional)
+      .def_ro("scale", &Rope::scale);
+  spec.def(
+          "__init__",
+          [](LayerSpec* self, mx::array attn_norm, mx::array mlp_norm, float norm_eps,
+             Linear qkv, Linear o, Linear gate_up, Linear down, Array q_bias, Array k_bias,
+             Array v_bias, Array q_norm, Array k_norm, float qk_norm_eps, int heads,
+             int kv_heads, int head_dim, std::optional<Rope> rope, float attn_scale,
+             int block_size, int window) {
+            new (self) LayerSpec(batchscope::LayerFields{
+                .attn_norm = std::move(attn_norm),
+                .mlp_norm = std::move(mlp_norm),
+                .norm_eps = norm_eps,
+                .qkv = std::move(qkv),
+                .o = std::move(o),
+                .gate_up = std::move(gate_up),
+                .down = std::move(down),
+                .q_bias = std::move(q_bias),
+                .k_bias = std::move(k_bias),
+                .v_bias = std::move(v_bias),
+                .q_norm = std::move(q_norm),
+                .k_norm = std::move(k_norm),
+                .qk_norm_eps = qk_norm_eps,
+                .heads = heads,
+                .kv_heads = kv_heads,
+                .head_dim = head_dim,
+                .rope = std::move(rope),
+                .attn_scale = attn_scale,
+                .block_size = block_size,
+                .window = window});
+          },
+          nb::kw_only(), "attn_norm"_a, "mlp_norm"_a, "norm_eps"_a, "qkv"_a, "o"_a, "gate_up"_a,
+          "down"_a, "q_bias"_a = nb::none(), "k_bias"_a = nb::none(), "v_bias"_a = nb::none(),
+          "q_norm"_a = nb::none(), "k_norm"_a = nb::none(), "qk_norm_eps"_a = 0.0f, "heads"_a,
+          "kv_heads"_a, "head_dim"_a, "rope"_a = nb::none(), "attn_scale"_a, "block_size"_a,
+          "window"_a = 0)
+      .def_ro("attn_norm", &LayerSpec::attn_norm)
+      .def_ro("mlp_norm", &LayerSpec::mlp_norm)
+      .def_ro("norm_eps", &LayerSpec::norm_eps)
+      .def_ro("qkv", &LayerSpec::qkv)
+      .def_ro("o", &LayerSpec::o)
+      .def_ro("gate_up", &LayerSpec::gate_up)
+      .def_ro("down", &LayerSpec::down)
+      .def_ro("q_bias", &LayerSpec::q_bias)
+      .def_ro("k_bias", &LayerSpec::k_bias)
+      .def_ro("v_bias", &LayerSpec::v_bias)
+      .def_ro("q_norm", &LayerSpec::q_norm)
+      .def_ro("k_norm", &LayerSpec::k_norm)
+      .def_ro("qk_norm_eps", &LayerSpec::qk_norm_eps)
+      .def_ro("heads", &LayerSpec::heads)
+      .def_ro("kv_heads", &LayerSpec::kv_heads)
+      .def_ro("head_dim", &LayerSpec::head_dim)
+      .def_ro("rope", &LayerSpec::rope)
+      .def_ro("attn_scale", &LayerSpec::attn_scale)
+      .def_ro("block_size", &LayerSpec::block_size)
+      .def_ro("window", &LayerSpec::window);
+  m.def("decoder_layer", &batchscope::decoder_layer, "x"_a, "spec"_a, "k_pool"_a, "v_pool"_a,
+        "slots"_a, "positions"_a, "block_tables"_a, "context_lens"_a, "query_lens"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "A llama-style decoder layer (norms, q/k/v, RoPE, paged KV write and attention, o, "
+        "SwiGLU MLP, residuals) as one op on a step's rows; returns its output and writes the "
+        "rows' keys and values into the pool arrays when evaluated.");
   m.def("native_threads", &batchscope::parallel_threads,
         "Threads the native ops' worker pool uses (the caller included).");
 }

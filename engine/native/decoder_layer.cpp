@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "decode_linear.h"
 #include "decode_quantized.h"
@@ -27,21 +28,8 @@ namespace {
 
 constexpr Check check{"decoder_layer"};
 
-// Where the inputs after the linear layers sit (DecoderLayerSpec::first holds the linears').
-struct Layout {
-  int bias, qk_norm, pool;  // pool: k_pool, v_pool, slots, positions, [inv_freqs], tables...
-};
-
-Layout layout_of(const DecoderLayerSpec& s, int after_linears) {
-  Layout l{};
-  l.bias = after_linears;
-  l.qk_norm = l.bias + (s.qkv_bias ? 3 : 0);
-  l.pool = l.qk_norm + (s.qk_norm ? 2 : 0);
-  return l;
-}
-
 // x (M, K) @ the linear's weights -> out (M, N), with the native kernel its kind takes.
-void run_linear(const DecoderLayerSpec& s, int which, const std::vector<mx::array>& in,
+void run_linear(const LayerLayout& s, int which, const std::vector<mx::array>& in,
                 const float* x, int M, int K, int N, float* out) {
   const mx::array& w = in[s.first[which]];
   if (s.bits[which] == 0) {
@@ -111,19 +99,18 @@ struct Buffers {
   std::vector<float> h, qkv, q, k, qr, kr, attn, o, x1, gu, act, d;
 };
 
-void run_layer(const DecoderLayerSpec& s, const std::vector<mx::array>& in,
-               const mx::array& k_pool, const mx::array& v_pool, float* out) {
-  const Layout at = layout_of(s, s.first[3] + (s.bits[3] ? 3 : 1));
+void run_layer(const LayerLayout& s, const std::vector<mx::array>& in, float* out) {
   const mx::array& x = in[0];
+  const mx::array& k_pool = in[s.pool];
+  const mx::array& v_pool = in[s.pool + 1];
   const int rows = static_cast<int>(x.shape(0));
   const int H = s.hidden, I = s.intermediate, D = s.head_dim;
   const int nq = s.heads * D, nkv = s.kv_heads * D, nqkv = nq + 2 * nkv;
-  const int32_t* slots = in[at.pool + 2].data<int32_t>();
-  const int32_t* positions = in[at.pool + 3].data<int32_t>();
-  const int tables_at = at.pool + (s.rope ? 5 : 4);
-  const mx::array& tables = in[tables_at];
-  const int32_t* ctx_lens = in[tables_at + 1].data<int32_t>();
-  const int32_t* q_lens = in[tables_at + 2].data<int32_t>();
+  const int32_t* slots = in[s.pool + 2].data<int32_t>();
+  const int32_t* positions = in[s.pool + 3].data<int32_t>();
+  const mx::array& tables = in[s.pool + 4];
+  const int32_t* ctx_lens = in[s.pool + 5].data<int32_t>();
+  const int32_t* q_lens = in[s.pool + 6].data<int32_t>();
 
   // The tables and slots are checked before the pool is written: a bad one must not touch it.
   const int seqs = static_cast<int>(tables.shape(0)), max_blocks = static_cast<int>(tables.shape(1));
@@ -154,11 +141,11 @@ void run_layer(const DecoderLayerSpec& s, const std::vector<mx::array>& in,
   const float* xs = x.data<float>();
 
   // Attention block.
-  rms_norm_rows_into(xs, in[1].data<float>(), rows, H, s.norm_eps, b.h.data());
+  rms_norm_rows_into(xs, in[s.attn_norm].data<float>(), rows, H, s.norm_eps, b.h.data());
   run_linear(s, 0, in, b.h.data(), rows, H, nqkv, b.qkv.data());
   if (s.qkv_bias) {
-    const float* bias[3] = {in[at.bias].data<float>(), in[at.bias + 1].data<float>(),
-                            in[at.bias + 2].data<float>()};
+    const float* bias[3] = {in[s.bias].data<float>(), in[s.bias + 1].data<float>(),
+                            in[s.bias + 2].data<float>()};
     const int starts[4] = {0, nq, nq + nkv, nqkv};
     for (int r = 0; r < rows; ++r) {
       float* row = b.qkv.data() + static_cast<size_t>(r) * nqkv;
@@ -175,9 +162,9 @@ void run_layer(const DecoderLayerSpec& s, const std::vector<mx::array>& in,
   if (s.qk_norm) {
     for (int r = 0; r < rows; ++r) {
       const float* row = b.qkv.data() + static_cast<size_t>(r) * nqkv;
-      rms_norm_rows_into(row, in[at.qk_norm].data<float>(), s.heads, D, s.qk_norm_eps,
+      rms_norm_rows_into(row, in[s.qk_norms].data<float>(), s.heads, D, s.qk_norm_eps,
                          b.q.data() + static_cast<size_t>(r) * nq);
-      rms_norm_rows_into(row + nq, in[at.qk_norm + 1].data<float>(), s.kv_heads, D,
+      rms_norm_rows_into(row + nq, in[s.qk_norms + 1].data<float>(), s.kv_heads, D,
                          s.qk_norm_eps, b.k.data() + static_cast<size_t>(r) * nkv);
     }
     q_src = b.q.data();
@@ -188,7 +175,7 @@ void run_layer(const DecoderLayerSpec& s, const std::vector<mx::array>& in,
   const float* q = q_src;
   const float* k = k_src;
   if (s.rope) {
-    const float* inv = in[at.pool + 4].data<float>();
+    const float* inv = in[s.inv_freqs].data<float>();
     rope_rows_into(q_src, q_stride, positions, inv, rows, s.heads, D, s.rope_dims,
                    s.rope_traditional, s.rope_scale, b.qr.data());
     rope_rows_into(k_src, k_stride, positions, inv, rows, s.kv_heads, D, s.rope_dims,
@@ -222,7 +209,7 @@ void run_layer(const DecoderLayerSpec& s, const std::vector<mx::array>& in,
   for (size_t i = 0; i < static_cast<size_t>(rows) * H; ++i) b.x1[i] = xs[i] + b.o[i];
 
   // MLP block.
-  rms_norm_rows_into(b.x1.data(), in[2].data<float>(), rows, H, s.norm_eps, b.h.data());
+  rms_norm_rows_into(b.x1.data(), in[s.mlp_norm].data<float>(), rows, H, s.norm_eps, b.h.data());
   run_linear(s, 2, in, b.h.data(), rows, H, 2 * I, b.gu.data());
   rows_in_parallel(rows, I, [&](int begin, int end) {
     for (int r = begin; r < end; ++r) {
@@ -235,11 +222,11 @@ void run_layer(const DecoderLayerSpec& s, const std::vector<mx::array>& in,
   for (size_t i = 0; i < static_cast<size_t>(rows) * H; ++i) out[i] = b.x1[i] + b.d[i];
 }
 
-void check_linear(const LinearWeights& l, const char* name, int in, int out) {
+void check_linear(const Linear& l, const char* name, int in, int out) {
   const std::string n(name);
+  const auto& w = l.weight;
   if (l.bits == 0) {
-    check(l.arrays.size() == 1, n + ": a float32 layer is [weight]");
-    const auto& w = l.arrays[0];
+    check(!l.scales && !l.biases, n + ": a float32 layer (bits 0) has no scales or biases");
     check(w.ndim() == 2 && w.dtype() == mx::float32 && w.shape(0) == out && w.shape(1) == in,
           n + ": weight " + shape_str(w) + " must be float32 (" + std::to_string(out) + ", " +
               std::to_string(in) + ")");
@@ -248,16 +235,15 @@ void check_linear(const LinearWeights& l, const char* name, int in, int out) {
   check(l.bits == 4 || l.bits == 8, n + ": bits must be 0 (float32), 4 or 8");
   check(l.group_size == 32 || l.group_size == 64 || l.group_size == 128,
         n + ": group_size must be 32, 64 or 128");
-  check(l.arrays.size() == 3, n + ": a quantized layer is [w, scales, biases]");
-  const auto& w = l.arrays[0];
-  const auto& sc = l.arrays[1];
+  check(l.scales && l.biases, n + ": a quantized layer has scales and biases");
+  const auto& sc = *l.scales;
   check(in % l.group_size == 0, n + ": in_features must be a multiple of group_size");
   check(w.ndim() == 2 && w.dtype() == mx::uint32 && w.shape(0) == out &&
             static_cast<int64_t>(w.shape(1)) * 32 == static_cast<int64_t>(in) * l.bits,
-        n + ": w " + shape_str(w) + " does not hold (" + std::to_string(out) + ", " +
+        n + ": weight " + shape_str(w) + " does not hold (" + std::to_string(out) + ", " +
             std::to_string(in) + ") " + std::to_string(l.bits) + "-bit values");
   check(sc.ndim() == 2 && sc.shape(0) == out && sc.shape(1) == in / l.group_size &&
-            l.arrays[2].shape() == sc.shape() && l.arrays[2].dtype() == sc.dtype() &&
+            l.biases->shape() == sc.shape() && l.biases->dtype() == sc.dtype() &&
             (sc.dtype() == mx::float16 || sc.dtype() == mx::bfloat16 || sc.dtype() == mx::float32),
         n + ": scales and biases must be (out, in / group_size), float16, bfloat16 or float32");
 }
@@ -269,104 +255,136 @@ void check_vector(const mx::array& a, int n, const std::string& name) {
 
 }  // namespace
 
-mx::array decoder_layer(
-    const mx::array& x, const mx::array& attn_norm, const mx::array& mlp_norm, float norm_eps,
-    const LinearWeights& qkv, const LinearWeights& o, const LinearWeights& gate_up,
-    const LinearWeights& down, const std::vector<mx::array>& qkv_bias,
-    const std::vector<mx::array>& qk_norm, float qk_norm_eps, int heads, int kv_heads,
-    int head_dim, const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots,
-    const mx::array& positions, const std::optional<mx::array>& inv_freqs, int rope_dims,
-    bool rope_traditional, float rope_scale, const mx::array& block_tables,
-    const mx::array& context_lens, const mx::array& query_lens, float attn_scale,
-    int block_size, int window, mx::StreamOrDevice s) {
-  check(x.ndim() == 2 && x.dtype() == mx::float32, "x must be float32 (rows, hidden)");
-  check(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
-        "heads must be a positive multiple of kv_heads");
-  const int H = static_cast<int>(x.shape(1)), rows = static_cast<int>(x.shape(0));
-  const int nq = heads * head_dim, nkv = kv_heads * head_dim;
-  check(rows >= 1, "a step has at least one row");
+LayerSpec::LayerSpec(LayerFields fields) : LayerFields(std::move(fields)), layout_{} {
+  check(attn_norm.ndim() == 1 && attn_norm.shape(0) > 0,
+        "attn_norm must be (hidden,), not " + shape_str(attn_norm));
+  const int H = static_cast<int>(attn_norm.shape(0));
   check_vector(attn_norm, H, "attn_norm");
   check_vector(mlp_norm, H, "mlp_norm");
-  const int two_i = static_cast<int>(gate_up.arrays.empty() ? 0 : gate_up.arrays[0].shape(0));
+  check(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
+        "heads must be a positive multiple of kv_heads");
+  check(head_dim > 0, "head_dim must be positive");
+  const int nq = heads * head_dim, nkv = kv_heads * head_dim;
+  const int two_i = static_cast<int>(gate_up.weight.ndim() == 2 ? gate_up.weight.shape(0) : 0);
   check(two_i > 0 && two_i % 2 == 0, "gate_up must stack gate and up (2 * intermediate outputs)");
   check_linear(qkv, "qkv", H, nq + 2 * nkv);
   check_linear(o, "o", nq, H);
   check_linear(gate_up, "gate_up", H, two_i);
   check_linear(down, "down", two_i / 2, H);
-  check(qkv_bias.empty() || qkv_bias.size() == 3, "qkv_bias is [] or [q, k, v]");
-  if (!qkv_bias.empty()) {
-    check_vector(qkv_bias[0], nq, "the q bias");
-    check_vector(qkv_bias[1], nkv, "the k bias");
-    check_vector(qkv_bias[2], nkv, "the v bias");
+  const bool biased = q_bias.has_value();
+  check(k_bias.has_value() == biased && v_bias.has_value() == biased,
+        "q_bias, k_bias and v_bias: all three or none");
+  if (biased) {
+    check_vector(*q_bias, nq, "q_bias");
+    check_vector(*k_bias, nkv, "k_bias");
+    check_vector(*v_bias, nkv, "v_bias");
   }
-  check(qk_norm.empty() || qk_norm.size() == 2, "qk_norm is [] or [q_norm, k_norm]");
-  if (!qk_norm.empty()) {
-    check_vector(qk_norm[0], head_dim, "q_norm");
-    check_vector(qk_norm[1], head_dim, "k_norm");
+  check(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm: both or neither");
+  if (q_norm) {
+    check_vector(*q_norm, head_dim, "q_norm");
+    check_vector(*k_norm, head_dim, "k_norm");
   }
+  if (rope) {
+    check(rope->dims > 0 && rope->dims % 2 == 0 && rope->dims <= head_dim,
+          "rope.dims must be even and at most head_dim");
+    check_vector(rope->inv_freqs, rope->dims / 2, "rope.inv_freqs");
+  }
+  check(block_size > 0, "block_size must be positive");
+  check(window >= 0, "window must be >= 0 (0: the whole context)");
+
+  LayerLayout& l = layout_;
+  l.hidden = H;
+  l.intermediate = two_i / 2;
+  l.heads = heads;
+  l.kv_heads = kv_heads;
+  l.head_dim = head_dim;
+  l.norm_eps = norm_eps;
+  l.qk_norm_eps = qk_norm_eps;
+  l.qkv_bias = biased;
+  l.qk_norm = q_norm.has_value();
+  l.rope = rope.has_value();
+  l.rope_dims = rope ? rope->dims : 0;
+  l.rope_traditional = rope && rope->traditional;
+  l.rope_scale = rope ? rope->scale : 1.0f;
+  l.attn_scale = attn_scale;
+  l.block_size = block_size;
+  l.window = window;
+  // The op's inputs: x, then these weights (made row-contiguous once, here), then the pool.
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  auto add = [&](const mx::array& a) {
+    weights_.push_back(row_contiguous(a, stream));
+    return static_cast<int>(weights_.size());  // its index among the op's inputs (x is 0)
+  };
+  l.attn_norm = add(attn_norm);
+  l.mlp_norm = add(mlp_norm);
+  const Linear* linears[4] = {&qkv, &o, &gate_up, &down};
+  for (int i = 0; i < 4; ++i) {
+    l.bits[i] = linears[i]->bits;
+    l.group_size[i] = linears[i]->group_size;
+    l.first[i] = add(linears[i]->weight);
+    if (linears[i]->bits) {
+      add(*linears[i]->scales);
+      add(*linears[i]->biases);
+    }
+  }
+  l.bias = static_cast<int>(weights_.size()) + 1;
+  if (biased) {
+    for (const auto* b : {&q_bias, &k_bias, &v_bias}) add(**b);
+  }
+  l.qk_norms = static_cast<int>(weights_.size()) + 1;
+  if (q_norm) {
+    add(*q_norm);
+    add(*k_norm);
+  }
+  l.inv_freqs = static_cast<int>(weights_.size()) + 1;
+  if (rope) add(rope->inv_freqs);
+  l.pool = static_cast<int>(weights_.size()) + 1;
+}
+
+mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::array& k_pool,
+                        const mx::array& v_pool, const mx::array& slots,
+                        const mx::array& positions, const mx::array& block_tables,
+                        const mx::array& context_lens, const mx::array& query_lens,
+                        mx::StreamOrDevice s) {
+  const LayerLayout& l = spec.layout();
+  check(x.ndim() == 2 && x.dtype() == mx::float32 && x.shape(1) == l.hidden,
+        "x must be float32 (rows, " + std::to_string(l.hidden) + "), not " + shape_str(x));
+  const int rows = static_cast<int>(x.shape(0));
+  check(rows >= 1, "a step has at least one row");
   check(k_pool.ndim() == 3 && v_pool.shape() == k_pool.shape() &&
-            k_pool.dtype() == v_pool.dtype() && k_pool.shape(0) == kv_heads &&
-            k_pool.shape(2) == head_dim,
+            k_pool.dtype() == v_pool.dtype() && k_pool.shape(0) == l.kv_heads &&
+            k_pool.shape(2) == l.head_dim,
         "k_pool and v_pool must be (kv_heads, slots, head_dim) of one dtype");
   check(k_pool.dtype() == mx::float32 || k_pool.dtype() == mx::float16 ||
             k_pool.dtype() == mx::bfloat16,
         "the pool must be float32, float16 or bfloat16");
-  check(block_size > 0 && k_pool.shape(1) % block_size == 0,
-        "the pool's slots must be whole blocks");
+  check(k_pool.shape(1) % l.block_size == 0, "the pool's slots must be whole blocks");
   check(slots.ndim() == 1 && slots.shape(0) == rows && positions.ndim() == 1 &&
             positions.shape(0) == rows,
         "slots and positions must be (rows,)");
-  if (inv_freqs) {
-    check(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= head_dim,
-          "rope dims must be even and at most head_dim");
-    check_vector(*inv_freqs, rope_dims / 2, "inv_freqs");
-  }
   check(block_tables.ndim() == 2 && context_lens.ndim() == 1 && query_lens.ndim() == 1 &&
             context_lens.shape(0) == block_tables.shape(0) &&
             query_lens.shape(0) == block_tables.shape(0),
         "block_tables must be (seqs, max_blocks), context_lens and query_lens (seqs,)");
-  check(window >= 0, "window must be >= 0 (0: the whole context)");
 
   auto stream = mx::to_stream(s);
-  auto contiguous = [&](const mx::array& a) { return row_contiguous(a, stream); };
-  auto int32 = [&](const mx::array& a) { return contiguous(a.dtype() == mx::int32 ? a : mx::astype(a, mx::int32, stream)); };
-  DecoderLayerSpec spec{};
-  spec.hidden = H;
-  spec.intermediate = two_i / 2;
-  spec.heads = heads;
-  spec.kv_heads = kv_heads;
-  spec.head_dim = head_dim;
-  spec.norm_eps = norm_eps;
-  spec.qk_norm_eps = qk_norm_eps;
-  spec.qkv_bias = !qkv_bias.empty();
-  spec.qk_norm = !qk_norm.empty();
-  spec.rope = inv_freqs.has_value();
-  spec.rope_dims = rope_dims;
-  spec.rope_traditional = rope_traditional;
-  spec.rope_scale = rope_scale;
-  spec.attn_scale = attn_scale;
-  spec.block_size = block_size;
-  spec.window = window;
-  std::vector<mx::array> inputs = {contiguous(x), contiguous(attn_norm), contiguous(mlp_norm)};
-  const LinearWeights* linears[4] = {&qkv, &o, &gate_up, &down};
-  for (int i = 0; i < 4; ++i) {
-    spec.bits[i] = linears[i]->bits;
-    spec.group_size[i] = linears[i]->group_size;
-    spec.first[i] = static_cast<int>(inputs.size());
-    for (const auto& a : linears[i]->arrays) inputs.push_back(contiguous(a));
-  }
-  for (const auto& a : qkv_bias) inputs.push_back(contiguous(a));
-  for (const auto& a : qk_norm) inputs.push_back(contiguous(a));
+  auto int32 = [&](const mx::array& a) {
+    return row_contiguous(a.dtype() == mx::int32 ? a : mx::astype(a, mx::int32, stream), stream);
+  };
+  const auto& weights = spec.weights();
+  std::vector<mx::array> inputs;
+  inputs.reserve(weights.size() + 8);
+  inputs.push_back(row_contiguous(x, stream));
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
   // The pools as they are: the op writes the rows into them (see decoder_layer.h).
   inputs.push_back(k_pool);
   inputs.push_back(v_pool);
   inputs.push_back(int32(slots));
   inputs.push_back(int32(positions));
-  if (inv_freqs) inputs.push_back(contiguous(*inv_freqs));
   inputs.push_back(int32(block_tables));
   inputs.push_back(int32(context_lens));
   inputs.push_back(int32(query_lens));
-  return mx::array(x.shape(), mx::float32, std::make_shared<DecoderLayer>(stream, spec),
+  return mx::array(x.shape(), mx::float32, std::make_shared<DecoderLayer>(stream, l),
                    std::move(inputs));
 }
 
@@ -381,10 +399,7 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
   weak.reserve(inputs.size());
   for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
   encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                    spec = spec_]() mutable {
-    const Layout at = layout_of(spec, spec.first[3] + (spec.bits[3] ? 3 : 1));
-    run_layer(spec, in, in[at.pool], in[at.pool + 1], out.data<float>());
-  });
+                    layout = layout_]() mutable { run_layer(layout, in, out.data<float>()); });
 }
 
 void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -29,35 +29,47 @@ namespace batchscope {
 
 namespace mx = mlx::core;
 
-// One linear layer's weights: [weight] float32 (out, in), or [w, scales, biases] in MLX's
-// affine quantization with `bits` (4 or 8) and `group_size`; bits 0 for float32.
-struct LinearWeights {
-  std::vector<mx::array> arrays;
+// One linear layer's weights: `weight` float32 (out, in) with bits 0; or MLX's affine
+// quantization, `weight` uint32 (out, in * bits / 32) with `scales` and `biases` (out, in /
+// group_size), bits 4 or 8, group_size 32, 64 or 128.
+struct Linear {
+  mx::array weight;
+  std::optional<mx::array> scales, biases;
   int bits = 0;
   int group_size = 0;
 };
 
-// x: (rows, hidden) float32. qkv: q, k and v stacked by output ((heads + 2 * kv_heads) *
-// head_dim outputs); gate_up: gate and up stacked (2 * intermediate outputs). qkv_bias: empty
-// or the q, k and v biases; qk_norm: empty or the per-head q and k norm weights. k_pool,
-// v_pool, block tables, context and query lengths: as paged_attention takes them; slots: the
-// pool slot each row writes (rows,) int32; positions (rows,) int32; inv_freqs: None for a layer
-// without RoPE. Returns out (rows, hidden) and writes the rows' keys and values into k_pool
-// and v_pool at `slots` (rounded to the pool's dtype).
-mx::array decoder_layer(
-    const mx::array& x, const mx::array& attn_norm, const mx::array& mlp_norm, float norm_eps,
-    const LinearWeights& qkv, const LinearWeights& o, const LinearWeights& gate_up,
-    const LinearWeights& down, const std::vector<mx::array>& qkv_bias,
-    const std::vector<mx::array>& qk_norm, float qk_norm_eps, int heads, int kv_heads,
-    int head_dim, const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots,
-    const mx::array& positions, const std::optional<mx::array>& inv_freqs, int rope_dims,
-    bool rope_traditional, float rope_scale, const mx::array& block_tables,
-    const mx::array& context_lens, const mx::array& query_lens, float attn_scale,
-    int block_size, int window, mx::StreamOrDevice s = {});
+// RoPE of q and k at each row's position, as rope_rows takes it (row_ops.h): inv_freqs
+// (dims / 2,) float32.
+struct Rope {
+  mx::array inv_freqs;
+  int dims;
+  bool traditional;
+  float scale;
+};
+
+// A layer as its caller names it. qkv: q, k and v stacked by output ((heads + 2 * kv_heads) *
+// head_dim outputs); gate_up: gate and up stacked (2 * intermediate outputs). The q, k and v
+// biases: all three or none; q_norm and k_norm (per-head RMS norm weights, (head_dim,)): both
+// or neither; rope: none for a layer without RoPE. block_size: the pool's; window: a sliding
+// layer's (0: the whole context).
+struct LayerFields {
+  mx::array attn_norm, mlp_norm;
+  float norm_eps;
+  Linear qkv, o, gate_up, down;
+  std::optional<mx::array> q_bias, k_bias, v_bias;
+  std::optional<mx::array> q_norm, k_norm;
+  float qk_norm_eps;
+  int heads, kv_heads, head_dim;
+  std::optional<Rope> rope;
+  float attn_scale;
+  int block_size, window;
+};
 
 // What the op needs besides its inputs: the sizes, the kinds of its linear layers and where
-// each input sits in the op's input list.
-struct DecoderLayerSpec {
+// each input sits in the op's input list (x first, then the weights, then the step's pool and
+// tables from `pool` on).
+struct LayerLayout {
   int hidden, intermediate, heads, kv_heads, head_dim;
   float norm_eps, qk_norm_eps;
   bool qkv_bias, qk_norm, rope;
@@ -67,12 +79,41 @@ struct DecoderLayerSpec {
   int block_size, window;
   int bits[4], group_size[4];  // qkv, o, gate_up, down
   int first[4];                // index of each linear's first input
+  int attn_norm, mlp_norm, bias, qk_norms, inv_freqs, pool;
 };
+
+// A layer's fields, checked once when it is made (std::invalid_argument naming the field),
+// with what every step's op takes from them: the layout and the weights in input order.
+class LayerSpec : public LayerFields {
+ public:
+  explicit LayerSpec(LayerFields fields);
+
+  const LayerLayout& layout() const {
+    return layout_;
+  }
+  const std::vector<mx::array>& weights() const {
+    return weights_;
+  }
+
+ private:
+  LayerLayout layout_;
+  std::vector<mx::array> weights_;
+};
+
+// The layer on one step's rows. x: (rows, hidden) float32; k_pool, v_pool, block tables,
+// context and query lengths: as paged_attention takes them; slots: the pool slot each row
+// writes (rows,) int32; positions (rows,) int32. Returns out (rows, hidden) and writes the
+// rows' keys and values into k_pool and v_pool at `slots` (rounded to the pool's dtype).
+mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::array& k_pool,
+                        const mx::array& v_pool, const mx::array& slots,
+                        const mx::array& positions, const mx::array& block_tables,
+                        const mx::array& context_lens, const mx::array& query_lens,
+                        mx::StreamOrDevice s = {});
 
 class DecoderLayer : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream stream, const DecoderLayerSpec& spec)
-      : mx::Primitive(stream), spec_(spec) {}
+  DecoderLayer(mx::Stream stream, const LayerLayout& layout)
+      : mx::Primitive(stream), layout_(layout) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -85,7 +126,7 @@ class DecoderLayer : public mx::Primitive {
   }
 
  private:
-  DecoderLayerSpec spec_;
+  LayerLayout layout_;
 };
 
 }  // namespace batchscope

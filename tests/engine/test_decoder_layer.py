@@ -129,11 +129,12 @@ def test_other_kernel_paths_keep_the_layer_op_by_op(folders):
 
 
 def bad_call(loaded, **change):
-    """The op on a one-row step of layer 0 with one argument changed; returns (out, pools)."""
+    """The op on a one-row step of layer 0 with one step input changed; returns (out, pool
+    before, pools)."""
     family = family_for(loaded.model)
     runner = ModelRunner(loaded.model, pool_for(family, 4, 16), "auto", "auto", family)
     layer = family.layers[0]
-    _, head, tail, scale, block_size = runner.fused_args(0)
+    spec = runner.fused_layer_of(0).spec
     k_pool, v_pool = runner.pool.writable(0, mx.float32)
     args = dict(slots=mx.array([3], dtype=mx.int32), positions=mx.array([3], dtype=mx.int32),
                 tables=mx.array([[0]], dtype=mx.int32), lens=mx.array([4], dtype=mx.int32),
@@ -141,9 +142,8 @@ def bad_call(loaded, **change):
     args.update(change)
     x = mx.random.normal((1, layer.input_layernorm.weight.shape[0]))
     before = [np.array(k_pool), np.array(v_pool)]
-    out = runner.layer_kernel(x, *head, k_pool, v_pool, args["slots"], args["positions"],
-                              *tail, args["tables"], args["lens"], args["qlens"], scale,
-                              block_size, 0)
+    out = runner.layer_kernel(x, spec, k_pool, v_pool, args["slots"], args["positions"],
+                              args["tables"], args["lens"], args["qlens"])
     return out, before, (k_pool, v_pool)
 
 
@@ -165,3 +165,36 @@ def test_bad_shapes_are_refused_when_the_op_is_built(folders):
         bad_call(loaded, slots=mx.array([3, 4], dtype=mx.int32))
     with pytest.raises(ValueError, match="block_tables must be"):
         bad_call(loaded, lens=mx.array([4, 4], dtype=mx.int32))
+
+
+SPEC_FIELDS = ("attn_norm", "mlp_norm", "norm_eps", "qkv", "o", "gate_up", "down", "q_bias",
+               "k_bias", "v_bias", "q_norm", "k_norm", "qk_norm_eps", "heads", "kv_heads",
+               "head_dim", "rope", "attn_scale", "block_size", "window")
+
+
+def test_a_spec_with_a_wrong_field_is_refused_naming_the_field(folders):
+    loaded = folders["qwen3"]["q4"]  # quantized linears, q/k norms and RoPE
+    family = family_for(loaded.model)
+    runner = ModelRunner(loaded.model, pool_for(family, 4, 16), "auto", "auto", family)
+    spec = runner.fused_layer_of(0).spec
+    layer_spec = type(spec)
+    fields = {name: getattr(spec, name) for name in SPEC_FIELDS}
+    layer_spec(**fields)  # the fields as the runner named them are taken
+    qkv, rope = fields["qkv"], fields["rope"]
+    for change, message in [
+        (dict(qkv=layer_spec.Linear(qkv.weight, scales=qkv.scales, biases=qkv.biases, bits=3,
+                                    group_size=qkv.group_size)), r"qkv: bits must be 0"),
+        (dict(o=fields["gate_up"]), r"o: weight \(\d+, \d+\) does not hold"),
+        (dict(down=layer_spec.Linear(qkv.weight, scales=qkv.scales, bits=4,
+                                     group_size=qkv.group_size)), r"down: .* scales and biases"),
+        (dict(mlp_norm=fields["q_norm"]), r"mlp_norm must be float32"),
+        (dict(k_norm=None), r"q_norm and k_norm: both or neither"),
+        (dict(v_bias=fields["q_norm"]), r"q_bias, k_bias and v_bias"),
+        (dict(rope=layer_spec.Rope(inv_freqs=rope.inv_freqs, dims=rope.dims + 1,
+                                   traditional=rope.traditional, scale=rope.scale)),
+         r"rope\.dims must be even"),
+        (dict(kv_heads=fields["heads"] + 1), r"heads must be a positive multiple of kv_heads"),
+        (dict(block_size=0), r"block_size must be positive"),
+    ]:
+        with pytest.raises(ValueError, match=r"^decoder_layer: " + message):
+            layer_spec(**(fields | change))
