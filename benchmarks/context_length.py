@@ -332,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     bin_dir = llama_cpp_bin()
     gguf = embedded_gguf_path()
     if bin_dir is None:
-        print("llama.cpp is not built (./scripts/build-llama-cpp.sh builds it, about 12 minutes "
-              "on 2 cores): measuring batchscope only", file=sys.stderr)
+        print("llama.cpp is not built (./scripts/build-llama-cpp.sh builds it, a long C++ "
+              "build): measuring batchscope only", file=sys.stderr)
     info = backend_info()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     D = args.decode_tokens

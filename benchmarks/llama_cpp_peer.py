@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     bin_dir = llama_cpp_bin()
     if bin_dir is None:
-        print("llama.cpp is not built: ./scripts/build-llama-cpp.sh builds it (about 12 "
-              "minutes on 2 cores); nothing was measured", file=sys.stderr)
+        print("llama.cpp is not built: ./scripts/build-llama-cpp.sh builds it (a long C++ "
+              "build); nothing was measured", file=sys.stderr)
         return 3
     gguf = embedded_gguf_path()
     info = backend_info()
