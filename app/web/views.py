@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from app.json_safe import json_safe
+from app.lab.divergence.record import Writer
 
 Number = int | float
 
@@ -388,27 +389,13 @@ class SavedExperiment(Experiment):
     save_error: None
 
 
-class KvWriter(View):
-    """The step that wrote a position's keys and values on one side."""
-
-    step: int
-    path: str
-    step_rows: int
-    phase: str
-    start: int
-    rows: int
-    prefill_rows: int | None
-    decode_rows: int | None
-    requests: int | None
-
-
 class KvTimelineRow(View):
     """Positions first..last of the contamination timeline, written alike on each side."""
 
     first: int = Field(ge=0)
     last: int = Field(ge=0)
-    a: KvWriter | None
-    b: KvWriter | None
+    a: Writer | None  # the lab's record type: its schema is generated from the dataclass
+    b: Writer | None
     max_abs_delta: Number
     first_difference: int | None
     count: int = Field(ge=1, description="the segments merged into this row")
