@@ -216,7 +216,8 @@ class DraftProposer:
             if bm.block_table(seq_id):
                 bm.trim(seq_id, keep)
             self._seen[seq_id] = tokens[:keep]  # most recently used now
-            k = min(k, self.draft.max_context - len(tokens))
+            if self.draft.max_context:  # 0: the draft's config names no limit
+                k = min(k, self.draft.max_context - len(tokens))
             rows = min(len(tokens) - keep, budget)
             if k < 1 or rows < 1 or not self._allocate(seq_id, keep + rows, protect):
                 continue

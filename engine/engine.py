@@ -284,8 +284,11 @@ class Engine:
         self.loaded = self._loader()
         self.tokenizer = self.loaded.tokenizer
         cfg = self.config
-        self.max_model_len = min(cfg.max_model_len or self.loaded.max_context,
-                                 self.loaded.max_context)
+        self.max_model_len = self.loaded.context_limit(cfg.max_model_len,
+                                                       cfg.num_kv_blocks * cfg.block_size)
+        if not self.loaded.max_context:
+            log.info("model %s names no context length (max_position_embeddings): a request "
+                     "may reach %d tokens", self.loaded.name, self.max_model_len)
         self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size,
                                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)

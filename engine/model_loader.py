@@ -63,7 +63,16 @@ class LoadedModel:
 
     @property
     def max_context(self) -> int:
+        """The config's context length; 0 where it names none."""
         return int(self.config.get("max_position_embeddings") or 0)
+
+    def context_limit(self, max_model_len: int | None, pool_tokens: int) -> int:
+        """Tokens a request may reach: the model's context length, or max_model_len below it.
+        A config that names none sets no model limit, as in mlx-lm: max_model_len, or else
+        the KV pool's capacity (pool_tokens), bounds a request."""
+        if self.max_context:
+            return min(max_model_len or self.max_context, self.max_context)
+        return max_model_len or pool_tokens
 
 
 def embedded_gguf_path() -> Path:

@@ -333,3 +333,18 @@ def test_preemption_keeps_the_drafts_cache_and_the_tokens(make_engine):
     assert engine.scheduler.num_preemptions > 0 and any(kept)
     assert spec_totals(engine)[1] > 0
     assert_no_blocks_held(engine)
+
+
+def test_a_model_without_a_context_length_still_drafts(make_engine):
+    """A config naming no max_position_embeddings (the target's and so a layers:N draft's):
+    drafts are not capped at a context of 0 tokens."""
+    def loader():
+        loaded = tiny_model()
+        del loaded.config["max_position_embeddings"]
+        return loaded
+
+    engine = make_engine(loader=loader, **DRAFT)
+    engine.generate(PROMPTS[2], greedy())
+    drafted, _ = spec_totals(engine)
+    assert drafted > 0
+    assert_no_blocks_held(engine)

@@ -6,6 +6,7 @@ import pytest
 
 from engine.errors import RequestError
 from engine.sampling import SamplingParams
+from engine.testing import tiny_model
 
 
 @pytest.mark.parametrize(("prompt", "max_tokens", "param", "code", "words"), [
@@ -31,3 +32,24 @@ def test_kv_pool(make_engine, n_prompt, param):
     with pytest.raises(RequestError, match="needs 9 KV blocks of 16 tokens") as info:
         engine.submit([5] * n_prompt, SamplingParams(max_tokens=129 - n_prompt))
     assert info.value.param == param and info.value.code == "context_length_exceeded"
+
+
+def _no_context_length():
+    """The tiny model with a config that names no context length (as gpt_oss folders do)."""
+    loaded = tiny_model()
+    del loaded.config["max_position_embeddings"]
+    return loaded
+
+
+@pytest.mark.parametrize(("max_model_len", "limit"), [(None, 8 * 16), (100, 100)])
+def test_a_config_without_a_context_length_is_bounded_by_the_pool(make_engine, max_model_len,
+                                                                   limit):
+    """No model limit, as in mlx-lm: the pool's capacity (or --max-model-len) bounds requests,
+    where a limit of 0 once refused every request."""
+    engine = make_engine(loader=_no_context_length, num_kv_blocks=8, block_size=16,
+                         max_model_len=max_model_len)
+    assert engine.max_model_len == limit
+    done = engine.generate([5] * 20, SamplingParams(max_tokens=limit - 20, ignore_eos=True))
+    assert done.reason == "length" and len(done.token_ids) == limit - 20
+    with pytest.raises(RequestError, match="context_length|KV blocks|context window"):
+        engine.submit([5] * 20, SamplingParams(max_tokens=limit - 19))
