@@ -26,7 +26,6 @@ class KernelPath(ValueEnum):
 
 
 POLICIES = ("gemm", "gemv", "auto")
-TILED = KernelPath.TILED
 DEFAULT_TILE = 16  # rows per call on the tiled path (--invariant-tile)
 
 

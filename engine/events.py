@@ -44,8 +44,8 @@ class FinishEvent:
     error: str | None = None
     steps: list[int] = field(default_factory=list)
     # With submit(trace=True): per step {step, path, step_rows, phase, start, rows, drafted,
-    # accepted, kv, logits} (see ModelRunner.StepTrace; a verify step's rows are those it kept
-    # and its logits one row per emitted token); None otherwise.
+    # accepted, kv, logits} (see engine/model_runner.py's StepTrace; a verify step's rows are
+    # those it kept and its logits one row per emitted token); None otherwise.
     trace: list[dict] | None = None
 
 

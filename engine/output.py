@@ -110,7 +110,7 @@ class OutputText:
             def advance(token_id: int) -> None:
                 self._decoded += stream.add(token_id)
         else:
-            self._incomplete = str
+            self._incomplete = lambda: ""  # the whole decode already reads it as U+FFFD
 
             def advance(token_id: int) -> None:
                 self._whole = tokenizer.decode(self.token_ids)

@@ -27,15 +27,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine.config import POLICIES, TILED
+from engine.config import KernelPath
 from engine.events import FinishEvent
+from engine.sequence import FinishReason
 from engine.telemetry import StepEntry, StepRecord
 
 log = logging.getLogger("batchscope.metrics")
 
 PREFIX = "batchscope:"
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
-KERNEL_PATHS = (*POLICIES[:2], TILED)  # the paths a step can take: gemm, gemv, tiled
+FINISH_REASONS = tuple(r.value for r in FinishReason)
+KERNEL_PATHS = tuple(p.value for p in KernelPath)  # the paths a step can take
 # A CPU engine: first tokens in tens of milliseconds to a minute, tokens every few ms to seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
