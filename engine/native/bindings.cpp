@@ -1,6 +1,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -10,6 +11,7 @@
 #include "decode_linear.h"
 #include "decode_quantized.h"
 #include "decoder_layer.h"
+#include "gated_delta.h"
 #include "paged_attention.h"
 #include "row_ops.h"
 #include "workers.h"
@@ -130,6 +132,13 @@ NB_MODULE(_kernels, m) {
         "A llama-style decoder layer (norms, q/k/v, RoPE, paged KV write and attention, o, "
         "SwiGLU MLP, residuals) as one op on a step's rows; returns its output and writes the "
         "rows' keys and values into the pool arrays when evaluated.");
+  m.def("gated_delta_rows", &batchscope::gated_delta_rows, "qkv"_a, "a"_a, "b"_a,
+        "conv_weight"_a, "A_log"_a, "dt_bias"_a, "conv_pool"_a, "state_pool"_a, "groups"_a,
+        "snapshots"_a, nb::kw_only(), "k_heads"_a, "v_heads"_a, "k_dim"_a, "v_dim"_a,
+        "stream"_a = nb::none(),
+        "A Gated DeltaNet layer's conv and delta-rule recurrence on a step's float32 rows, "
+        "each group (num_rows, slot) one sequence; returns y (rows, Hv, Dv) and writes the "
+        "groups' and snapshots' (row, slot) states into the pool arrays when evaluated.");
   m.def("native_threads", &batchscope::parallel_threads,
         "Threads the native ops' worker pool uses (the caller included).");
 }
