@@ -300,6 +300,12 @@ def attention_kernel(attention: str, fused: bool):
     return _native_op("attention", attention, fused, native.paged_attention)
 
 
+def recurrence_kernel(attention: str, fused: bool):
+    """The native Gated DeltaNet recurrence op (engine/recurrence.py; float32 layers) to use,
+    or None for MLX ops: it follows the attention setting, as a GDN layer's token mixer."""
+    return _native_op("attention", attention, fused, native.gated_delta_rows)
+
+
 def matmul_kernel(row_kernels: str, fused: bool):
     """The native float32 linear op to use, or None for MLX's matmul."""
     return _native_op("row_kernels", row_kernels, fused, native.decode_linear)

@@ -15,6 +15,8 @@ the CPU ops for the rows of a step:
   vectorized;
 - `decoder_layer`: a whole llama-style decoder layer (the ops above, the KV write and the
   SwiGLU MLP) as one op, with the bits of those ops: one dispatch instead of ~25 per layer.
+- `gated_delta_rows`: a Gated DeltaNet layer's conv and recurrence (Qwen3.5 / Qwen3-Next) on a
+  step's float32 rows, each sequence's states read from and written to its pool slots.
 
 When it is not built (no compiler, a build failure, or an MLX it was not built against), the
 engine falls back to MLX ops and says so at start; nothing else changes.
@@ -72,6 +74,12 @@ def decoder_layer() -> Callable | None:
     """The fused llama-style decoder layer op, or None when it cannot be loaded here."""
     module = _load()
     return module.decoder_layer if module else None
+
+
+def gated_delta_rows() -> Callable | None:
+    """The Gated DeltaNet recurrence op, or None when it cannot be loaded here."""
+    module = _load()
+    return module.gated_delta_rows if module else None
 
 
 def layer_spec() -> type | None:
