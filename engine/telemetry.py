@@ -67,10 +67,23 @@ class StepRecord:
     window_bytes_reclaimable: int = 0
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0  # cumulative, tokens
+    # Models with recurrent layers (Gated DeltaNet): the state pool beside the KV pool, as
+    # the step ran (engine/state_slots.py); all 0 for a model without such layers.
+    state_slots_total: int = 0  # live-sequence slots (0: the model has no recurrent layers)
+    state_slots_used: int = 0  # slots held by sequences
+    state_checkpoints: int = 0  # prefix checkpoints held
+    state_checkpoint_capacity: int = 0  # checkpoints the memory budget allows
+    state_checkpoint_hits: int = 0  # cumulative: admissions that resumed from a checkpoint
+    state_slot_bytes: int = 0  # one slot, all recurrent layers: conv + recurrent state
     error: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# The state pool's fields of a StepRecord, the keys of the engine's usage() dict for them.
+STATE_POOL_FIELDS = ("state_slots_total", "state_slots_used", "state_checkpoints",
+                     "state_checkpoint_capacity", "state_checkpoint_hits", "state_slot_bytes")
 
 
 # ---- a step as flat rows ----------------------------------------------------------------------

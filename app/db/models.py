@@ -151,6 +151,16 @@ class Step(Base):
     draft_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     accepted_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     speculation: Mapped[str] = mapped_column(String(100), default="", server_default="")
+    # Models with recurrent layers (Gated DeltaNet): the state pool as the step ran; all 0
+    # for a model without them (StepRecord's state_* fields).
+    state_slots_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    state_slots_used: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    state_checkpoints: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    state_checkpoint_capacity: Mapped[int] = mapped_column(Integer, default=0,
+                                                           server_default="0")
+    # cumulative, like prefix_cache_hits: admissions that resumed from a checkpoint
+    state_checkpoint_hits: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    state_slot_bytes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (Index("ix_steps_started_at", "started_at"),)
 

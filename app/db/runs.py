@@ -151,9 +151,10 @@ _FIELD_NAMES = {
     "top_logprobs_json": "top_logprobs",
 }
 
-# The run's view of a step: every stored column but the engine's cumulative prefix-cache counters
-# (they describe the engine, not this run).
-_STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("prefix_cache_queries", "prefix_cache_hits")]
+# The run's view of a step: every stored column but the engine's cumulative prefix-cache and
+# state-checkpoint counters (they describe the engine, not this run).
+_CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "state_checkpoint_hits")
+_STEP_FIELDS = [c for c in STEP_COLUMNS if c not in _CUMULATIVE]
 
 
 def _run_steps(conn: Connection | Session, run_id: str) -> list[dict]:

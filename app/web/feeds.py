@@ -19,12 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.telemetry import STEP_COLUMNS, StepRecord, field_name
+from engine.telemetry import STATE_POOL_FIELDS, STEP_COLUMNS, StepRecord, field_name
 
 # The fields of a StepRecord the charts and the kernel-path strip need: its stored single
-# values but the scheduler time and the cumulative prefix-cache counters (lists stay out: only
-# the latest step's batch is shown, and it comes with the live state; preemptions are counted).
-_NOT_CHARTED = ("scheduler_time", "prefix_cache_queries", "prefix_cache_hits")
+# values but the scheduler time, the cumulative prefix-cache counters and the state pool (lists
+# stay out: only the latest step's batch is shown, and it comes with the live state, as does
+# the state pool; preemptions are counted).
+_NOT_CHARTED = ("scheduler_time", "prefix_cache_queries", "prefix_cache_hits",
+                *STATE_POOL_FIELDS)
 STEP_FIELDS = tuple(c for c in STEP_COLUMNS if c == field_name(c) and c not in _NOT_CHARTED)
 ACCEPTANCE_STEPS = 50  # steps the rolling acceptance rate covers
 

@@ -192,6 +192,55 @@ def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_draf
                                   "rate": None}
 
 
+STATE_POOL = {"state_slots_total": 4, "state_slots_used": 3, "state_checkpoints": 5,
+              "state_checkpoint_capacity": 16, "state_checkpoint_hits": 2,
+              "state_slot_bytes": 3 * 2**31}  # past 32 bits
+
+
+def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_path):
+    path = tmp_path / "old.db"
+    engine = create_sqlite_engine(path)
+    try:
+        run_migrations(engine, "0005")  # a database written before the state pool
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO engine_sessions (id, started_at, model, weights, kernel_policy, "
+                "config_json) VALUES (1, 1.0, 'm', 'q4', 'gemm', '{}')")
+            conn.exec_driver_sql(
+                "INSERT INTO steps (session_id, step, started_at, wall_time, model_time, "
+                "scheduler_time, total_rows, prefill_rows, decode_rows, kv_blocks_total, "
+                "kv_blocks_used, kv_blocks_free, kv_blocks_cached, num_running, num_waiting, "
+                "kernel_path, linear_calls_per_layer, prefix_cache_queries, prefix_cache_hits, "
+                "preempted_json) VALUES "
+                "(1, 1, 1.2, 0.1, 0.1, 0.0, 1, 1, 0, 8, 1, 7, 0, 1, 0, 'gemm', 1, 0, 0, '[]')")
+        assert "state_slots_total" not in {c["name"] for c in inspect(engine).get_columns("steps")}
+    finally:
+        engine.dispose()
+    with open_database(path) as db:
+        assert current_revision(db) == head_revision()
+        assert set(STATE_POOL) <= {c["name"] for c in inspect(db.engine).get_columns("steps")}
+        recorder = Recorder(db, flush_interval=0.01)
+        recorder.start()
+        try:
+            start_run(recorder, "H", 1)
+            hybrid = step_record(2, 1000.0, [("H", "prefill", 3)])
+            for name, value in STATE_POOL.items():
+                setattr(hybrid, name, value)
+            recorder.step(1, hybrid)
+            assert recorder.flush()
+        finally:
+            recorder.close()
+        with db.read() as conn:
+            stored = conn.execute(sqlalchemy.text(
+                f"SELECT step, {', '.join(STATE_POOL)} FROM steps ORDER BY step")).all()
+        [step] = get_run(db, "H")["steps"]
+    assert [tuple(r) for r in stored] == [(1, 0, 0, 0, 0, 0, 0), (2, *STATE_POOL.values())]
+    # The run's view has the pool as the step ran, not the engine's cumulative hit count.
+    assert {k: step[k] for k in STATE_POOL if k in step} == \
+        {k: v for k, v in STATE_POOL.items() if k != "state_checkpoint_hits"}
+    assert "state_checkpoint_hits" not in step
+
+
 def test_drafted_tokens_and_verify_entries_are_stored_and_read_back(db, recorder):
     session = recorder.start_session("m", "q4", "auto", {"speculative": "ngram"})
     start_run(recorder, "S", session)
@@ -469,8 +518,8 @@ def test_queries_accept_a_connection_or_session_and_return_json(listed):
 
 def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
     """Every stored StepRecord field reaches the run's view of the step under its own name (the
-    engine's cumulative prefix-cache counters and in-memory fields stay out); a to_dict() saved
-    before later fields existed reads with their defaults."""
+    engine's cumulative prefix-cache and checkpoint counters and in-memory fields stay out); a
+    to_dict() saved before later fields existed reads with their defaults."""
     session = recorder.start_session("m", "q4", "auto", {})
     start_run(recorder, "A", session)
     full = step_record(1, 1000.0, [("A", "verify", 3)])
@@ -478,10 +527,12 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
     full.preempted, full.error, full.expert_rows = ["Z"], "boom", {"0": [1, 2]}
     full.verify_rows, full.draft_tokens, full.accepted_tokens = 3, 2, 1
     full.speculation, full.propose_time, full.prefix_cache_queries = "on", 0.5, 9
+    for name, value in STATE_POOL.items():
+        setattr(full, name, value)
     old = step_record(2, 1000.1, [("A", "decode", 1)]).to_dict()
     for newer in ("verify_rows", "draft_tokens", "accepted_tokens", "speculation", "kernel_path",
                   "linear_calls_per_layer", "prefix_cache_queries", "prefix_cache_hits",
-                  "expert_rows", "preempted", "error"):
+                  "expert_rows", "preempted", "error", *STATE_POOL):
         del old[newer]
     for entry in old["entries"]:
         del entry["drafted"], entry["accepted"], entry["emitted"]
@@ -497,16 +548,21 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
     assert first == {**common, "step": 1, "kernel_path": "gemv", "linear_calls_per_layer": 1,
                      "preempted": ["Z"], "error": "boom", "expert_rows": {"0": [1, 2]},
                      "verify_rows": 3, "draft_tokens": 2, "accepted_tokens": 1,
-                     "speculation": "on",
+                     "speculation": "on", "state_slots_total": 4, "state_slots_used": 3,
+                     "state_checkpoints": 5, "state_checkpoint_capacity": 16,
+                     "state_slot_bytes": 3 * 2**31,
                      "entry": {"run_id": "A", "phase": "verify", "rows": 3, "context_len": 11,
                                "blocks_held": 1, "sampled": True, "drafted": 2, "accepted": 1}}
     assert second == {**common, "step": 2, "started_at": 1000.1, "decode_rows": 1,
                       "total_rows": 1, "kernel_path": "gemm", "linear_calls_per_layer": 1,
                       "preempted": [], "error": None, "expert_rows": None, "verify_rows": 0,
                       "draft_tokens": 0, "accepted_tokens": 0, "speculation": "",
+                      "state_slots_total": 0, "state_slots_used": 0, "state_checkpoints": 0,
+                      "state_checkpoint_capacity": 0, "state_slot_bytes": 0,
                       "entry": {"run_id": "A", "phase": "decode", "rows": 1, "context_len": 12,
                                 "blocks_held": 1, "sampled": True, "drafted": 0, "accepted": 0}}
     with db.read() as conn:
         stored = conn.exec_driver_sql(
-            "SELECT prefix_cache_queries, prefix_cache_hits FROM steps ORDER BY step").all()
-    assert [tuple(r) for r in stored] == [(9, 0), (0, 0)]
+            "SELECT prefix_cache_queries, prefix_cache_hits, state_checkpoint_hits FROM steps "
+            "ORDER BY step").all()
+    assert [tuple(r) for r in stored] == [(9, 0, 2), (0, 0, 0)]
