@@ -9,6 +9,7 @@ and is evicted least-recently-used when the free list runs dry.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -35,7 +36,12 @@ class PrefixCacheStats:
 class _SeqBlocks:
     table: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading blocks of `table` already registered in the prefix cache
-    last_hash: int | None = None  # hash of block num_hashed - 1 (the chain's tail)
+    hashes: list[int] = field(default_factory=list)  # the chain's hash of each of them
+
+    @property
+    def last_hash(self) -> int | None:
+        """Hash of block num_hashed - 1 (the chain's tail)."""
+        return self.hashes[-1] if self.hashes else None
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -55,6 +61,9 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         self._seqs: dict[str, _SeqBlocks] = {}
         self.stats = PrefixCacheStats()
+        # Called with a block's hash when it is evicted from the prefix cache (the state
+        # checkpoints kept at its end go with it, engine/state_slots.py).
+        self.on_evict: Callable[[int], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -121,9 +130,9 @@ class BlockManager:
                 break
             self._take(block_id)
             seq.table.append(block_id)
+            seq.hashes.append(h)
             parent = h
         seq.num_hashed = len(seq.table)
-        seq.last_hash = parent
         covered = len(seq.table) * self.block_size
         self.stats.hits += covered
         return covered
@@ -143,8 +152,26 @@ class BlockManager:
                 block.block_hash = h
                 block.token_ids = tokens
                 self._by_hash[h] = block.block_id
-            seq.last_hash = h
+            seq.hashes.append(h)
             seq.num_hashed += 1
+
+    def block_hash(self, seq_id: str, i: int) -> int | None:
+        """The prefix-cache hash of the sequence's block i (None: not registered yet)."""
+        hashes = self._seqs[seq_id].hashes
+        return hashes[i] if i < len(hashes) else None
+
+    def keep_prefix(self, seq_id: str, num_blocks: int) -> None:
+        """Give back the blocks a prefix match gave the sequence past its first num_blocks (a
+        model with recurrent layers resumes only where a state checkpoint is kept)."""
+        seq = self._seqs[seq_id]
+        if len(seq.table) != seq.num_hashed:
+            raise ValueError(f"sequence {seq_id} has computed blocks of its own")
+        dropped = seq.table[num_blocks:]
+        del seq.table[num_blocks:], seq.hashes[num_blocks:]
+        seq.num_hashed = len(seq.table)
+        self.stats.hits -= len(dropped) * self.block_size
+        for block_id in reversed(dropped):
+            self._release(block_id)
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
@@ -182,15 +209,18 @@ class BlockManager:
             return
         # Tail first, so that when the LRU evicts it takes the end of a chain before its head.
         for block_id in reversed(seq.table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed twice")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self._cached[block_id] = None
-                else:
-                    self._free.append(block_id)
+            self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed twice")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._cached[block_id] = None
+            else:
+                self._free.append(block_id)
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
@@ -206,6 +236,8 @@ class BlockManager:
             block_id, _ = self._cached.popitem(last=False)  # least recently used
             block = self.blocks[block_id]
             del self._by_hash[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
             self.stats.evictions += 1

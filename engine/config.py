@@ -114,6 +114,12 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     speculative_max_batch: int = 4
     draft_model: str | None = None
+    # Models with recurrent layers (Gated DeltaNet, engine/state_slots.py): slots for running
+    # sequences (None: max_num_seqs); a prefix checkpoint of the state every this many tokens
+    # (a multiple of block_size); and the memory the checkpoints may take.
+    state_slots: int | None = None
+    state_checkpoint_interval: int = 256
+    state_checkpoint_mib: int = 256
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -132,6 +138,16 @@ class EngineConfig:
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
         _ = self.speculation  # raises on bad values
+        if self.state_slots is not None and (not isinstance(self.state_slots, int)
+                                             or self.state_slots < 1):
+            raise ValueError(f"state_slots must be a positive integer, got {self.state_slots!r}")
+        interval = self.state_checkpoint_interval
+        if not isinstance(interval, int) or interval < 1 or interval % self.block_size:
+            raise ValueError(f"state_checkpoint_interval must be a positive multiple of "
+                             f"block_size ({self.block_size}), got {interval!r}")
+        if not isinstance(self.state_checkpoint_mib, int) or self.state_checkpoint_mib < 0:
+            raise ValueError("state_checkpoint_mib must be a non-negative integer, got "
+                             f"{self.state_checkpoint_mib!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
 

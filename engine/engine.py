@@ -27,14 +27,14 @@ from engine.draft import draft_proposer
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
 from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, StepOutput, pool_for
+from engine.model_runner import ModelRunner, StepOutput, pool_for, state_pool_for
 from engine.models import family_for
 from engine.output import OutputText
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
 from engine.scheduler import GroupUpdate, Phase, RowGroup, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, LogitsProcessor, Sequence
-from engine.speculative import Proposer, proposer_for
+from engine.speculative import Proposer, propose, proposer_for
 from engine.telemetry import StepEntry, StepLog, StepRecord
 from engine.thresholds import ThresholdTable, resolve_threshold
 from engine.token_bytes import TokenBytes
@@ -91,6 +91,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.runner = None
         self.pool = None
+        self.state_slots = None  # engine.state_slots.StateSlots of a model with recurrent layers
         self.steps = StepLog(config.step_history)
         self.kernel_policy = KernelPolicy(config.kernel_policy, config.kernel_threshold or 1)
         self.speculation = config.speculation
@@ -291,12 +292,15 @@ class Engine:
                      "may reach %d tokens", self.loaded.name, self.max_model_len)
         self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size,
                                           cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         family = family_for(self.loaded.model, self.loaded.config)
+        self.state_slots, states = state_pool_for(family, cfg) or (None, None)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens, self.state_slots)
         kv_dtype = None if cfg.kv_dtype == "auto" else getattr(mx, cfg.kv_dtype)
         self.pool = pool_for(family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
         self.runner = ModelRunner(self.loaded.model, self.pool, cfg.attention,
-                                  cfg.row_kernels, family, tile=cfg.invariant_tile)
+                                  cfg.row_kernels, family, tile=cfg.invariant_tile,
+                                  states=states)
         threshold, self.kernel_threshold_source = resolve_threshold(
             cfg, self.loaded.name, self.loaded.weights, backend_info(), self._thresholds)
         self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)
@@ -304,9 +308,11 @@ class Engine:
         # the kernels now, not inside the first request's time to first token. It writes slot 0
         # of a free block, which any later owner overwrites before reading.
         t0 = time.perf_counter()
-        self.runner.run([RowGroup("warmup", [0], 0, [0], sample=False)])
+        self.runner.run([RowGroup("warmup", [0], 0, [0], sample=False, state_slot=0)])
         log.info("KV pool allocated: %.0f MiB (%s) in %.1f s", self.pool.nbytes() / 2**20,
                  self.pool.dtype, time.perf_counter() - t0)
+        if states is not None:
+            log.info("state pool: %s", states.describe(self.state_slots))
         info = backend_info()
         log.info("model %s (%s family, %s weights) on %s, BLAS %s; KV pool %d blocks x %d "
                  "tokens; context %d; attention: %s; row kernels: %s",
@@ -406,6 +412,7 @@ class Engine:
             preempted=[s.seq_id for s in plan.preempted], kernel_path=path,
             linear_calls_per_layer=self._calls_per_layer(path, plan.num_rows),
             expert_rows=expert_rows, **self.runner.window_savings(plan.groups),
+            **(self.state_slots.usage() if self.state_slots is not None else {}),
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
         t3 = time.perf_counter()
         record.wall_time = t3 - t0
@@ -450,7 +457,8 @@ class Engine:
                                   "step_rows": plan.num_rows, "phase": g.phase,
                                   "start": g.start, "rows": u.kept, "drafted": len(g.drafts),
                                   "accepted": u.accepted, "kv": t.kv[:, :, :, :u.kept],
-                                  "logits": logits})
+                                  "logits": logits, **({"state": t.state}
+                                                       if t.state is not None else {})})
             for used, sample in enumerate(u.samples, 1):
                 self._accept(req, sample, self.step_count)
                 if g.seq.is_finished:  # EOS or a stop string: the rest is not emitted
@@ -498,29 +506,10 @@ class Engine:
                          drafted=len(g.drafts), accepted=accepted, emitted=emitted)
 
     def _proposals(self) -> tuple[dict[str, list[int]], str]:
-        """Drafts for the running requests in decode, and the step's speculation state (see
-        StepRecord.speculation): past `speculative_max_batch` running requests, none."""
-        spec = self.speculation
-        self._propose_time = 0.0
-        if not spec.enabled:
-            return {}, ""
-        running = self.scheduler.running
-        if len(running) > spec.max_batch:
-            return {}, f"off: {len(running)} running > {spec.max_batch}"
-        wanted = []
-        for seq in running:
-            if not seq.in_decode or not seq.params.speculative:
-                continue
-            # Never draft past max_tokens or the context: the target's own token comes last.
-            room = min(spec.num_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
-                       self.max_model_len - seq.num_tokens - 1)
-            if room >= 1:
-                wanted.append((seq.seq_id, seq.token_ids, room))
-        t0 = time.perf_counter()
-        drafts = self.proposer.propose(wanted) if wanted else {}
-        self._propose_time = time.perf_counter() - t0
-        rooms = {seq_id: room for seq_id, _, room in wanted}
-        return {s: d[:rooms[s]] for s, d in drafts.items() if d and s in rooms}, "on"
+        """Drafts for the running requests in decode, and the step's speculation state."""
+        drafts, state, self._propose_time = propose(
+            self.speculation, self.proposer, self.scheduler.running, self.max_model_len)
+        return drafts, state
 
     def _accept(self, req: _Request, sample, step: int) -> None:
         seq = req.seq

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine.config import DEFAULT_TILE, KernelPath, NativeSetting
+from engine.config import DEFAULT_TILE, EngineConfig, KernelPath, NativeSetting
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
 from engine.native_ops import NativeLayer, NativeOps
 from engine.sampler import Sampled, sample
 from engine.scheduler import RowGroup
+from engine.state_pool import StatePool
+from engine.state_slots import StateSlots
 from engine.step import Step, slots
 
 
@@ -49,6 +51,9 @@ class StepTrace:
     kv: np.ndarray  # (layers, 2 [keys, values], kv_heads, rows, head_dim), float32
     # (vocab,) float32 at the sampled row, or None (no sample); a verify group: (rows, vocab)
     logits: np.ndarray | None
+    # Models with recurrent layers: its recurrent state after the step (layers, v_heads,
+    # v_dim, k_dim), float32; None otherwise
+    state: np.ndarray | None = None
 
 
 def pool_for(family: Family, num_blocks: int, block_size: int,
@@ -60,20 +65,46 @@ def pool_for(family: Family, num_blocks: int, block_size: int,
                   [kv.head_dim for _, kv in writers], dtype)
 
 
+def state_pool_for(family: Family, cfg: EngineConfig) -> tuple[StateSlots, StatePool] | None:
+    """The state slots and pool a family's recurrent layers need (None: it has none): a live
+    slot per sequence that may run, a scratch slot per draft a step may verify, and as many
+    checkpoints as the memory budget allows (no more than the KV pool has checkpoint
+    positions)."""
+    layers = family.recurrent_layers()
+    if not layers:
+        return None
+    spec = cfg.speculation
+    scratch = spec.num_tokens * min(cfg.max_num_seqs, spec.max_batch) if spec.enabled else 0
+    slot_bytes = sum(s.slot_bytes(family.conv_dtype()) for s in layers)
+    positions = cfg.num_kv_blocks * cfg.block_size // cfg.state_checkpoint_interval
+    checkpoints = (min(cfg.state_checkpoint_mib * 2**20 // slot_bytes, positions)
+                   if cfg.enable_prefix_caching else 0)
+    slots = StateSlots(cfg.state_slots or cfg.max_num_seqs, scratch, checkpoints,
+                       interval=cfg.state_checkpoint_interval, slot_bytes=slot_bytes)
+    return slots, StatePool(layers, slots.total, family.conv_dtype())
+
+
 class ModelRunner(NativeOps):
     """A model over its paged pool: runs groups of rows (RowGroup) and returns what they emit;
     the native ops it computes with are its base (engine/native_ops.py)."""
 
     def __init__(self, model, pool: KVPool, attention: str = NativeSetting.AUTO,
                  row_kernels: str = NativeSetting.AUTO, family: Family | None = None, *,
-                 tile: int = DEFAULT_TILE, stacks: dict | None = None):
+                 tile: int = DEFAULT_TILE, stacks: dict | None = None,
+                 states: StatePool | None = None):
         """model: a loaded mlx-lm model; its family adapter is looked up by model_type
         (engine/models/) unless given. Raises UnsupportedModelError for one it cannot run.
         tile: rows per call on the batch-invariant ("tiled") path. stacks: the `stacks` of a
-        runner over the same modules (a layers:N draft shares the target's)."""
+        runner over the same modules (a layers:N draft shares the target's). states: the
+        recurrent layers' state pool (state_pool_for), for a family that has such layers."""
         super().__init__(model, attention, row_kernels, stacks)
         self.family = family or family_for(model)
         self.pool = pool
+        self.states = states
+        if (states is None) != (not self.family.recurrent_layers()):
+            raise ValueError(f"{self.family.name}: a state pool is needed exactly for a model "
+                             "with recurrent layers")
+        self.recurrence_kernel = None
         self.tile = tile
         self.layer_kv = self.family.layer_kv()
         # The sliding windows of the layers that write keys and values (empty: none).
@@ -135,11 +166,28 @@ class ModelRunner(NativeOps):
         t0 = time.perf_counter()
         step = Step(self, groups, path)
         logits_rows, sampled = self._forward(step, groups)
-        out = (sample(logits_rows, sampled, self.logsumexp, [self.pool.state()])
+        out = (sample(logits_rows, sampled, self.logsumexp, self._state_arrays())
                if sampled else {})
+        if self.states is not None:
+            self._keep_accepted_states(groups, out)
         traces = self._traces(groups, logits_rows, sampled) if any(g.trace for g in groups) else {}
         return StepOutput(sampled=out, model_time=time.perf_counter() - t0, traces=traces,
                           expert_rows=step.expert_rows())
+
+    def _state_arrays(self) -> list[mx.array]:
+        """The pools a step writes, evaluated with it."""
+        return self.pool.state() + (self.states.state() if self.states is not None else [])
+
+    def _keep_accepted_states(self, groups: list[RowGroup], out: dict[str, Sampled]) -> None:
+        """A verify group whose drafts were not all accepted keeps the state after its last
+        accepted row, snapshotted during the step: nothing is recomputed or rolled back."""
+        src, dst = [], []
+        for g in groups:
+            if g.verify and out[g.seq_id].accepted < len(g.drafts):
+                src.append(dict(g.snapshots)[out[g.seq_id].accepted])
+                dst.append(g.state_slot)
+        if src:
+            self.states.copy(src, dst)
 
     def _traces(self, groups, logits_rows, sampled) -> dict[str, StepTrace]:
         """Copy the keys and values each traced group just wrote, and its logits. Pool layers
@@ -165,7 +213,9 @@ class ModelRunner(NativeOps):
                 at = sum(s.sampled_rows for s in sampled[:sampled.index(g)])
                 rows = logits_rows[at:at + g.sampled_rows].astype(mx.float32)
                 logits = np.array(rows if g.verify else rows[0])
-            out[g.seq_id] = StepTrace(np.array(kv.astype(mx.float32)), logits)
+            state = (np.array(self.states.read(g.state_slot)) if self.states is not None
+                     else None)
+            out[g.seq_id] = StepTrace(np.array(kv.astype(mx.float32)), logits, state)
         return out
 
     # ---- forward ---------------------------------------------------------------------------
@@ -179,7 +229,7 @@ class ModelRunner(NativeOps):
         sampled = [g for g in groups if g.sample]
         if not sampled:
             # x too: a fused layer (decoder_layer) writes the pool when its output is evaluated.
-            mx.eval(x, self.pool.state())
+            mx.eval(x, self._state_arrays())
             return None, []
         rows, r = [], 0
         for g in groups:

@@ -21,6 +21,7 @@ from engine.block_manager import BlockManager
 from engine.config import ValueEnum
 from engine.sampling import SamplingParams
 from engine.sequence import LogitsProcessor, SeqStatus, Sequence
+from engine.state_slots import StateSlots
 
 if TYPE_CHECKING:
     from engine.model_runner import StepOutput
@@ -51,6 +52,14 @@ class RowGroup:
     # agreeing prefix is kept. (The runner tells only verify groups from the others.)
     phase: Phase = Phase.PREFILL
     seq: Sequence | None = None  # the scheduled sequence (None: a group built by hand)
+    # Models with recurrent layers (engine/state_slots.py): the sequence's live state slot; a
+    # checkpoint slot to resume from before the step (None: from its slot, or from zero when
+    # start is 0); (row, slot) snapshots of the state after a row (a verify group's rows but
+    # the last, in scratch slots); and the (position, slot) of those that are checkpoints.
+    state_slot: int | None = None
+    restore_from: int | None = None
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, seq: Sequence, rows: int, phase: Phase, block_table: list[int]) -> RowGroup:
@@ -110,8 +119,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 states: StateSlots | None = None):
+        """states: the state slots of a model with recurrent layers (None: it has none)."""
         self.bm = block_manager
+        self.states = states
+        if states is not None and states.checkpoints:
+            block_manager.on_evict = states.drop
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -157,7 +171,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted):
             seq = self.waiting[0]
+            if self.states is not None and not self.states.can_admit():
+                break  # every state slot is held: wait for one
             seq.num_computed = self.bm.match_prefix(seq.seq_id, seq.token_ids)
+            restore = self._resume_point(seq) if self.states is not None else None
             rows = min(seq.num_uncomputed, budget)
             if not self.bm.can_allocate(self.bm.blocks_needed(seq.seq_id, seq.num_computed + rows)):
                 self.bm.free(seq.seq_id)  # give back the prefix blocks; retry next step
@@ -171,15 +188,57 @@ class Scheduler:
             self.running.append(seq)
             out.groups.append(RowGroup.of(seq, rows, Phase.PREFILL,
                                           self.bm.block_table(seq.seq_id)))
+            if self.states is not None:
+                self.states.allocate(seq.seq_id)
+                if restore is not None:
+                    self.states.restore(seq.seq_id, restore)
+                    out.groups[-1].restore_from = restore
             scheduled.add(seq.seq_id)
             budget -= rows
+        if self.states is not None:
+            for g in out.groups:
+                self._plan_states(g)
         return out
+
+    def _resume_point(self, seq: Sequence) -> int | None:
+        """A model with recurrent layers resumes a cached prefix only where a state checkpoint
+        was kept: cut the match back to the deepest block that has one. Returns the
+        checkpoint's slot (None: from zero, the match given back)."""
+        bs = self.bm.block_size
+        for n in range(seq.num_computed // bs, 0, -1):
+            slot = self.states.checkpoint(self.bm.block_hash(seq.seq_id, n - 1))
+            if slot is not None:
+                break
+        else:
+            n, slot = 0, None
+        self.bm.keep_prefix(seq.seq_id, n)
+        seq.num_computed = n * bs
+        return slot
+
+    def _plan_states(self, g: RowGroup) -> None:
+        """A group's state slot, and the snapshots its step takes: a verify group's state after
+        each row but the last (scratch, for whichever prefix is accepted), a prefill group's
+        at each checkpoint position it passes (a verify group's were taken with its drafts)."""
+        states = self.states
+        g.state_slot = states.slot_of(g.seq_id)
+        interval = states.interval if self.bm.enable_prefix_caching else 0
+        if g.phase != Phase.PREFILL or not interval:
+            return
+        for position in range(-(-(g.start + 1) // interval) * interval, g.start + g.num_rows + 1,
+                              interval):
+            slot = states.reserve_checkpoint(g.seq_id)
+            if slot is None:
+                return
+            g.snapshots.append((position - g.start - 1, slot))
+            g.checkpoints.append((position, slot))
 
     def _add_drafts(self, group: RowGroup, proposed: list[int], budget: int) -> None:
         """Turn a decode group into a verify group with as many drafts as the budget and the
         free blocks allow (no preemption for a draft)."""
         seq = group.seq
         k = min(len(proposed), budget - group.num_rows)
+        if self.states is not None:  # a scratch slot per draft (engine/state_slots.py)
+            k = min(k, self.states.free_scratch)
         while k > 0:
             needed = self.bm.blocks_needed(seq.seq_id, seq.num_computed + 1 + k)
             if self.bm.can_allocate(needed):
@@ -188,6 +247,8 @@ class Scheduler:
         if k <= 0:
             return
         self.bm.allocate(seq.seq_id, seq.num_computed + 1 + k)
+        if self.states is not None:  # the state after each row but the last
+            group.snapshots = list(enumerate(self.states.take_scratch(seq.seq_id, k)))
         group.token_ids = group.token_ids + list(proposed[:k])
         group.block_table = self.bm.block_table(seq.seq_id)
         group.phase = Phase.VERIFY
@@ -210,6 +271,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq.seq_id)
+        if self.states is not None:
+            self.states.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -226,6 +289,8 @@ class Scheduler:
                 self.waiting.remove(seq)
         finally:
             self.bm.free(seq.seq_id)
+            if self.states is not None:
+                self.states.free(seq.seq_id)
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = reason
 
@@ -247,5 +312,17 @@ class Scheduler:
                 self.bm.trim(seq.seq_id, seq.num_computed + 1)
             self.bm.register_full_blocks(
                 seq.seq_id, seq.token_ids + g.drafts[:update.accepted], seq.num_computed)
+            if self.states is not None:
+                self._book_states(g, seq)
             updates.append(update)
         return updates
+
+    def _book_states(self, g: RowGroup, seq: Sequence) -> None:
+        """Keep the group's snapshots at checkpoint positions as checkpoints of the blocks
+        that end there; give back the step's other slots."""
+        bs = self.bm.block_size
+        for position, slot in g.checkpoints:
+            block_hash = self.bm.block_hash(seq.seq_id, position // bs - 1)
+            if block_hash is not None and position <= seq.num_computed:
+                self.states.commit_checkpoint(seq.seq_id, block_hash, slot)
+        self.states.end_step(seq.seq_id)

@@ -14,6 +14,7 @@ runs a smaller model on the engine thread, with its own paged KV.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -147,3 +148,28 @@ def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
     """Greedy verification: how many leading drafts equal the target's choices (targets[i] is
     what the target picks after drafts[:i])."""
     return common_prefix(drafts, targets)
+
+
+def propose(spec: SpeculativeConfig, proposer: Proposer, running: Seq,
+            max_model_len: int) -> tuple[dict[str, list[int]], str, float]:
+    """Drafts for the running sequences in decode, the step's speculation state (see
+    StepRecord.speculation) and the seconds the proposer took: past `max_batch` running
+    requests, none."""
+    if not spec.enabled:
+        return {}, "", 0.0
+    if len(running) > spec.max_batch:
+        return {}, f"off: {len(running)} running > {spec.max_batch}", 0.0
+    wanted = []
+    for seq in running:
+        if not seq.in_decode or not seq.params.speculative:
+            continue
+        # Never draft past max_tokens or the context: the target's own token comes last.
+        room = min(spec.num_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
+                   max_model_len - seq.num_tokens - 1)
+        if room >= 1:
+            wanted.append((seq.seq_id, seq.token_ids, room))
+    t0 = time.perf_counter()
+    drafts = proposer.propose(wanted) if wanted else {}
+    seconds = time.perf_counter() - t0
+    rooms = {seq_id: room for seq_id, _, room in wanted}
+    return {s: d[:rooms[s]] for s, d in drafts.items() if d and s in rooms}, "on", seconds

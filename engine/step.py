@@ -16,6 +16,7 @@ from engine.kernels import apply_experts
 from engine.kv_cache import KVPool
 from engine.native_ops import NativeOps
 from engine.scheduler import RowGroup
+from engine.state_pool import StatePool
 
 
 class Runner(Protocol):
@@ -23,6 +24,8 @@ class Runner(Protocol):
     the native ops, the pool and the layers' KV layout)."""
 
     pool: KVPool
+    states: StatePool | None  # the recurrent layers' state pool (None: no such layers)
+    recurrence_kernel: object | None
     layer_kv: list  # engine.models.LayerKV per decoder layer
     tile: int  # rows per call on the tiled path
     fused_attention: bool
@@ -58,6 +61,27 @@ class Step:
         self.write = mx.array(write.astype(np.int32))  # pool slots (int32: the fused op's)
         self._plans: dict[tuple[int | None, bool], StepAttention] = {}  # (window, sinks)
         self.expert_choices: list[tuple[int, int, mx.array]] = []  # (layer, experts, indices)
+        self.state_groups: list[tuple[int, int]] = []  # (rows, slot) per group
+        self.snapshots: list[tuple[int, int]] = []  # (row of the step, slot)
+        if runner.states is not None:
+            self._prepare_states(groups, runner.states)
+
+    def _prepare_states(self, groups: list[RowGroup], states: StatePool) -> None:
+        """The groups' state slots and snapshots in step rows; zero the slots of sequences
+        that start now, copy checkpoints into those that resume from one."""
+        row, fresh, restores = 0, [], []
+        for g in groups:
+            if g.state_slot is None:
+                raise ValueError(f"{g.seq_id}: a model with recurrent layers needs a state slot "
+                                 "for every group")
+            self.state_groups.append((g.num_rows, g.state_slot))
+            self.snapshots.extend((row + r, slot) for r, slot in g.snapshots)
+            if g.restore_from is not None:
+                restores.append((g.restore_from, g.state_slot))
+            elif g.start == 0:
+                fresh.append(g.state_slot)
+            row += g.num_rows
+        states.prepare(fresh, restores)
 
     def linear(self, module, x: mx.array, tied: bool = False) -> mx.array:
         """A linear layer (tied=True: an embedding used as the output head)."""
@@ -111,6 +135,15 @@ class Step:
             plan = self._plans[key] = plan_step(self.contexts, self.runner.pool.block_size,
                                                 native, window)
         return plan
+
+    def recurrent(self, i: int, layer, qkv: mx.array, a: mx.array, b: mx.array) -> mx.array:
+        """Layer i's Gated DeltaNet recurrence (mlx-lm's module `layer`) over every group's
+        rows, each sequence from and into its own state slot: qkv (rows, conv_dim) before the
+        convolution, a and b (rows, v_heads). Returns (rows, v_heads, v_dim)."""
+        runner = self.runner
+        return runner.states.gated_delta(runner.layer_kv[i].state.index, layer, qkv, a, b,
+                                         self.state_groups, self.snapshots,
+                                         runner.recurrence_kernel)
 
     def decoder_layer(self, i: int, x: mx.array) -> mx.array | None:
         """Layer i as one native op (the family's Family.fused_layer_spec), or None where the

@@ -207,6 +207,13 @@ _MOE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
 _PHI3 = {"model_type": "phi3", "hidden_size": 128, "num_hidden_layers": 3,
          "intermediate_size": 256, "num_attention_heads": 4, "rms_norm_eps": 1e-5,
          "rope_theta": 10000.0}
+_HYBRID = {"hidden_size": 64, "num_hidden_layers": 8, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+           "rms_norm_eps": 1e-6, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+           "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+           "full_attention_interval": 4, "tie_word_embeddings": False,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.25}}
 FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {**_DENSE, "model_type": "llama", "head_dim": 16}),
     "llama-sliding": ("llama", {**_DENSE, "model_type": "llama", "head_dim": 16,
@@ -260,6 +267,18 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "mixtral": ("mixtral", {
         **_MOE, "model_type": "mixtral", "num_hidden_layers": 2, "intermediate_size": 64,
         "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6}),
+    # Hybrids: layers 0-2 and 4-6 Gated DeltaNet, 3 and 7 gated attention (every 4th); two
+    # value heads per key head; RoPE on a quarter of each head.
+    "qwen3_5": ("qwen3_5", {**_HYBRID, "model_type": "qwen3_5"}),
+    "qwen3_5_moe": ("qwen3_5_moe", {**_HYBRID, "model_type": "qwen3_5_moe", "num_experts": 4,
+                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "shared_expert_intermediate_size": 32}),
+    # Flat config; layer 1 keeps a dense MLP (mlp_only_layers), the others route.
+    "qwen3_next": ("qwen3_next", {
+        **_HYBRID, "model_type": "qwen3_next", "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25, "num_experts": 4, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [1], "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "norm_topk_prob": True}),
     # Phi-3-mini's shape: full rotary, one kv head per head, its own lm_head.
     "phi3": ("phi3", {**_PHI3, "tie_word_embeddings": False}),
     # Phi-4-mini's shape: 3/4 of each head rotated, grouped kv heads, tied embeddings; factor

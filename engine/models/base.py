@@ -7,10 +7,11 @@ of every linear layer and the expert calls go through the step (`engine.step.Ste
 adapter never sees block tables, the pool or a kernel policy. A family whose layers are
 llama's pre-norm block names their modules (`fused_layer_spec`) for the native fused layer.
 
-The seam for families whose layers keep a recurrent state instead of keys and values
-(qwen3_next / qwen3_5's GatedDeltaNet layers): `layer_kv` would give such a layer no pool
-layer, and the step would hand it a per-sequence state slot from a state pool kept beside the
-paged KV (allocated and freed with the request, as blocks are). No family uses it yet.
+Families whose layers keep a recurrent state instead of keys and values (qwen3_5's and
+qwen3_next's Gated DeltaNet layers, engine/models/qwen3_5.py): `layer_kv` gives such a layer no
+pool layer but a LayerState, and the step hands it the sequences' slots in the state pool kept
+beside the paged KV (engine/state_pool.py; allocated and freed with the request, as blocks
+are: engine/state_slots.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE, YarnRoPE
 
 from engine.native_ops import FusedLayer
+from engine.state_pool import LayerState
 from engine.step import Step
 
 
@@ -40,6 +42,9 @@ class LayerKV:
     kv_heads: int
     head_dim: int
     window: int | None = None  # sliding window: each row sees its last `window` positions
+    # A recurrent layer (Gated DeltaNet): no pool layer (pool_layer -1, writes False); its
+    # per-sequence state lives in the state pool (engine/state_pool.py).
+    state: LayerState | None = None
 
 
 class Family:
@@ -75,6 +80,14 @@ class Family:
         computes llama_layer (which asks the step for that op), else None (the default).
         Asked once per layer by the runner."""
         return None
+
+    def recurrent_layers(self) -> list[LayerState]:
+        """The layers that keep a recurrent state, in state-pool order (none: all attend)."""
+        return [kv.state for kv in self.layer_kv() if kv.state is not None]
+
+    def conv_dtype(self) -> mx.Dtype:
+        """The dtype of the recurrent layers' conv state (a family with such layers says)."""
+        raise NotImplementedError
 
     def embed(self, step: Step, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens[None])  # (1, rows, hidden)
