@@ -3,8 +3,10 @@
 Each app gets its own registry (never prometheus-client's global one), so tests and two apps in
 one process do not collide. Three sources fill it:
 
-    live state, read at scrape time   requests running / waiting, KV usage
-    step records (engine thread)      tokens, preemptions, prefix cache, steps by kernel path,
+    live state, read at scrape time   requests running / waiting, KV usage, the state pool
+                                      (models with recurrent layers; 0 for the others)
+    step records (engine thread)      tokens, preemptions, prefix cache, state checkpoint
+                                      hits, steps by kernel path,
                                       rows per step, inter-token latency (from step end times,
                                       as vLLM measures it: per engine iteration), speculative
                                       decoding's drafts and accepted tokens (verify entries)
@@ -62,6 +64,16 @@ class EngineMetrics:
               lambda: len(self._scheduler().waiting) if self._scheduler() else 0)
         gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0 to 1; cached "
               "prefix blocks nobody holds count as free).", self._kv_usage)
+        # Models with recurrent layers (Gated DeltaNet) keep a state per sequence in a pool
+        # beside the KV pool; present at 0 for the others, as the speculation counters are.
+        gauge("state_slots_used", "Recurrent-state slots held by running sequences (0: the "
+              "model has no recurrent layers).", lambda: self._state_pool("state_slots_used"))
+        gauge("state_slots_total", "Recurrent-state slots for running sequences (0: the "
+              "model has no recurrent layers).", lambda: self._state_pool("state_slots_total"))
+        gauge("state_checkpoints", "Prefix checkpoints of the recurrent state held.",
+              lambda: self._state_pool("state_checkpoints"))
+        gauge("state_checkpoint_capacity", "Prefix checkpoints of the recurrent state the "
+              "memory budget allows.", lambda: self._state_pool("state_checkpoint_capacity"))
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(PREFIX + name, doc, labels, registry=r)
@@ -77,6 +89,8 @@ class EngineMetrics:
                                       "prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix "
                                    "cache.")
+        self.state_hits = counter("state_checkpoint_hits", "Admissions that resumed from a "
+                                  "prefix checkpoint of the recurrent state.")
         self.steps = counter("steps", "Engine steps, by the kernel path their linear layers "
                              "took.", ("kernel_path",))
         # Speculative decoding, as vLLM counts it: one draft per verify group (a request's
@@ -119,6 +133,7 @@ class EngineMetrics:
         self._lock = threading.Lock()  # steps arrive on the engine thread, backfill on the loop
         self._last_step = 0
         self._prefix_seen = (0, 0)  # cumulative (queries, hits) at the last step
+        self._state_hits_seen = 0  # cumulative checkpoint hits at the last step
         self._last_token: OrderedDict[str, float] = OrderedDict()  # request -> last token time
         self._unsubscribe: list[Callable[[], None]] = []
 
@@ -129,6 +144,10 @@ class EngineMetrics:
     def _kv_usage(self) -> float:
         bm = getattr(self.engine, "block_manager", None)
         return bm.num_used_blocks / bm.num_blocks if bm is not None else 0.0
+
+    def _state_pool(self, name: str) -> int:
+        slots = getattr(self.engine, "state_slots", None)  # None: no recurrent layers
+        return slots.usage()[name] if slots is not None else 0
 
     # ---- following the engine and the runs -----------------------------------------------
     def follow(self, runs: Any | None = None) -> None:
@@ -163,6 +182,9 @@ class EngineMetrics:
         self.prefix_queries.inc(queries - seen_q if queries >= seen_q else queries)
         self.prefix_hits.inc(hits - seen_h if hits >= seen_h else hits)
         self._prefix_seen = (queries, hits)
+        state_hits, seen = record.state_checkpoint_hits, self._state_hits_seen
+        self.state_hits.inc(state_hits - seen if state_hits >= seen else state_hits)
+        self._state_hits_seen = state_hits
         token_time = record.started_at + record.wall_time
         for entry in record.entries:
             if not entry.sampled:

@@ -197,30 +197,72 @@ def test_preemptions_with_a_tiny_pool(client, finishes):
                  "batchscope:num_preemptions_total") == 0
 
 
+def test_a_model_without_recurrent_layers_exports_the_state_pool_at_zero(client, finishes):
+    m = scrape(client)
+    for gauge in ("state_slots_used", "state_slots_total", "state_checkpoints",
+                  "state_checkpoint_capacity"):
+        assert value(m, "batchscope:" + gauge) == 0
+    assert value(m, "batchscope:state_checkpoint_hits",
+                 "batchscope:state_checkpoint_hits_total") == 0
+
+
+class FakeEngine:
+    """Step records fed by hand; no live scheduler."""
+
+    def __init__(self) -> None:
+        self.steps = self
+        self.records: list[StepRecord] = []
+
+    def recent(self) -> list[StepRecord]:
+        return list(self.records)
+
+    def subscribe(self, callback):
+        return lambda: None
+
+
+def record(step: int, **kw) -> StepRecord:
+    entry = StepEntry("r1", "decode", 1, 10 + step, 3, True, emitted=1)
+    if step == 2:  # a verify group: 3 drafts, 2 of them kept (3 tokens in the step)
+        entry = StepEntry("r1", "verify", 4, 14, 4, True, drafted=3, accepted=2, emitted=3)
+    base = dict(step=step, started_at=100.0 + step, wall_time=0.01, model_time=0.005,
+                scheduler_time=0.005, entries=[entry], total_rows=1, prefill_rows=0,
+                decode_rows=1, kv_blocks_total=8, kv_blocks_used=3, kv_blocks_free=5,
+                kv_blocks_cached=0, num_running=1, num_waiting=0)
+    return StepRecord(**{**base, **kw})
+
+
+def test_the_state_pool_is_read_live_and_checkpoint_hits_counted_once():
+    """Slots and checkpoints are the engine's state pool at scrape time; checkpoint hits are
+    counted from the steps' cumulative totals (once per step, restarting with a new pool)."""
+
+    class Slots:
+        usage_now = {"state_slots_total": 4, "state_slots_used": 3, "state_checkpoints": 5,
+                     "state_checkpoint_capacity": 16, "state_checkpoint_hits": 7,
+                     "state_slot_bytes": 1 << 20}
+
+        def usage(self) -> dict[str, int]:
+            return dict(self.usage_now)
+
+    engine = FakeEngine()
+    engine.state_slots = Slots()
+    engine.records = [record(1, state_checkpoint_hits=2), record(2, state_checkpoint_hits=3)]
+    metrics = EngineMetrics(engine)
+    metrics.follow()
+    metrics.observe_step(engine.records[1])  # live delivery of a backfilled step
+    metrics.observe_step(record(3, state_checkpoint_hits=1))  # the pool was rebuilt
+    reg = metrics.registry
+    assert reg.get_sample_value("batchscope:state_checkpoint_hits_total") == 4
+    assert {name: reg.get_sample_value("batchscope:" + name) for name in
+            ("state_slots_used", "state_slots_total", "state_checkpoints",
+             "state_checkpoint_capacity")} == \
+        {"state_slots_used": 3, "state_slots_total": 4, "state_checkpoints": 5,
+         "state_checkpoint_capacity": 16}
+    engine.state_slots.usage_now = {**Slots.usage_now, "state_slots_used": 0}
+    assert reg.get_sample_value("batchscope:state_slots_used") == 0  # read at scrape time
+
+
 def test_steps_seen_twice_count_once():
     """A step both backfilled from the ring buffer and delivered live is counted once."""
-
-    class FakeEngine:
-        def __init__(self) -> None:
-            self.steps = self
-            self.records: list[StepRecord] = []
-
-        def recent(self) -> list[StepRecord]:
-            return list(self.records)
-
-        def subscribe(self, callback):
-            return lambda: None
-
-    def record(step: int, **kw) -> StepRecord:
-        entry = StepEntry("r1", "decode", 1, 10 + step, 3, True, emitted=1)
-        if step == 2:  # a verify group: 3 drafts, 2 of them kept (3 tokens in the step)
-            entry = StepEntry("r1", "verify", 4, 14, 4, True, drafted=3, accepted=2, emitted=3)
-        base = dict(step=step, started_at=100.0 + step, wall_time=0.01, model_time=0.005,
-                    scheduler_time=0.005, entries=[entry], total_rows=1, prefill_rows=0,
-                    decode_rows=1, kv_blocks_total=8, kv_blocks_used=3, kv_blocks_free=5,
-                    kv_blocks_cached=0, num_running=1, num_waiting=0)
-        return StepRecord(**{**base, **kw})
-
     engine = FakeEngine()
     engine.records = [record(1, prefix_cache_queries=10, prefix_cache_hits=4),
                       record(2, prefix_cache_queries=10, prefix_cache_hits=4)]
