@@ -53,6 +53,8 @@ def _check(qkv, a, b, layer, conv_pool, state_pool, groups, snapshots) -> None:
     hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     conv_dim, keep = 2 * hk * dk + hv * dv, layer.conv_kernel_size - 1
     rows = qkv.shape[0]
+    if rows < 1:
+        raise ValueError("gated_delta_rows: a step has at least one row")
     if qkv.shape != (rows, conv_dim):
         raise ValueError(f"gated_delta_rows: qkv {qkv.shape} must be (rows, {conv_dim})")
     if a.shape != (rows, hv) or b.shape != (rows, hv):

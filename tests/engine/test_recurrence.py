@@ -5,6 +5,8 @@ others give the states and outputs of the sequence computed alone."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet, TextModelArgs
+from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 from native_ops import native_op
 
 from engine.recurrence import gated_delta_rows
@@ -103,6 +106,24 @@ def test_the_ops_path_has_mlx_lms_bits(dtype):
     for slot, cache in zip(slots, caches, strict=True):
         assert mx.array_equal(conv_pool[slot], cache[0][0]).item()
         assert mx.array_equal(state_pool[slot], cache[1][0]).item()
+
+
+def test_a_qwen3_next_layer_leaves_mlx_lms_states():
+    mx.random.seed(0)
+    layer = Qwen3NextGatedDeltaNet(SimpleNamespace(
+        hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, rms_norm_eps=1e-6))
+    x = mx.random.normal((1, 9, 64))
+    q, k, v, _, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x),
+                                                          layer.in_proj_ba(x))
+    qkv = mx.concatenate([t.reshape(9, -1) for t in (q, k, v)], axis=-1)  # its conv input
+    cache = ArraysCache(2)
+    layer(x, cache=cache)
+    _, conv_pool, state_pool = gated_delta_rows(
+        qkv, a[0], b[0], layer, mx.zeros((2, 3, layer.conv_dim)),
+        mx.zeros((2, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim)), [(9, 1)], [])
+    assert mx.array_equal(conv_pool[1], cache[0][0]).item()
+    assert mx.array_equal(state_pool[1], cache[1][0]).item()
 
 
 # ---- the native kernel ---------------------------------------------------------------------
