@@ -113,6 +113,30 @@
       `<span class="key key-free"></span> free <b>${kv.free}</b>`;
   }
 
+  // ---- the recurrent-state pool (models with recurrent layers) -----------------------------
+  function bytes(n) { // render.py: fmt_bytes
+    if (n < 1024) return `${n} B`;
+    let value = n / 1024, unit = "KiB";
+    for (const bigger of ["MiB", "GiB"]) {
+      if (value < 1024) break;
+      value /= 1024;
+      unit = bigger;
+    }
+    return `${value.toFixed(1)} ${unit}`;
+  }
+
+  function renderStatePool() {
+    const sp = state.state_pool;
+    if (!$("state-pool") || !sp) return; // no recurrent layers: the page has no such section
+    $("state-slot-bytes").textContent = bytes(sp.slot_bytes);
+    $("state-slots").textContent = `${sp.slots_used} / ${sp.slots_total}`;
+    $("state-slots-bar").style.setProperty("--f", (sp.slots_used / sp.slots_total).toFixed(3));
+    $("state-ckpt").textContent = `${sp.checkpoints} / ${sp.checkpoint_capacity}`;
+    $("state-ckpt-bar").style.setProperty("--f", (sp.checkpoint_capacity
+      ? sp.checkpoints / sp.checkpoint_capacity : 0).toFixed(3));
+    $("state-hits").textContent = sp.checkpoint_hits;
+  }
+
   // ---- kernel-path strip ------------------------------------------------------------------
   function renderStrip() {
     const top = Math.max(1, ...steps.map((s) => s.total_rows));
@@ -293,6 +317,7 @@
     renderSummary();
     renderBatch();
     renderKV();
+    renderStatePool();
     renderStrip();
     renderExperts();
     renderCharts();

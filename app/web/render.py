@@ -47,6 +47,18 @@ def fmt_pct(fraction: float | None) -> str:
     return "—" if fraction is None else f"{fraction * 100:.1f}%"
 
 
+def fmt_bytes(n: int) -> str:
+    """Bytes in binary units, one decimal (static/dashboard.js: bytes())."""
+    if n < 1024:
+        return f"{n} B"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
 def fmt_time(epoch: float | None) -> str:
     if epoch is None:
         return "—"
@@ -89,7 +101,7 @@ def make_templates() -> Environment:
     env = Environment(loader=FileSystemLoader(TEMPLATES_DIR), autoescape=True,
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(ms=fmt_ms, rate=fmt_rate, lp=fmt_lp, pct=fmt_pct, ts=fmt_time,
-                       visible=visible,
+                       bytes=fmt_bytes, visible=visible,
                        json=as_json)
     return env
 

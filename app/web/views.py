@@ -242,6 +242,20 @@ class SpeculationSetting(View):
     max_batch: int | None
 
 
+class StatePool(View):
+    """Models with recurrent layers (Gated DeltaNet): the pool of per-sequence states beside
+    the KV pool, now (engine.telemetry.StepRecord's state_* fields without the prefix)."""
+
+    slots_total: int = Field(ge=1, description="live-sequence slots")
+    slots_used: int = Field(ge=0, description="slots held by running sequences")
+    checkpoints: int = Field(ge=0, description="prefix checkpoints held")
+    checkpoint_capacity: int = Field(ge=0, description="checkpoints the memory budget allows")
+    checkpoint_hits: int = Field(ge=0, description="cumulative: admissions that resumed from "
+                                                   "a checkpoint")
+    slot_bytes: int = Field(ge=0, description="one slot: conv + recurrent state of every "
+                                              "recurrent layer")
+
+
 class EngineState(Record):
     time: float
     step: int = Field(ge=0)
@@ -250,6 +264,8 @@ class EngineState(Record):
     idle: bool
     batch: dict[str, Any] | None = Field(description="the latest step's batch")
     kv: dict[str, Any] = Field(description="every KV block: free, cached or its holders")
+    state_pool: StatePool | None = Field(description="the recurrent-state pool (null: the "
+                                                     "model has no recurrent layers)")
     experts: dict[str, Any] | None = Field(description="the expert load (null: a dense model)")
 
 

@@ -33,6 +33,7 @@ from app.web.views import (
     Steps,
     StepSummary,
 )
+from engine.telemetry import STATE_POOL_FIELDS
 
 CHART_STEPS = 300  # steps the charts and the kernel-path strip show
 EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
@@ -128,9 +129,20 @@ def expert_load(engine: Any) -> dict[str, Any] | None:
             "num_experts": max(layers.values()), "layers": out}
 
 
+def state_pool(engine: Any) -> dict[str, int] | None:
+    """The recurrent-state pool of a model with recurrent layers, now: StepRecord's state_*
+    fields without their prefix (slots_total, slots_used, checkpoints, ...); None for a model
+    without such layers."""
+    slots = getattr(engine, "state_slots", None)  # engine/state_slots.py: StateSlots
+    usage = slots.usage() if slots is not None else None
+    if not usage or not usage["state_slots_total"]:
+        return None
+    return {name.removeprefix("state_"): usage[name] for name in STATE_POOL_FIELDS}
+
+
 def dashboard_state(engine: Any) -> dict[str, Any]:
     """What the engine is doing now: live queue lengths, the latest step's batch, the KV map,
-    the expert load (None for a dense model)."""
+    the recurrent-state pool and the expert load (None for models without them)."""
     latest = engine.steps.recent(1)
     batch = None
     if latest:
@@ -150,7 +162,8 @@ def dashboard_state(engine: Any) -> dict[str, Any]:
     running, waiting = len(scheduler.running), len(scheduler.waiting)
     return {"time": time.time(), "step": engine.step_count, "running": running,
             "waiting": waiting, "idle": running == 0 and waiting == 0, "batch": batch,
-            "kv": kv_map(engine), "experts": expert_load(engine)}
+            "kv": kv_map(engine), "state_pool": state_pool(engine),
+            "experts": expert_load(engine)}
 
 
 def speculation_setting(engine: Any) -> SpeculationSetting:
