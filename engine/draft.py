@@ -105,6 +105,13 @@ def draft_proposer(cfg: EngineConfig, target: LoadedModel, target_runner: ModelR
     refused here, before the engine serves, when it does not fit the target. path_for: the
     engine's kernel path for a forward of that many rows."""
     draft = load_draft(cfg.draft_model, target, target_runner.family, loader)
+    if draft.family.recurrent_layers():
+        # Its rollback keeps the longest common prefix of its cache: a recurrent state
+        # cannot be cut back to it.
+        raise UnsupportedModelError(
+            f"draft model {draft.name}: a draft with recurrent layers ({draft.family.name}) is "
+            "not supported; use --speculative ngram or a draft without them (any target "
+            "family may verify)")
     pool = pool_for(draft.family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
     # A draft of the target's own modules shares its stacked q/k/v and gate/up weights (the
     # layers' weights are views of them), so it adds no weight memory.

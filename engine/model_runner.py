@@ -20,7 +20,7 @@ import numpy as np
 from engine.config import DEFAULT_TILE, EngineConfig, KernelPath, NativeSetting
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
-from engine.native_ops import NativeLayer, NativeOps
+from engine.native_ops import NativeLayer, NativeOps, recurrence_kernel
 from engine.sampler import Sampled, sample
 from engine.scheduler import RowGroup
 from engine.state_pool import StatePool
@@ -104,7 +104,7 @@ class ModelRunner(NativeOps):
         if (states is None) != (not self.family.recurrent_layers()):
             raise ValueError(f"{self.family.name}: a state pool is needed exactly for a model "
                              "with recurrent layers")
-        self.recurrence_kernel = None
+        self.recurrence_kernel = recurrence_kernel(attention, self.fused_attention)
         self.tile = tile
         self.layer_kv = self.family.layer_kv()
         # The sliding windows of the layers that write keys and values (empty: none).

@@ -76,14 +76,18 @@ class StatePool:
                     arrays[i] = a
         if restores:
             self.copy([src for src, _ in restores], [dst for _, dst in restores])
+        elif fresh:
+            mx.eval(self.state())
 
     def copy(self, src: list[int], dst: list[int]) -> None:
-        """Slot dst[n] takes slot src[n]'s state, in every layer."""
+        """Slot dst[n] takes slot src[n]'s state, in every layer. Evaluated now: the native
+        recurrence writes the pool in place and takes only evaluated arrays."""
         src_at, dst_at = mx.array(src), mx.array(dst)
         for arrays in (self._conv, self._state):
             for i, a in enumerate(arrays):
                 a[dst_at] = a[src_at]
                 arrays[i] = a
+        mx.eval(self.state())
 
     def gated_delta(self, layer: int, module, qkv: mx.array, a: mx.array, b: mx.array,
                     groups: list[tuple[int, int]], snapshots: list[tuple[int, int]],

@@ -141,9 +141,9 @@ class Step:
         rows, each sequence from and into its own state slot: qkv (rows, conv_dim) before the
         convolution, a and b (rows, v_heads). Returns (rows, v_heads, v_dim)."""
         runner = self.runner
+        kernel = runner.recurrence_kernel if qkv.dtype == mx.float32 else None  # float32 only
         return runner.states.gated_delta(runner.layer_kv[i].state.index, layer, qkv, a, b,
-                                         self.state_groups, self.snapshots,
-                                         runner.recurrence_kernel)
+                                         self.state_groups, self.snapshots, kernel)
 
     def decoder_layer(self, i: int, x: mx.array) -> mx.array | None:
         """Layer i as one native op (the family's Family.fused_layer_spec), or None where the

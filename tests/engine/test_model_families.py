@@ -28,13 +28,26 @@ def test_every_model_type_has_one_family():
 def test_unknown_model_type_is_refused_by_name_before_loading(tmp_path):
     folder = make_folder(tmp_path / "m", llama, {**TINY, "model_type": "llama"})
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "mamba"  # mlx-lm has it; the engine has no adapter for it
+    config["model_type"] = "starcoder2"  # mlx-lm has it; the engine has no adapter for it
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError) as info:
         load_folder(folder)
     message = str(info.value)
-    assert "'mamba' is not supported" in message
+    assert "'starcoder2' is not supported" in message
     assert "llama" in message and "qwen3" in message  # lists the supported ones
+
+
+@pytest.mark.parametrize("model_type", ["mamba2", "nemotron_h", "lfm2", "granitemoehybrid",
+                                        "falcon_h1"])
+def test_other_recurrent_families_are_refused_as_what_they_are(tmp_path, model_type):
+    folder = make_folder(tmp_path / "m", llama, {**TINY, "model_type": "llama"})
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = model_type
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError) as info:
+        load_folder(folder)
+    message = str(info.value)
+    assert f"'{model_type}' is a recurrent" in message and "qwen3_next" in message
 
 
 def test_class_that_does_not_match_its_adapter_is_refused():
@@ -56,9 +69,9 @@ def test_the_engine_refuses_an_unsupported_model_at_start(tmp_path):
 
     folder = make_folder(tmp_path / "m", llama, {**TINY, "model_type": "llama"})
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "mamba"
+    config["model_type"] = "starcoder2"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="'mamba' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="'starcoder2' is not supported"):
         Engine(EngineConfig(model=str(folder), num_kv_blocks=8)).start()
 
 
