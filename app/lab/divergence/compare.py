@@ -1,6 +1,8 @@
 """The comparison of two runs of one prompt: tokens (where they fork), logits token by token
-while both sides saw the same tokens, and keys/values position by position, each position with
-the step that wrote it on each side. The result is a DivergenceRecord (no arrays in it)."""
+while both sides saw the same tokens, keys/values position by position, each position with
+the step that wrote it on each side, and for models with recurrent layers the recurrent state
+after each step both sides ended at the same token. The result is a DivergenceRecord (no
+arrays in it)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from app.lab.divergence.record import (
     SideRecord,
     Sides,
     Speculation,
+    StateComparison,
+    StateStep,
     TokenLogits,
     Writer,
 )
@@ -59,15 +63,17 @@ def compare(a: SideRun, b: SideRun, decode: Decode, top_k: int = 5) -> Divergenc
     logits_a, logits_b = _token_logits(a), _token_logits(b)
     logits = _compare_logits(logits_a, logits_b, fork)
     kv, any_kv_delta = _compare_kv(a, b, chosen_a, fork)
+    state = _compare_state(a, b, fork)
     record = DivergenceRecord(
         version=1, model=a.model, prompt_ids=list(a.prompt_ids),
         prompt_tokens=len(a.prompt_ids),
         sides=Sides(a=_side(a, chosen_a), b=_side(b, chosen_b)),
         identical=identical,
-        bit_identical=identical and logits.max_abs_delta == 0.0 and not any_kv_delta,
+        bit_identical=(identical and logits.max_abs_delta == 0.0 and not any_kv_delta
+                       and (state is None or state.max_abs_delta == 0.0)),
         fork=None if fork is None else _fork(a, b, chosen_a, chosen_b, fork, logits,
                                              logits_a, logits_b, top_k, decode),
-        logits=logits, kv=kv)
+        logits=logits, kv=kv, state=state)
     record.verdict = verdict(record)
     record.chain = chain(record)
     return record
@@ -218,6 +224,47 @@ def _segments(a: SideRun, b: SideRun, writer_a: list[int], writer_b: list[int],
         if by_position[p] > 0 and seg.first_difference is None:
             seg.first_difference = p
     return segments
+
+
+# ---- the recurrent state (models with recurrent layers) ------------------------------------
+def _states(run: SideRun) -> dict[int, int]:
+    """Tokens consumed -> the trace entry whose state holds them (last write wins: a
+    preempted request recomputes its prefix)."""
+    return {t["start"] + t["rows"]: i for i, t in enumerate(run.trace) if "state" in t}
+
+
+def _compare_state(a: SideRun, b: SideRun, fork: int | None) -> StateComparison | None:
+    """The states after the same tokens on both sides, while they hold the same tokens; None
+    when neither side's trace has states (a model without recurrent layers)."""
+    ends_a, ends_b = _states(a), _states(b)
+    if not ends_a and not ends_b:
+        return None
+    if not ends_a or not ends_b:
+        side = "A" if not ends_a else "B"
+        raise ValueError(f"side {side}'s trace has no recurrent state but the other's has: "
+                         "the sides ran different models")
+    limit = len(a.prompt_ids) + fork if fork is not None else None  # the differing token's
+    per_step = []
+    for end in sorted(ends_a.keys() & ends_b.keys()):
+        if limit is not None and end > limit:
+            break
+        ta, tb = a.trace[ends_a[end]], b.trace[ends_b[end]]
+        if ta["state"].shape != tb["state"].shape:
+            raise ValueError(f"the recurrent states after {end} tokens differ in shape: "
+                             f"{ta['state'].shape} on A, {tb['state'].shape} on B")
+        delta = np.abs(ta["state"] - tb["state"]).reshape(len(ta["state"]), -1).max(axis=1)
+        per_step.append(StateStep(
+            tokens=end, step_a=ta["step"], step_b=tb["step"], path_a=ta["path"],
+            path_b=tb["path"], rows_a=ta["step_rows"], rows_b=tb["step_rows"],
+            max_abs_delta=float(delta.max(initial=0)),
+            max_abs_delta_per_layer=[float(x) for x in delta]))
+    per_layer = np.max([p.max_abs_delta_per_layer for p in per_step], axis=0) \
+        if per_step else np.zeros(0)
+    return StateComparison(
+        compared_steps=len(per_step), max_abs_delta=float(per_layer.max(initial=0)),
+        max_abs_delta_per_layer=[float(x) for x in per_layer],
+        first_difference=next((p.tokens for p in per_step if p.max_abs_delta > 0), None),
+        per_step=per_step)
 
 
 # ---- the fork and the sides ----------------------------------------------------------------

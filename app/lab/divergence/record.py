@@ -126,6 +126,39 @@ class KvComparison(RecordPart):
 
 
 @dataclass(kw_only=True)
+class StateStep(RecordPart):
+    """Models with recurrent layers: the recurrent state both sides held after the same
+    `tokens` tokens (the prompt's and the output's fed back), each after its own step."""
+
+    tokens: int
+    step_a: int
+    step_b: int
+    path_a: str
+    path_b: str
+    rows_a: int  # the step's rows
+    rows_b: int
+    max_abs_delta: float  # over every recurrent layer
+    max_abs_delta_per_layer: list[float]
+
+
+@dataclass(kw_only=True)
+class StateComparison(RecordPart):
+    """The recurrent state after each step, where both sides stopped a step after the same
+    tokens (while they hold the same tokens). Unlike a position's keys and values, a state
+    difference is carried forward: every later state is computed from it."""
+
+    compared_steps: int
+    max_abs_delta: float
+    max_abs_delta_per_layer: list[float]  # over the compared steps
+    first_difference: int | None  # the `tokens` of the first differing state
+    per_step: list[StateStep]
+
+    @classmethod
+    def _nested(cls) -> dict:
+        return {"per_step": _many(StateStep)}
+
+
+@dataclass(kw_only=True)
 class TokenLogits(RecordPart):
     """One output token's logits on both sides: the largest difference and the top-2 margins."""
 
@@ -274,6 +307,7 @@ class DivergenceRecord(RecordPart):
     fork: Fork | None
     logits: LogitComparison
     kv: KvComparison
+    state: StateComparison | None = None  # models with recurrent layers only
     verdict: str = ""
     chain: list[str] = field(default_factory=list)
     prompt: str | None = None
@@ -286,7 +320,14 @@ class DivergenceRecord(RecordPart):
     @classmethod
     def _nested(cls) -> dict:
         return {"sides": Sides.from_dict, "fork": Fork.from_dict,
-                "logits": LogitComparison.from_dict, "kv": KvComparison.from_dict}
+                "logits": LogitComparison.from_dict, "kv": KvComparison.from_dict,
+                "state": StateComparison.from_dict}
+
+    def to_dict(self) -> dict:
+        data = super().to_dict()
+        if self.state is None:  # a model without recurrent layers: the JSON it always had
+            del data["state"]
+        return data
 
 
 @dataclass(kw_only=True)

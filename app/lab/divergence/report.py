@@ -6,24 +6,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.lab.divergence.record import DivergenceRecord, RecordPart, TimelineRow, Writer
+from app.lab.divergence.record import (
+    DivergenceRecord,
+    RecordPart,
+    StateComparison,
+    TimelineRow,
+    Writer,
+)
 
 
 def verdict(r: DivergenceRecord) -> str:
-    logits, kv = r.logits, r.kv
+    logits, kv, state = r.logits, r.kv, r.state
     if r.bit_identical:
+        states = ("" if state is None else
+                  f" and max |Δstate| = 0 over {state.compared_steps} steps")
         return (f"bit-identical: the same {len(r.sides.a.token_ids)} tokens; "
                 f"max |Δlogit| = 0 over {logits.compared_tokens} tokens and max |ΔKV| = 0 "
-                f"over {kv.compared_positions} positions")
+                f"over {kv.compared_positions} positions{states}")
     if r.identical:
+        states = "" if state is None else f", max |Δstate| = {state.max_abs_delta:.3g}"
         return (f"same tokens, different numbers: max |Δlogit| = {logits.max_abs_delta:.3g}, "
-                f"max |ΔKV| = {kv.max_abs_delta:.3g}")
+                f"max |ΔKV| = {kv.max_abs_delta:.3g}{states}")
     f = r.fork
     return f"forked at output token {f.token_index} (character {f.char_offset})"
 
 
 def chain(r: DivergenceRecord) -> list[str]:
-    """Cause to effect, one sentence each: KV -> logits -> fork."""
+    """Cause to effect, one sentence each: KV -> the recurrent state (models with recurrent
+    layers) -> logits -> fork."""
     out = []
     kv, logits, fork = r.kv, r.logits, r.fork
     first = kv.first_difference
@@ -36,6 +46,8 @@ def chain(r: DivergenceRecord) -> list[str]:
         out.append(f"KV first differs at position {first.position} ({where}), written at "
                    f"{describe_writer(first.a)} on A vs {describe_writer(first.b)} on B; "
                    f"max |ΔKV| there {first.max_abs_delta:.3g}")
+    if r.state is not None:
+        out.append(_state_sentence(r.state))
     i = logits.first_difference
     if i is None:
         out.append(f"logits identical at all {logits.compared_tokens} compared tokens "
@@ -58,6 +70,16 @@ def chain(r: DivergenceRecord) -> list[str]:
                    f"{fork.token_a} {fork.text_a!r}, B chose {fork.token_b} "
                    f"{fork.text_b!r}{margins}")
     return out
+
+
+def _state_sentence(state: StateComparison) -> str:
+    if state.first_difference is None:
+        return (f"recurrent state identical after all {state.compared_steps} compared steps "
+                "(max |Δstate| = 0)")
+    p = next(p for p in state.per_step if p.tokens == state.first_difference)
+    return (f"recurrent state first differs after {p.tokens} tokens (step {p.step_a} "
+            f"{p.path_a} {p.rows_a} rows on A, step {p.step_b} {p.path_b} {p.rows_b} rows on "
+            f"B); max |Δstate| there {p.max_abs_delta:.3g}, carried into every later state")
 
 
 def describe_writer(w: Writer | None) -> str:

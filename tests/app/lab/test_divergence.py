@@ -295,6 +295,90 @@ def test_a_record_reads_back_from_its_json_as_saved_by_older_builds():
     assert old.fork == r.fork and old.kv == r.kv and old.verdict == r.verdict
 
 
+# ---- models with recurrent layers: the state after each step ----------------------------------
+def with_state(run: SideRun, noise_from: int | None = None) -> SideRun:
+    """The run as a hybrid model's: its trace entries carry a (2 layers, Hv 1, Dv 2, Dk 2)
+    state after each step; from trace entry `noise_from` on, layer 1 holds 1e-3 more (once in
+    the state, a difference stays in every later one)."""
+    for i, t in enumerate(run.trace):
+        state = np.full((2, 1, 2, 2), 0.25 * (i + 1), dtype=np.float32)
+        if noise_from is not None and i >= noise_from:
+            state[1, 0, 1, 0] += np.float32(1e-3)
+        t["state"] = state
+    return run
+
+
+def two_tokens(noise_from: int | None = None) -> SideRun:
+    out = [ord("x") + 3, ord("y") + 3]
+    logits = [onehot(out[0], 50, 2.0), onehot(out[1], 50, 1.0)]
+    return with_state(fake_run(out, logits, None, ["gemv", "gemv"]), noise_from)
+
+
+def test_the_state_after_each_step_is_compared_while_the_tokens_agree():
+    a_tok, b_tok = ord("a") + 3, ord("b") + 3
+    shared = [onehot(ord("x") + 3, 50, 2.0), onehot(ord("y") + 3, 50, 1.0)]
+    after = onehot(50, 51, 1.0)  # a token after the fork: its state is not compared
+    run_a = with_state(fake_run([ord("x") + 3, ord("y") + 3, a_tok, 50],
+                                [*shared, onehot(a_tok, b_tok, 0.01), after], None,
+                                ["gemv"] * 4))
+    run_b = with_state(fake_run([ord("x") + 3, ord("y") + 3, b_tok, 50],
+                                [*shared, onehot(b_tok, a_tok, 0.01), after], None,
+                                ["gemv", "gemm", "gemv", "gemv"]), noise_from=1)
+    r = compare(run_a, run_b, TOKENIZER.decode, top_k=2)
+    state = r.state
+    # After the prompt (3 tokens), then after output tokens #0 and #1 fed back: the state
+    # after 5 tokens still holds the same tokens on both sides (#2 is where they fork), the
+    # one after 6 holds the differing token.
+    assert [p.tokens for p in state.per_step] == [3, 4, 5] and state.compared_steps == 3
+    assert state.first_difference == 4
+    first = state.per_step[1]
+    assert (first.step_a, first.step_b, first.path_a, first.path_b) == (2, 2, "gemv", "gemm")
+    assert first.rows_b == 1 + 4  # the step's rows, not the target's
+    assert state.per_step[0].max_abs_delta == 0
+    assert [p.max_abs_delta_per_layer[0] for p in state.per_step] == [0, 0, 0]
+    assert [p.max_abs_delta_per_layer[1] for p in state.per_step] == \
+        pytest.approx([0, 1e-3, 1e-3], rel=1e-3)
+    assert state.max_abs_delta_per_layer == pytest.approx([0, 1e-3], rel=1e-3)
+    assert state.max_abs_delta == pytest.approx(1e-3, rel=1e-3)
+    assert r.kv.max_abs_delta == 0 and r.logits.first_difference == 2  # at the fork
+    assert [line.split(" ")[0] for line in r.chain] == ["KV", "recurrent", "first", "fork"]
+    assert "first differs after 4 tokens (step 2 gemv 5 rows on A, step 2 gemm 5 rows" \
+        in r.chain[1] and "carried into every later state" in r.chain[1]
+
+
+def test_a_state_difference_alone_is_a_difference():
+    same = compare(two_tokens(), two_tokens(), TOKENIZER.decode)
+    assert same.bit_identical and same.state.compared_steps == 2
+    assert same.verdict.endswith("and max |Δstate| = 0 over 2 steps")
+    assert same.chain[1] == ("recurrent state identical after all 2 compared steps "
+                             "(max |Δstate| = 0)")
+    differ = compare(two_tokens(), two_tokens(noise_from=1), TOKENIZER.decode)
+    assert differ.identical and not differ.bit_identical
+    assert differ.verdict.startswith("same tokens, different numbers") and \
+        differ.verdict.endswith("max |Δstate| = 0.001")
+
+
+def test_a_record_with_states_reads_back_and_one_without_has_no_state_key():
+    r = compare(two_tokens(), two_tokens(noise_from=0), TOKENIZER.decode)
+    data = json.loads(json.dumps(r.to_dict()))
+    assert list(data)[9:11] == ["kv", "state"]
+    assert data["state"]["per_step"][0]["max_abs_delta_per_layer"][1] > 0
+    assert DivergenceRecord.from_dict(data) == r
+    dense = compare(fake_run([ord("x") + 3], [onehot(ord("x") + 3, 50, 2.0)], None, ["gemv"]),
+                    fake_run([ord("x") + 3], [onehot(ord("x") + 3, 50, 2.0)], None, ["gemv"]),
+                    TOKENIZER.decode)
+    assert dense.state is None and "state" not in dense.to_dict()
+    assert DivergenceRecord.from_dict(dense.to_dict()).state is None
+
+
+def test_states_on_one_side_only_are_refused():
+    dense = fake_run([ord("x") + 3, ord("y") + 3],
+                     [onehot(ord("x") + 3, 50, 2.0), onehot(ord("y") + 3, 50, 1.0)], None,
+                     ["gemv", "gemv"])
+    with pytest.raises(ValueError, match="side B's trace has no recurrent state"):
+        compare(two_tokens(), dense, TOKENIZER.decode)
+
+
 def test_a_record_names_the_blas_library_not_its_path():
     from app.lab.divergence.runner import backend
 

@@ -4,6 +4,7 @@ output of the same record."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from bs4 import BeautifulSoup
 from starlette.testclient import TestClient
 
 from app.lab.divergence import SideConfig, run_experiment, search
+from app.lab.divergence.record import StateComparison, StateStep
 from app.lab.divergence.text import clean, format_record, format_search
 from app.settings import Settings
 from app.web.app import create_app
@@ -114,6 +116,39 @@ def test_json_twin_holds_the_record(client, forked):
     listing = client.get("/divergence.json").json()
     assert listing["experiment"] is None and any(e["id"] == exp_id
                                                  for e in listing["experiments"])
+
+
+def hybrid(record):
+    """The record as a model with recurrent layers would have it: states after 3 steps, the
+    second one different in layer 1 (and so the third)."""
+    steps = [StateStep(tokens=n, step_a=i + 1, step_b=i + 1, path_a="gemm", path_b="gemv",
+                       rows_a=n if i == 0 else 3, rows_b=n if i == 0 else 1,
+                       max_abs_delta=d, max_abs_delta_per_layer=[0.0, d])
+             for i, (n, d) in enumerate([(20, 0.0), (21, 2.5e-7), (22, 4e-7)])]
+    state = StateComparison(compared_steps=3, max_abs_delta=4e-7,
+                            max_abs_delta_per_layer=[0.0, 4e-7], first_difference=21,
+                            per_step=steps)
+    return dataclasses.replace(record, state=state)
+
+
+def test_a_hybrid_records_state_is_shown_and_said_to_carry_forward(client, forked):
+    record, params = forked
+    lab = lab_for(client.app)
+    dense = soup(client.get(f"/divergence?id={lab.add_record(record, params)}"))
+    assert dense.select_one("table.div-state") is None and "Recurrent state" not in dense.text
+    exp_id = lab.add_record(hybrid(record), params)
+    page = soup(client.get(f"/divergence?id={exp_id}"))
+    assert "carried forward forever" in page.find(class_="state-carried").get_text()
+    rows = page.select("table.div-state tbody tr")
+    assert [int(r["data-tokens"]) for r in rows] == [20, 21, 22]
+    assert [r.find(attrs={"data-col": "max_abs_delta"}).get_text() for r in rows] == \
+        ["0", "2.5e-07 ← first", "4e-07"]
+    assert page.select("tr.state-first") == [rows[1]]
+    assert rows[1].find("code").get_text() == "0 2.5e-07"
+    got = client.get(f"/divergence.json?id={exp_id}").json()["experiment"]["record"]["state"]
+    assert got["first_difference"] == 21
+    assert [p["max_abs_delta_per_layer"] for p in got["per_step"]] == \
+        [[0.0, 0.0], [0.0, 2.5e-7], [0.0, 4e-7]]
 
 
 def test_unknown_experiment_is_a_404(client):
