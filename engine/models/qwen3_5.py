@@ -51,6 +51,7 @@ class Qwen3_5(Family):
             raise UnsupportedModelError(
                 f"{self.name}: full_attention_interval {args.full_attention_interval} exceeds "
                 f"the {args.num_hidden_layers} layers")
+        check_layer_types(config, self.name, [layer.is_linear for layer in self.layers])
         self._states: dict[int, LayerState] = {}
         for i, layer in enumerate(self.layers):
             if layer.is_linear:
@@ -185,3 +186,20 @@ def gated_rms_norm(norm: nn.Module, y: mx.array, z: mx.array) -> mx.array:
     x = mx.fast.rms_norm(y, norm.weight, norm.eps)
     return (nn.silu(z.astype(mx.float32)) * x.astype(mx.float32)).astype(y.dtype)
 
+
+def check_layer_types(config: dict, family: str, linear: list[bool]) -> None:
+    """mlx-lm places the layers by full_attention_interval and ignores the config's
+    `layer_types` (Hugging Face's list): a folder whose list says otherwise would be computed
+    with the wrong layer at some index, so it is refused naming the first."""
+    types = config.get("text_config", config).get("layer_types")
+    if types is None:
+        return
+    expected = ["linear_attention" if is_linear else "full_attention" for is_linear in linear]
+    if len(types) != len(expected):
+        raise UnsupportedModelError(f"{family}: config layer_types has {len(types)} entries "
+                                    f"for {len(expected)} layers")
+    for i, (said, made) in enumerate(zip(types, expected, strict=True)):
+        if said != made:
+            raise UnsupportedModelError(
+                f"{family}: config layer_types says layer {i} is {said!r}, but "
+                f"full_attention_interval makes it {made!r} (as mlx-lm computes it)")

@@ -6,13 +6,15 @@ the state slots' bookkeeping."""
 from __future__ import annotations
 
 import importlib
+import json
+import shutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.model_loader import load_model
-from engine.models import UnsupportedModelError
+from engine.models import UnsupportedModelError, family_for
 from engine.sampling import SamplingParams
 from engine.speculative import NgramProposer
 from engine.testing import FAMILY_CONFIGS, cancel_after_tokens
@@ -220,6 +222,56 @@ def test_the_state_pool_size_is_the_configs_arithmetic(hybrid):
     assert slots.slot_bytes == layers * per_layer
     assert (slots.live, slots.scratch) == (3, 2 * 2)
     assert engine.runner.states.nbytes() == slots.total * layers * per_layer
+
+
+def _nested_copy(flat, tmp_path, **text_extra):
+    """The flat folder with its config laid out as a real Qwen3.5 folder's: the text model's
+    keys under text_config (with layer_types), beside a vision_config."""
+    folder = tmp_path / "nested"
+    shutil.copytree(flat, folder)
+    config = json.loads((flat / "config.json").read_text())
+    text = {k: v for k, v in config.items() if k not in ("model_type", "quantization")}
+    text["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                           for i in range(text["num_hidden_layers"])]
+    text.update(text_extra)
+    nested = {"model_type": config["model_type"], "text_config": text,
+              "vision_config": {"depth": 2, "hidden_size": 32}, "image_token_id": 248056,
+              **({"quantization": config["quantization"]} if "quantization" in config else {})}
+    (folder / "config.json").write_text(json.dumps(nested))
+    return folder
+
+
+def test_a_nested_config_with_a_vision_config_serves_the_text_model(hybrid, q4_folder,
+                                                                    make_engine, tmp_path):
+    nested = _nested_copy(q4_folder, tmp_path)
+    prompt = prompt_ids(30)
+    expected = run(hybrid(), prompt)
+    engine = make_engine(loader=lambda: load_model(str(nested), "q4"))
+    assert run(engine, prompt) == expected
+    assert any("vision tower" in line for line in engine.runner.family.describe_layers())
+
+
+def test_layer_types_that_disagree_with_the_interval_are_refused(q4_folder, tmp_path):
+    types = ["linear_attention"] * 7 + ["full_attention"]  # layer 3 should attend
+    nested = _nested_copy(q4_folder, tmp_path, layer_types=types)
+    loaded = load_model(str(nested), "q4")
+    with pytest.raises(UnsupportedModelError, match="layer 3 is 'linear_attention'"):
+        family_for(loaded.model, loaded.config)
+
+
+def test_a_draft_model_without_recurrent_layers_drafts_for_a_hybrid(hybrid, tmp_path):
+    """A llama draft on the same vocabulary proposes; the hybrid target verifies."""
+    from mlx_lm.models import llama
+
+    draft = make_folder(tmp_path / "draft", llama, FAMILY_CONFIGS["llama"][1], quantize=True)
+    prompts = [prompt_ids(n, offset=3 * n) for n in (12, 31)]
+    plain = hybrid()
+    expected = [run(plain, p) for p in prompts]
+    engine = hybrid(speculative="draft", draft_model=str(draft), num_speculative_tokens=3)
+    handles = [engine.submit(p, greedy()) for p in prompts]
+    assert [outputs(h) for h in handles] == expected
+    assert sum(r.draft_tokens for r in engine.steps.recent()) > 0
+    assert_nothing_held(engine)
 
 
 def test_a_hybrid_draft_model_is_refused_by_name(hybrid, q4_folder):
