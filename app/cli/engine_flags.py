@@ -30,9 +30,10 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "kernel_threshold": ("for --kernel-policy auto: row-wise at or below this many rows "
                          "(default: measured by `batchscope calibrate`, else 1)", None),
     "invariant_tile": ("rows per linear call in --batch-invariant mode", None),
-    "attention": ("attention of decode rows and prefill chunks: the native paged kernel "
-                  "(CPU backend, built by scripts/setup.sh), MLX ops, or auto (native when "
-                  "available)", NATIVE_SETTING),
+    "attention": ("attention of decode rows and prefill chunks (and the Gated DeltaNet "
+                  "recurrence of hybrid models): the native kernels (CPU backend, built by "
+                  "scripts/setup.sh), MLX ops, or auto (native when available)",
+                  NATIVE_SETTING),
     "row_kernels": ("everything a step computes per row outside attention: the float32 "
                     "(steps of up to 32 rows) and affine 4/8-bit linear layers of the gemm "
                     "path, RMS norm, RoPE, the sampler's logsumexp and the fused decoder layer "
@@ -51,6 +52,14 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                     "first N layers, final norm and head: no download, no weight memory), "
                     "'embedded' (the embedded model at its 4-bit weights, for an f32 target) "
                     "or a local mlx-lm folder with the target's tokenizer", None),
+    "state_slots": ("hybrid models (Gated DeltaNet layers): recurrent-state slots, one per "
+                    "running request; a request waits for a free one (default: "
+                    "--max-num-seqs)", None),
+    "state_checkpoint_interval": ("hybrid models: keep the recurrent state every this many "
+                                  "tokens of a prompt (a multiple of --block-size), where a "
+                                  "later prompt with the same prefix resumes", None),
+    "state_checkpoint_mib": ("hybrid models: memory for those state checkpoints (0: no "
+                             "prefix caching for them)", None),
 }
 # Old flag -> the field it sets now: still accepted, hidden from --help, warned about.
 RENAMED = {"decode_matmul": "row_kernels"}
