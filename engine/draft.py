@@ -12,6 +12,8 @@ is at most k forwards of the draft:
 Rollback needs no hook in the engine: the proposer remembers which tokens its cache holds for
 each request, and at the next call keeps the longest common prefix of those and the request's
 tokens (the accepted drafts and the target's token follow it), trimming the blocks past it.
+A draft with recurrent layers (qwen3_5, qwen3_next) cannot cut its state back, so it keeps
+the state after each of its forwards (DraftStates) and resumes after the accepted drafts.
 A preempted request keeps its draft cache (its tokens do not change); `release` frees it when
 the request finishes, is cancelled or fails. When the draft's pool runs out of blocks, caches
 of requests that are not speculating now are dropped (least recently used first); if that is
@@ -43,6 +45,7 @@ from engine.model_runner import ModelRunner, pool_for
 from engine.models import Family, UnsupportedModelError, family_for
 from engine.scheduler import RowGroup
 from engine.speculative import common_prefix, draft_layers
+from engine.state_pool import StatePool
 
 log = logging.getLogger("batchscope.engine")
 
@@ -105,26 +108,25 @@ def draft_proposer(cfg: EngineConfig, target: LoadedModel, target_runner: ModelR
     refused here, before the engine serves, when it does not fit the target. path_for: the
     engine's kernel path for a forward of that many rows."""
     draft = load_draft(cfg.draft_model, target, target_runner.family, loader)
-    if draft.family.recurrent_layers():
-        # Its rollback keeps the longest common prefix of its cache: a recurrent state
-        # cannot be cut back to it.
-        raise UnsupportedModelError(
-            f"draft model {draft.name}: a draft with recurrent layers ({draft.family.name}) is "
-            "not supported; use --speculative ngram or a draft without them (any target "
-            "family may verify)")
     pool = pool_for(draft.family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
+    states = None
+    if draft.family.recurrent_layers():
+        states = DraftStates(cfg.max_num_seqs, cfg.num_speculative_tokens)
+        states.pool = StatePool(draft.family.recurrent_layers(), states.total,
+                                draft.family.conv_dtype())
     # A draft of the target's own modules shares its stacked q/k/v and gate/up weights (the
     # layers' weights are views of them), so it adds no weight memory.
     runner = ModelRunner(draft.model, pool, cfg.attention, cfg.row_kernels, draft.family,
                          tile=cfg.invariant_tile,
-                         stacks=target_runner.stacks if draft.shared else None)
-    runner.run([RowGroup("warmup", [0], 0, [0], sample=False)])
+                         stacks=target_runner.stacks if draft.shared else None,
+                         states=states.pool if states is not None else None)
+    runner.run([RowGroup("warmup", [0], 0, [0], sample=False, state_slot=0)])
     log.info("draft model %s (%s weights%s); its KV pool %.0f MiB (%s)", draft.name,
              draft.weights, ", shared with the target" if draft.shared else "",
              pool.nbytes() / 2**20, pool.dtype)
     return DraftProposer(draft, runner, BlockManager(cfg.num_kv_blocks, cfg.block_size,
                                                      enable_prefix_caching=False),
-                         cfg.max_num_batched_tokens, path_for)
+                         cfg.max_num_batched_tokens, path_for, states)
 
 
 def vocabulary_rows(loaded: LoadedModel) -> int:
@@ -171,12 +173,15 @@ class DraftProposer:
     """Drafts from a draft model (see the module docstring). Engine-thread only."""
 
     def __init__(self, draft: DraftModel, runner: ModelRunner, block_manager: BlockManager,
-                 max_rows: int, path_for: Callable[[int], str]):
+                 max_rows: int, path_for: Callable[[int], str],
+                 states: DraftStates | None = None):
         """runner: a ModelRunner of the draft over its own pool; block_manager: the draft
         pool's tables (no prefix caching: blocks are trimmed back to any length); max_rows:
         rows one catch-up forward may hold (the engine's step budget); path_for: the kernel
-        path of a forward of that many rows (the engine's rule for its own steps)."""
+        path of a forward of that many rows (the engine's rule for its own steps); states: the
+        recurrent states of a draft with recurrent layers."""
         self.draft = draft
+        self.states = states
         self.runner = runner
         self.block_manager = block_manager
         self.max_rows = max_rows
@@ -197,6 +202,8 @@ class DraftProposer:
     def release(self, seq_id: str) -> None:
         self._seen.pop(seq_id, None)
         self.block_manager.free(seq_id)
+        if self.states is not None:
+            self.states.release(seq_id)
 
     def propose(self, wanted: Seq[tuple[str, list[int], int]]) -> dict[str, list[int]]:
         try:
@@ -209,6 +216,9 @@ class DraftProposer:
     def _reset(self) -> None:
         bm = self.block_manager
         self.block_manager = BlockManager(bm.num_blocks, bm.block_size, False)
+        if self.states is not None:
+            for seq_id in list(self._seen):
+                self.states.release(seq_id)
         self._seen.clear()
         self.runner.pool.reset()
 
@@ -220,6 +230,9 @@ class DraftProposer:
         for seq_id, tokens, k in wanted:
             seen = self._seen.pop(seq_id, [])
             keep = min(common_prefix(seen, tokens), len(tokens) - 1)
+            restore = None
+            if self.states is not None:  # where a recurrent state can resume
+                keep, restore = self.states.resume(seq_id, keep)
             if bm.block_table(seq_id):
                 bm.trim(seq_id, keep)
             self._seen[seq_id] = tokens[:keep]  # most recently used now
@@ -232,6 +245,9 @@ class DraftProposer:
             end = keep + rows
             groups.append(RowGroup(seq_id, tokens[keep:end], keep, bm.block_table(seq_id),
                                    sample=end == len(tokens)))
+            if self.states is not None and not self.states.plan(groups[-1], restore):
+                groups.pop()  # no state slot free for it: no drafts this step
+                continue
             rooms[seq_id] = k
         drafts: dict[str, list[int]] = {}
         while groups:
@@ -250,6 +266,8 @@ class DraftProposer:
                                                                   protect):
                     groups.append(RowGroup(g.seq_id, [mine[-1]], len(seen),
                                            bm.block_table(g.seq_id), sample=True))
+                    if self.states is not None:
+                        self.states.plan(groups[-1], None)
         return drafts
 
     def _allocate(self, seq_id: str, num_tokens: int, protect: set[str]) -> bool:
@@ -265,3 +283,52 @@ class DraftProposer:
             self.release(victims.pop(0))
         bm.allocate(seq_id, num_tokens)
         return True
+
+
+class DraftStates:
+    """A draft with recurrent layers: per request a live state slot, and the state after each
+    forward of the last propose call. The next call keeps the longest common prefix of the
+    draft's tokens and the request's: it resumes from the live state (nothing rejected), from
+    the state after the last accepted draft, or from zero (anything else). Slots come in sets
+    of 1 + k per request; a request without a set gets no drafts that step."""
+
+    def __init__(self, requests: int, k: int):
+        self.per_request = 1 + k
+        self.total = requests * self.per_request
+        self.pool: StatePool | None = None
+        self._free = list(range(requests - 1, -1, -1))  # set indices
+        self._sets: dict[str, int] = {}
+        self._len: dict[str, int] = {}  # seq_id -> tokens its live slot's state is after
+        self._at: dict[str, dict[int, int]] = {}  # seq_id -> position -> slot holding it
+
+    def resume(self, seq_id: str, keep: int) -> tuple[int, int | None]:
+        """(tokens to keep, slot to restore from or None): keep as asked where the state after
+        it is held, else 0."""
+        at = self._at.pop(seq_id, {})
+        if keep == self._len.get(seq_id):
+            return keep, None
+        return (keep, at[keep]) if keep in at else (0, None)
+
+    def plan(self, group: RowGroup, restore: int | None) -> bool:
+        """Give the group its slot, its restore and a snapshot after its last row; False when
+        no slot set is free."""
+        seq_id = group.seq_id
+        if seq_id not in self._sets:
+            if not self._free:
+                return False
+            self._sets[seq_id] = self._free.pop()
+        base = self._sets[seq_id] * self.per_request
+        at = self._at.setdefault(seq_id, {})
+        snapshot = base + 1 + len(at)
+        group.state_slot, group.restore_from = base, restore
+        group.snapshots = [(group.num_rows - 1, snapshot)]
+        at[group.start + group.num_rows] = snapshot
+        self._len[seq_id] = group.start + group.num_rows
+        return True
+
+    def release(self, seq_id: str) -> None:
+        self._at.pop(seq_id, None)
+        self._len.pop(seq_id, None)
+        index = self._sets.pop(seq_id, None)
+        if index is not None:
+            self._free.append(index)

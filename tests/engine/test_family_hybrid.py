@@ -274,9 +274,62 @@ def test_a_draft_model_without_recurrent_layers_drafts_for_a_hybrid(hybrid, tmp_
     assert_nothing_held(engine)
 
 
-def test_a_hybrid_draft_model_is_refused_by_name(hybrid, q4_folder):
-    with pytest.raises(UnsupportedModelError, match="recurrent layers"):
-        hybrid(speculative="draft", draft_model=str(q4_folder))
+@pytest.mark.parametrize("draft", ["layers:5", "folder"])
+def test_a_hybrid_draft_resumes_its_state_after_the_accepted_drafts(hybrid, tmp_path, draft):
+    """A draft with recurrent layers (the target's first 5 layers, or another hybrid folder)
+    keeps its state after each of its forwards and resumes after whichever drafts the target
+    accepted: plain greedy's tokens, drafts kept and rejected."""
+    if draft == "folder":
+        module_name, config = FAMILY_CONFIGS["qwen3_5"]
+        draft = str(make_folder(tmp_path / "draft", importlib.import_module(
+            f"mlx_lm.models.{module_name}"), {**config, "num_hidden_layers": 4}, seed=1,
+            quantize=True))
+    prompts = [prompt_ids(n, offset=3 * n) for n in (12, 31, 50)]
+    plain = hybrid()
+    expected = [run(plain, p) for p in prompts]
+    engine = hybrid(speculative="draft", draft_model=draft, num_speculative_tokens=3)
+    assert [run(engine, p) for p in prompts] == expected
+    handles = [engine.submit(p, greedy()) for p in prompts]
+    assert [outputs(h) for h in handles] == expected
+    records = engine.steps.recent()
+    drafted, accepted = (sum(r.draft_tokens for r in records),
+                         sum(r.accepted_tokens for r in records))
+    assert drafted > 0 and accepted < drafted
+    assert_nothing_held(engine)
+
+
+def test_a_hybrid_drafts_after_rollbacks_equal_a_fresh_drafts(hybrid, q4_folder):
+    """The draft's state after each accept length (drafts corrupted on the way to the engine,
+    so every length happens) gives the draft model's own greedy continuation, as a proposer
+    with nothing cached makes it: the resumed state is the right one, not just harmless."""
+    from engine.config import EngineConfig
+    from engine.draft import draft_proposer
+    from engine.model_runner import ModelRunner, pool_for, state_pool_for
+    from tests.engine.test_draft import Recording
+
+    # The target's own folder as the draft: its drafts are right until Recording corrupts one.
+    engine = hybrid(speculative="draft", draft_model=str(q4_folder), num_speculative_tokens=4,
+                    max_num_batched_tokens=16)
+    recording = Recording(engine.proposer, wrong=0.3)
+    engine.proposer = recording
+    for h in [engine.submit(prompt_ids(n, offset=n), greedy()) for n in (9, 20, 41)]:
+        h.result()
+    lengths = {e.accepted for r in engine.steps.recent() for e in r.entries
+               if e.phase == "verify"}
+    assert lengths == set(range(5))
+    target = load_model(str(q4_folder), "q4")
+    cfg = EngineConfig(model=str(q4_folder), speculative="draft", draft_model=str(q4_folder),
+                       num_speculative_tokens=4, max_num_batched_tokens=4096, block_size=16)
+    family = family_for(target.model, target.config)
+    _, states = state_pool_for(family, cfg)
+    runner = ModelRunner(target.model, pool_for(family, cfg.num_kv_blocks, 16), family=family,
+                         states=states)
+    fresh = draft_proposer(cfg, target, runner, None, lambda rows: "gemm")
+    for i, (tokens, k, drafts) in enumerate(recording.calls):
+        again = fresh.propose([(f"fresh-{i}", tokens, k)]).get(f"fresh-{i}", [])
+        fresh.release(f"fresh-{i}")
+        assert drafts == again[:len(drafts)], f"call {i}: {drafts} != {again}"
+    assert_nothing_held(engine)
 
 
 @settings(max_examples=8, deadline=None,
