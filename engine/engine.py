@@ -391,6 +391,7 @@ class Engine:
         bm = self.block_manager
         # KV usage as the step ran, before finished requests give their blocks back.
         kv_used, kv_free, kv_cached = bm.num_used_blocks, bm.num_empty_blocks, bm.num_cached_blocks
+        states = self.state_slots.usage() if self.state_slots is not None else {}
         if output is not None:
             updates = self.scheduler.update_from_output(plan, output)
             entries = self._publish(updates, output.traces, plan, path, started_at)
@@ -412,7 +413,7 @@ class Engine:
             preempted=[s.seq_id for s in plan.preempted], kernel_path=path,
             linear_calls_per_layer=self._calls_per_layer(path, plan.num_rows),
             expert_rows=expert_rows, **self.runner.window_savings(plan.groups),
-            **(self.state_slots.usage() if self.state_slots is not None else {}),
+            **states,
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
         t3 = time.perf_counter()
         record.wall_time = t3 - t0
