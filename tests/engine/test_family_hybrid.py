@@ -259,6 +259,7 @@ def test_layer_types_that_disagree_with_the_interval_are_refused(q4_folder, tmp_
         family_for(loaded.model, loaded.config)
 
 
+@pytest.mark.slow
 def test_a_draft_model_without_recurrent_layers_drafts_for_a_hybrid(hybrid, tmp_path):
     """A llama draft on the same vocabulary proposes; the hybrid target verifies."""
     from mlx_lm.models import llama
@@ -274,7 +275,7 @@ def test_a_draft_model_without_recurrent_layers_drafts_for_a_hybrid(hybrid, tmp_
     assert_nothing_held(engine)
 
 
-@pytest.mark.parametrize("draft", ["layers:5", "folder"])
+@pytest.mark.parametrize("draft", ["layers:5", pytest.param("folder", marks=pytest.mark.slow)])
 def test_a_hybrid_draft_resumes_its_state_after_the_accepted_drafts(hybrid, tmp_path, draft):
     """A draft with recurrent layers (the target's first 5 layers, or another hybrid folder)
     keeps its state after each of its forwards and resumes after whichever drafts the target
@@ -332,6 +333,7 @@ def test_a_hybrid_drafts_after_rollbacks_equal_a_fresh_drafts(hybrid, q4_folder)
     assert_nothing_held(engine)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cancel_after=st.lists(st.integers(0, 10), max_size=3),
