@@ -183,13 +183,15 @@ def test_scripted_speculation_gives_plain_greedy_tokens_alone_and_batched(hybrid
 
 
 def test_prompt_lookup_on_a_hybrid_gives_plain_greedy_tokens(hybrid):
-    """Prompt lookup itself (the random model's output never repeats a token, so it rarely
-    drafts: the scripted test above covers verification)."""
-    prompt = prompt_ids(60)
-    expected = run(hybrid(), prompt, greedy(40))
+    """Prompt lookup itself. The random model never repeats its own tokens, so the prompt is
+    1,500 distinct token ids: an output token found among them drafts what followed it (and
+    is rejected: the scripted test above covers kept drafts)."""
+    prompt = list(range(100, 3100, 2))
+    expected = run(hybrid(), prompt, greedy(150))
     engine = hybrid(speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
     assert isinstance(engine.proposer, NgramProposer)
-    assert run(engine, prompt, greedy(40)) == expected
+    assert run(engine, prompt, greedy(150)) == expected
+    assert sum(r.draft_tokens for r in engine.steps.recent()) > 0
 
 
 def test_a_request_waits_for_a_free_state_slot(hybrid):
