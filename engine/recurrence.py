@@ -125,6 +125,11 @@ def _ops_rows(qkv, a, b, layer, conv_pool, state_pool, groups, snapshots):
         return q, k, v.reshape(*v.shape[:-1], hv, dv)
 
     beta, g = _gates(a, b, layer)
+    # Read the groups' states first, evaluated: the writes at the end are then the pools'
+    # only users, and MLX updates them in place instead of copying every slot each layer.
+    at = mx.array([slot for _, slot in groups])
+    conv_in, state_in = conv_pool[at], state_pool[at]
+    mx.eval(conv_in, state_in)
     snap_at = {r: s for r, s in snapshots}
     ys: list[tuple[int, mx.array]] = []  # (first row, y of those rows)
     write_slots: list[int] = []
@@ -138,11 +143,10 @@ def _ops_rows(qkv, a, b, layer, conv_pool, state_pool, groups, snapshots):
     decode = [j for j, (n, _) in enumerate(groups) if n == 1]
     if decode:
         # The 1-row groups as one batch: each batch row's arithmetic is its own.
-        rows = mx.array([starts[j] for j in decode])
-        slots = mx.array([groups[j][1] for j in decode])
-        inputs = mx.concatenate([conv_pool[slots], qkv[rows][:, None]], axis=1)
+        rows, which = mx.array([starts[j] for j in decode]), mx.array(decode)
+        inputs = mx.concatenate([conv_in[which], qkv[rows][:, None]], axis=1)
         q, k, v = heads(conv(inputs)[:, 0])
-        y, state = _step(q, k, v, g[rows], beta[rows], state_pool[slots])
+        y, state = _step(q, k, v, g[rows], beta[rows], state_in[which])
         for i, j in enumerate(decode):
             ys.append((starts[j], y[i][None]))
             for slot in [groups[j][1]] + ([snap_at[starts[j]]] if starts[j] in snap_at else []):
@@ -153,9 +157,9 @@ def _ops_rows(qkv, a, b, layer, conv_pool, state_pool, groups, snapshots):
         if n == 1:
             continue
         r0 = starts[j]
-        inputs = mx.concatenate([conv_pool[slot], qkv[r0:r0 + n]], axis=0)
+        inputs = mx.concatenate([conv_in[j], qkv[r0:r0 + n]], axis=0)
         q, k, v = heads(conv(inputs[None])[0])
-        state = state_pool[slot][None]
+        state = state_in[j][None]
         rows_y = []
         for t in range(n):
             y, state = _step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[r0 + t:r0 + t + 1],

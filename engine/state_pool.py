@@ -70,10 +70,8 @@ class StatePool:
         (checkpoint, slot) pair's checkpoint into the slot of the sequence resuming from it."""
         if fresh:
             at = mx.array(fresh)
-            for arrays in (self._conv, self._state):
-                for i, a in enumerate(arrays):
-                    a[at] = mx.zeros((len(fresh), *a.shape[1:]), dtype=a.dtype)
-                    arrays[i] = a
+            for a in self._conv + self._state:
+                a[at] = mx.zeros((len(fresh), *a.shape[1:]), dtype=a.dtype)  # in place
         if restores:
             self.copy([src for src, _ in restores], [dst for _, dst in restores])
         elif fresh:
@@ -83,10 +81,14 @@ class StatePool:
         """Slot dst[n] takes slot src[n]'s state, in every layer. Evaluated now: the native
         recurrence writes the pool in place and takes only evaluated arrays."""
         src_at, dst_at = mx.array(src), mx.array(dst)
-        for arrays in (self._conv, self._state):
-            for i, a in enumerate(arrays):
-                a[dst_at] = a[src_at]
-                arrays[i] = a
+        # The slots read first, evaluated: the write is then the array's only user and MLX
+        # makes it in place (a read in the same graph made it copy the whole pool).
+        values = [a[src_at] for a in self._conv + self._state]
+        mx.eval(values)
+        for arrays, part in ((self._conv, values[:len(self._conv)]),
+                             (self._state, values[len(self._conv):])):
+            for i, value in enumerate(part):
+                arrays[i][dst_at] = value
         mx.eval(self.state())
 
     def gated_delta(self, layer: int, module, qkv: mx.array, a: mx.array, b: mx.array,
