@@ -230,9 +230,8 @@ class DraftProposer:
         for seq_id, tokens, k in wanted:
             seen = self._seen.pop(seq_id, [])
             keep = min(common_prefix(seen, tokens), len(tokens) - 1)
-            restore = None
-            if self.states is not None:  # where a recurrent state can resume
-                keep, restore = self.states.resume(seq_id, keep)
+            if self.states is not None:  # where a recurrent state can go on from
+                keep = self.states.resume(seq_id, keep)
             if bm.block_table(seq_id):
                 bm.trim(seq_id, keep)
             self._seen[seq_id] = tokens[:keep]  # most recently used now
@@ -245,7 +244,7 @@ class DraftProposer:
             end = keep + rows
             groups.append(RowGroup(seq_id, tokens[keep:end], keep, bm.block_table(seq_id),
                                    sample=end == len(tokens)))
-            if self.states is not None and not self.states.plan(groups[-1], restore):
+            if self.states is not None and not self.states.plan(groups[-1]):
                 groups.pop()  # no state slot free for it: no drafts this step
                 continue
             rooms[seq_id] = k
@@ -267,7 +266,7 @@ class DraftProposer:
                     groups.append(RowGroup(g.seq_id, [mine[-1]], len(seen),
                                            bm.block_table(g.seq_id), sample=True))
                     if self.states is not None:
-                        self.states.plan(groups[-1], None)
+                        self.states.plan(groups[-1])
         return drafts
 
     def _allocate(self, seq_id: str, num_tokens: int, protect: set[str]) -> bool:
@@ -288,39 +287,47 @@ class DraftProposer:
 class DraftStates:
     """A draft with recurrent layers: per request a live state slot, and the state after each
     forward of the last propose call. The next call keeps the longest common prefix of the
-    draft's tokens and the request's: it resumes from the live state (nothing rejected), from
-    the state after the last accepted draft, or from zero (anything else). Slots come in sets
-    of 1 + k per request; a request without a set gets no drafts that step."""
+    draft's tokens and the request's: it goes on from the live state (nothing rejected), from
+    the state after the last accepted draft (that slot becomes the live one: nothing is
+    copied), or from zero (anything else). Slots come in sets of 1 + k per request; a request
+    without a set gets no drafts that step."""
 
     def __init__(self, requests: int, k: int):
         self.per_request = 1 + k
         self.total = requests * self.per_request
         self.pool: StatePool | None = None
-        self._free = list(range(requests - 1, -1, -1))  # set indices
-        self._sets: dict[str, int] = {}
+        self._free = [list(range(i * self.per_request, (i + 1) * self.per_request))
+                      for i in range(requests - 1, -1, -1)]
+        self._slots: dict[str, list[int]] = {}  # seq_id -> [live, snapshot slots...]
         self._len: dict[str, int] = {}  # seq_id -> tokens its live slot's state is after
         self._at: dict[str, dict[int, int]] = {}  # seq_id -> position -> slot holding it
 
-    def resume(self, seq_id: str, keep: int) -> tuple[int, int | None]:
-        """(tokens to keep, slot to restore from or None): keep as asked where the state after
-        it is held, else 0."""
+    def resume(self, seq_id: str, keep: int) -> int:
+        """How many tokens to keep: `keep` where the state after it is held (made the live
+        state), else 0."""
         at = self._at.pop(seq_id, {})
         if keep == self._len.get(seq_id):
-            return keep, None
-        return (keep, at[keep]) if keep in at else (0, None)
+            return keep
+        if keep not in at:
+            return 0
+        slots = self._slots[seq_id]
+        slots.remove(at[keep])
+        slots.insert(0, at[keep])
+        self._len[seq_id] = keep
+        return keep
 
-    def plan(self, group: RowGroup, restore: int | None) -> bool:
-        """Give the group its slot, its restore and a snapshot after its last row; False when
-        no slot set is free."""
+    def plan(self, group: RowGroup) -> bool:
+        """Give the group its slot and a snapshot after its last row; False when no slot set
+        is free."""
         seq_id = group.seq_id
-        if seq_id not in self._sets:
+        if seq_id not in self._slots:
             if not self._free:
                 return False
-            self._sets[seq_id] = self._free.pop()
-        base = self._sets[seq_id] * self.per_request
+            self._slots[seq_id] = self._free.pop()
+        slots = self._slots[seq_id]
         at = self._at.setdefault(seq_id, {})
-        snapshot = base + 1 + len(at)
-        group.state_slot, group.restore_from = base, restore
+        snapshot = slots[1 + len(at)]
+        group.state_slot = slots[0]
         group.snapshots = [(group.num_rows - 1, snapshot)]
         at[group.start + group.num_rows] = snapshot
         self._len[seq_id] = group.start + group.num_rows
@@ -329,6 +336,6 @@ class DraftStates:
     def release(self, seq_id: str) -> None:
         self._at.pop(seq_id, None)
         self._len.pop(seq_id, None)
-        index = self._sets.pop(seq_id, None)
-        if index is not None:
-            self._free.append(index)
+        slots = self._slots.pop(seq_id, None)
+        if slots is not None:
+            self._free.append(slots)

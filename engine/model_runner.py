@@ -168,9 +168,8 @@ class ModelRunner(NativeOps):
         logits_rows, sampled = self._forward(step, groups)
         out = (sample(logits_rows, sampled, self.logsumexp, self._state_arrays())
                if sampled else {})
-        if self.states is not None:
-            self._keep_accepted_states(groups, out)
-        traces = self._traces(groups, logits_rows, sampled) if any(g.trace for g in groups) else {}
+        traces = (self._traces(groups, logits_rows, sampled, out)
+                  if any(g.trace for g in groups) else {})
         return StepOutput(sampled=out, model_time=time.perf_counter() - t0, traces=traces,
                           expert_rows=step.expert_rows())
 
@@ -178,18 +177,7 @@ class ModelRunner(NativeOps):
         """The pools a step writes, evaluated with it."""
         return self.pool.state() + (self.states.state() if self.states is not None else [])
 
-    def _keep_accepted_states(self, groups: list[RowGroup], out: dict[str, Sampled]) -> None:
-        """A verify group whose drafts were not all accepted keeps the state after its last
-        accepted row, snapshotted during the step: nothing is recomputed or rolled back."""
-        src, dst = [], []
-        for g in groups:
-            if g.verify and out[g.seq_id].accepted < len(g.drafts):
-                src.append(dict(g.snapshots)[out[g.seq_id].accepted])
-                dst.append(g.state_slot)
-        if src:
-            self.states.copy(src, dst)
-
-    def _traces(self, groups, logits_rows, sampled) -> dict[str, StepTrace]:
+    def _traces(self, groups, logits_rows, sampled, out_sampled) -> dict[str, StepTrace]:
         """Copy the keys and values each traced group just wrote, and its logits. Pool layers
         of other shapes (gemma4's sliding and full layers) are zero-padded to the widest
         kv_heads and head_dim, so StepTrace.kv stays one array: the padding is equal on both
@@ -213,8 +201,12 @@ class ModelRunner(NativeOps):
                 at = sum(s.sampled_rows for s in sampled[:sampled.index(g)])
                 rows = logits_rows[at:at + g.sampled_rows].astype(mx.float32)
                 logits = np.array(rows if g.verify else rows[0])
-            state = (np.array(self.states.read(g.state_slot)) if self.states is not None
-                     else None)
+            state = None
+            if self.states is not None:  # a verify group goes on from its last kept row's
+                kept = g.verify and out_sampled[g.seq_id].accepted < len(g.drafts)
+                slot = (dict(g.snapshots)[out_sampled[g.seq_id].accepted] if kept
+                        else g.state_slot)
+                state = np.array(self.states.read(slot))
             out[g.seq_id] = StepTrace(np.array(kv.astype(mx.float32)), logits, state)
         return out
 

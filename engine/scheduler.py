@@ -313,13 +313,16 @@ class Scheduler:
             self.bm.register_full_blocks(
                 seq.seq_id, seq.token_ids + g.drafts[:update.accepted], seq.num_computed)
             if self.states is not None:
-                self._book_states(g, seq)
+                self._book_states(g, seq, update.accepted)
             updates.append(update)
         return updates
 
-    def _book_states(self, g: RowGroup, seq: Sequence) -> None:
-        """Keep the group's snapshots at checkpoint positions as checkpoints of the blocks
-        that end there; give back the step's other slots."""
+    def _book_states(self, g: RowGroup, seq: Sequence, accepted: int) -> None:
+        """A verify group goes on from the state after its last accepted row; snapshots at
+        checkpoint positions are kept as checkpoints of the blocks that end there; the step's
+        other slots go back."""
+        if g.verify and accepted < len(g.drafts):
+            self.states.adopt(seq.seq_id, dict(g.snapshots)[accepted])
         bs = self.bm.block_size
         for position, slot in g.checkpoints:
             block_hash = self.bm.block_hash(seq.seq_id, position // bs - 1)

@@ -7,7 +7,9 @@ block_manager.py for the layers that keep a recurrent state instead of keys and 
 - live slots: one per running sequence, taken at admission and given back when it finishes,
   is cancelled, fails or is preempted, as its KV blocks are; a request waits when none is free;
 - scratch slots: a verify group's state after each of its rows but the last, held for one
-  step, so the state after the accepted prefix is kept without recomputing anything;
+  step; the one after the accepted prefix becomes the sequence's live slot (the old live
+  slot joins the scratch), so nothing is recomputed or copied. Live and scratch slots are
+  alike: only their counts are fixed;
 - checkpoints: a sequence's state at a block-aligned position (every `interval` tokens),
   keyed by the prefix-cache hash of the block that ends there. A later prompt with the same
   prefix resumes from the deepest one its cached blocks reach. Least recently used first out
@@ -83,6 +85,14 @@ class StateSlots:
         taken = [self._free_scratch.pop() for _ in range(min(n, len(self._free_scratch)))]
         self._seqs[seq_id].step.extend(taken)
         return taken
+
+    def adopt(self, seq_id: str, slot: int) -> None:
+        """The sequence goes on from one of its step's slots (a verify group's state after its
+        last accepted row): that slot becomes its live slot and the old one goes back with
+        the step's. Nothing is copied."""
+        holds = self._seqs[seq_id]
+        holds.step[holds.step.index(slot)] = holds.live
+        holds.live = slot
 
     def reserve_checkpoint(self, seq_id: str) -> int | None:
         """A checkpoint slot to snapshot into this step (the least recently used checkpoint
