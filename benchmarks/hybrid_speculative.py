@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="qwen3_5-135m", choices=sorted(CONFIGS))
+    ap.add_argument("--family", default="qwen3_5-135m", choices=[*sorted(CONFIGS), "embedded"],
+                    help="embedded: the embedded model (dense, the same size and vocabulary) "
+                    "under the same drafts, for comparison")
     ap.add_argument("--weights", default="q4", choices=["q4", "f32"])
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = str(make_folder(Path(tmp), args.family, args.weights))
+        folder = ("embedded" if args.family == "embedded"
+                  else str(make_folder(Path(tmp), args.family, args.weights)))
         base = {"model": folder, "weights": args.weights, "max_num_seqs": 1,
                 "num_speculative_tokens": args.k}
         plain = Engine(EngineConfig(**base)).start()
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "hybrid_speculative" + ("" if args.weights == "q4" else f"_{args.weights}")
+    if args.family == "embedded":
+        name += "_embedded"
     (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     text = render(data)
     (out / f"{name}.md").write_text(text)
@@ -162,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(data: dict) -> str:
     lines = [
-        "# Speculation on a hybrid model when the drafts fail", "",
+        f"# Speculation when the drafts fail: {data['family']}", "",
         f"`{data['command']}`, run {data['started']}: backend {data['backend']}, BLAS "
-        f"{data['blas']}; {data['family']} ({data['weights']}, random weights), one stream, "
+        f"{data['blas']}; {data['family']} ({data['weights']}"
+        f"{'' if data['family'] == 'embedded' else ', random weights'}), one stream, "
         f"k = {data['k']}, {data['max_tokens']} greedy tokens per request, "
         f"{len(data['rounds'])} rounds, the engines taking turns. Ratio: tokens/s over the "
         "same round's run without speculation (median, lowest-highest round in brackets). "
