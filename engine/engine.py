@@ -312,7 +312,8 @@ class Engine:
         log.info("KV pool allocated: %.0f MiB (%s) in %.1f s", self.pool.nbytes() / 2**20,
                  self.pool.dtype, time.perf_counter() - t0)
         if states is not None:
-            log.info("state pool: %s", states.describe(self.state_slots))
+            log.info("state pool: %s; the recurrence on %s", states.describe(self.state_slots),
+                     "the native kernel" if self.runner.recurrence_kernel else "MLX ops")
         info = backend_info()
         log.info("model %s (%s family, %s weights) on %s, BLAS %s; KV pool %d blocks x %d "
                  "tokens; context %d; attention: %s; row kernels: %s",
