@@ -313,7 +313,8 @@ class Engine:
                  self.pool.dtype, time.perf_counter() - t0)
         if states is not None:
             log.info("state pool: %s; the recurrence on %s", states.describe(self.state_slots),
-                     "the native kernel" if self.runner.recurrence_kernel else "MLX ops")
+                     "the native kernel" if self.runner.recurrence_kernel is not None
+                     and states.conv_dtype == mx.float32 else "MLX ops")
         info = backend_info()
         log.info("model %s (%s family, %s weights) on %s, BLAS %s; KV pool %d blocks x %d "
                  "tokens; context %d; attention: %s; row kernels: %s",
