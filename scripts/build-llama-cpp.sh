@@ -51,7 +51,7 @@ C
     local ok=1
     # Run by a shell of its own whose stderr is dropped: it, not this one, reports the fault.
     if cc -O1 -mamx-tile "$dir/probe.c" -o "$dir/probe" 2>/dev/null \
-            && bash -c '"$0"' "$dir/probe" 2>/dev/null; then
+            && bash -c '"$0"; exit $?' "$dir/probe" 2>/dev/null; then
         ok=0
     fi
     rm -rf "$dir"
