@@ -7,7 +7,9 @@
 Rows are the step's token positions (prefill chunk rows plus decode rows), not requests: a
 request joining with a 120-token prompt chunk pushes a step far past any threshold (the
 mini-vllm-rs write-up; docs/background.md).
-With --batch-invariant the engine uses a fourth path, "tiled" (see _tiled).
+With --batch-invariant the engine uses a fourth path, "tiled": a layer with a native kernel
+takes it (engine/native_ops.py: each row computed alone), and only the rest comes here, in
+calls of exactly `tile` rows (see _tiled).
 
 On Metal, MLX itself switches kernels inside one batched call (qmv below a row limit, qmm
 above); forcing "gemv" there means one single-row call per row, which always takes qmv.

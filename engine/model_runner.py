@@ -146,9 +146,10 @@ class ModelRunner(NativeOps):
         """Layer i as one native op (engine/native/decoder_layer.h): norms, q/k/v, RoPE, the KV
         write, paged attention, o, SwiGLU MLP and residuals. None where any part would take
         another path than its native op on this step, so the op gives exactly the bits of the
-        op-by-op layer (tests/engine/test_decoder_layer.py)."""
+        op-by-op layer (tests/engine/test_decoder_layer.py). A "tiled" step takes it too: its
+        parts take their native ops there as well (NativeOps.linear), each row alone."""
         op = self.layer_kernel
-        if op is None or step.path != KernelPath.GEMM or x.dtype != mx.float32:
+        if op is None or step.path == KernelPath.GEMV or x.dtype != mx.float32:
             return None
         layer = self.fused_layer_of(i)
         if layer is None or x.shape[1] > layer.max_rows:

@@ -21,6 +21,7 @@ from engine.kernels import apply_linear
 # Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: it is
 # faster than MLX's BLAS matmul at every row count up to 32 in
 # benchmarks/results/decode_linear.md (benchmarks/decode_linear.py), and the gap closes above.
+# A "tiled" step's calls take at most this many rows (NativeOps.linear).
 DECODE_MATMUL_MAX_ROWS = 32
 # The same for MLX's affine-quantized layers (the shipped 4-bit linears and 8-bit tied head):
 # the native quantized kernel. On the CPU MLX's quantized_matmul computes one row at a time,
@@ -131,37 +132,47 @@ class NativeOps:
         why = native.why_not() if setting == NativeSetting.AUTO else None
         return "MLX" + (f" (native kernel {why})" if why else "")
 
-    # The one place a linear layer runs: the step's kernel path decides how. A "gemm" step of
-    # few rows takes the native kernel for float32 weights, and one of up to
-    # DECODE_QUANTIZED_MAX_ROWS the native quantized kernel for affine-quantized ones (one
-    # call, each row on its own).
+    # The one place a linear layer runs: the step's kernel path decides how.
+    # - "gemm": a layer that has a native kernel (float32, or affine 4/8-bit on float32
+    #   activations) takes it on a step of up to the kernel's row limit (_row_limit), one
+    #   call; above it, MLX's batched call.
+    # - "tiled" (--batch-invariant): such a layer takes its native kernel on every step, in
+    #   calls of at most that limit. The kernels compute each row alone, in an order set by the
+    #   weights' shape only (engine/native/decode_linear.cpp, decode_quantized.cpp), so a row
+    #   gets the same bits in a call of any size: the step's rows may be cut anywhere. Only a
+    #   layer without one goes through MLX, in calls of exactly `tile` rows (engine/kernels.py).
+    #   The choice depends on the layer and dtype alone, never on the step's rows.
+    # - "gemv": MLX's call per row.
     def linear(self, module, x: mx.array, tied: bool = False, path: str = KernelPath.GEMM,
                tile: int = DEFAULT_TILE) -> mx.array:
         """A linear layer on x (1, rows, features); tied=True: an embedding as the head."""
-        if path == KernelPath.GEMM:
-            rows = x.shape[1]
-            out = None
-            if self.matmul_kernel is not None and rows <= DECODE_MATMUL_MAX_ROWS:
-                weight = _float32_weight(module, nn.Embedding if tied else nn.Linear)
-                if weight is not None:
-                    out = self.matmul_kernel(x, weight)
-            if (out is None and self.quantized_kernel is not None
-                    and rows <= DECODE_QUANTIZED_MAX_ROWS and x.dtype == mx.float32):
-                q = quantized_weight(module, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
-                if q is not None:
-                    out = self.quantized_kernel(x, *q)
-            if out is not None:
-                bias = getattr(module, "bias", None)
-                return out if bias is None else out + bias
+        found = self._native_linear(module, tied, x.dtype) if path != KernelPath.GEMV else None
+        if found is not None and (path == KernelPath.TILED or x.shape[1] <= found[1]):
+            out = _in_row_chunks(found[0], x, found[1])
+            bias = getattr(module, "bias", None)
+            return out if bias is None else out + bias
         return apply_linear(module.as_linear if tied else module, x, path, tile)
+
+    def _native_linear(self, module, tied: bool, dtype: mx.Dtype) -> tuple | None:
+        """(the native kernel that takes this layer, as a function of x; its row limit), or
+        None where MLX computes the layer."""
+        if self.matmul_kernel is not None:
+            weight = _float32_weight(module, nn.Embedding if tied else nn.Linear)
+            if weight is not None:
+                return (lambda v: self.matmul_kernel(v, weight)), DECODE_MATMUL_MAX_ROWS
+        if self.quantized_kernel is not None and dtype == mx.float32:
+            q = quantized_weight(module, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
+            if q is not None:
+                return (lambda v: self.quantized_kernel(v, *q)), DECODE_QUANTIZED_MAX_ROWS
+        return None
 
     def linears(self, modules: list, x: mx.array, path: str = KernelPath.GEMM,
                 tile: int = DEFAULT_TILE) -> list[mx.array]:
-        """Linear layers that share an input. On a few-row "gemm" step the native kernels take
-        them as one call over their weights stacked by output (`stacks`): each output's
-        arithmetic in those kernels depends on its own weights alone, so the bits are those of
-        one call per layer, with a fraction of the calls."""
-        stacked = self._stacked(modules, x) if path == KernelPath.GEMM else None
+        """Linear layers that share an input. Where the native kernels take them on this step
+        (as in `linear`), they take them as one call over their weights stacked by output
+        (`stacks`): each output's arithmetic in those kernels depends on its own weights alone,
+        so the bits are those of one call per layer, with a fraction of the calls."""
+        stacked = self._stacked(modules, x, path) if path != KernelPath.GEMV else None
         if stacked is None:
             return [self.linear(m, x, path=path, tile=tile) for m in modules]
         out = stacked(x)
@@ -174,21 +185,24 @@ class NativeOps:
             parts.append(part if bias is None else part + bias)
         return parts
 
-    def _stacked(self, modules: list, x: mx.array):
-        """The one native call for `modules` on x (a function of x), or None where a layer
-        would not take a native kernel on this step."""
-        found = self._native_weights(modules, x.shape[1], x.dtype)
+    def _stacked(self, modules: list, x: mx.array, path: str):
+        """The native call for `modules` on x (a function of x, in calls of at most the
+        kernel's row limit), or None where a layer would not take a native kernel on this
+        step's path and rows."""
+        found = self._native_weights(modules, x.dtype)
         if found is None:
             return None
         arrays, bits, group_size = found
-        if bits == 0:
-            return lambda v: self.matmul_kernel(v, arrays[0])
-        return lambda v: self.quantized_kernel(v, *arrays, group_size, bits)
+        most = _row_limit(bits)
+        if path == KernelPath.GEMM and x.shape[1] > most:
+            return None
+        kernel = ((lambda c: self.matmul_kernel(c, arrays[0])) if bits == 0 else
+                  (lambda c: self.quantized_kernel(c, *arrays, group_size, bits)))
+        return lambda v: _in_row_chunks(kernel, v, most)
 
-    def _native_weights(self, modules: list, rows: int,
-                        dtype: mx.Dtype) -> tuple[list, int, int] | None:
+    def _native_weights(self, modules: list, dtype: mx.Dtype) -> tuple[list, int, int] | None:
         """(arrays, bits, group_size) of the native kernel that takes `modules` stacked by
-        output on a step of `rows` rows of `dtype`: ([weight], 0, 0) for float32, ([w, scales,
+        output on activations of `dtype`: ([weight], 0, 0) for float32, ([w, scales,
         biases], bits, group_size) for affine-quantized; None where none would. The stacked
         weights are made on first use and the layers' own weights become views of them, so no
         memory is added (a single layer is taken as it is)."""
@@ -197,9 +211,9 @@ class NativeOps:
         if entry is None or any(a is not b for a, b in zip(entry[0], modules, strict=True)):
             entry = self._stacks[key] = (modules, *self._stack(modules))  # modules kept alive
         _, kind, arrays = entry
-        if kind == "f32" and rows <= DECODE_MATMUL_MAX_ROWS:
+        if kind == "f32":
             return [arrays[0]], 0, 0
-        if kind == "q" and rows <= DECODE_QUANTIZED_MAX_ROWS and dtype == mx.float32:
+        if kind == "q" and dtype == mx.float32:
             return list(arrays[:3]), arrays[4], arrays[3]
         return None
 
@@ -269,13 +283,12 @@ class NativeOps:
             qkv_bias = [None] * 3
         elif any(b is None or b.dtype != mx.float32 for b in qkv_bias):
             return None
-        linears = [self._native_weights(modules, 1, mx.float32) for modules in
+        linears = [self._native_weights(modules, mx.float32) for modules in
                    (qkv_modules, [spec.o], [spec.gate, spec.up], [spec.down])]
         if any(found is None for found in linears):
             return None
         # Float32 layers take the native kernel on steps of few rows only.
-        max_rows = min(DECODE_MATMUL_MAX_ROWS if bits == 0 else DECODE_QUANTIZED_MAX_ROWS
-                       for _, bits, _ in linears)
+        max_rows = min(_row_limit(bits) for _, bits, _ in linears)
         rope = None
         if spec.rope is not None:
             freqs = self.rope_freqs(spec.rope)
@@ -377,6 +390,21 @@ def quantized_weight(module, kind=nn.QuantizedLinear) -> tuple | None:
             or getattr(module, "biases", None) is None):
         return None
     return module.weight, module.scales, module.biases, module.group_size, module.bits
+
+
+def _row_limit(bits: int) -> int:
+    """The most rows of one native linear call: DECODE_MATMUL_MAX_ROWS for float32 weights
+    (bits 0), DECODE_QUANTIZED_MAX_ROWS for affine-quantized ones."""
+    return DECODE_MATMUL_MAX_ROWS if bits == 0 else DECODE_QUANTIZED_MAX_ROWS
+
+
+def _in_row_chunks(kernel, x: mx.array, most: int) -> mx.array:
+    """kernel(x) for x (1, rows, features), in calls of at most `most` rows: the same bits as
+    one call for a kernel that computes each row alone (the native linear kernels)."""
+    rows = x.shape[1]
+    if rows <= most:
+        return kernel(x)
+    return mx.concatenate([kernel(x[:, i:i + most]) for i in range(0, rows, most)], axis=1)
 
 
 def _linear_spec(linear: type, arrays: list, bits: int, group_size: int):

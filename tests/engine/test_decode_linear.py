@@ -148,6 +148,23 @@ def test_few_row_float32_gemm_steps_take_the_kernel_and_others_do_not():
     assert calls == []
 
 
+def test_batch_invariant_float32_steps_take_the_kernel_in_calls_of_its_row_limit():
+    """--batch-invariant ("tiled"): every step takes the kernel, which computes each row
+    alone, a 67-row prefill too, cut into calls of at most DECODE_MATMUL_MAX_ROWS rows."""
+    native_linear()
+    model = tiny_model(quantize=False).model
+    runner = runner_for(model, "auto")
+    runner.layer_kernel = None
+    calls = count_native_calls(runner)
+    prefill, _ = decode_groups([30, 12, 25])
+    runner.run(prefill, path="tiled")
+    layers = len(model.model.layers)
+    assert DECODE_MATMUL_MAX_ROWS == 32
+    # Per layer: q/k/v stacked, o, gate/up stacked, down, in 32 + 32 + 3 rows (no row is
+    # sampled: no head).
+    assert calls == [32, 32, 3] * (4 * layers)
+
+
 def test_quantized_weights_keep_mlx_matmul():
     native_linear()
     runner = runner_for(tiny_model().model, "auto")  # 4-bit

@@ -224,7 +224,7 @@ def count_calls(runner):
 
 
 
-def test_gemm_steps_of_a_4bit_model_take_the_kernel_and_gemv_does_not():
+def test_gemm_and_tiled_steps_of_a_4bit_model_take_the_kernel_and_gemv_not():
     kernel()
     loaded = tiny_model()  # 4-bit linears, tied head (quantized with them)
     model = loaded.model
@@ -246,8 +246,9 @@ def test_gemm_steps_of_a_4bit_model_take_the_kernel_and_gemv_does_not():
     assert calls == [(3, 4)] * (4 * layers) + [(3, 4)] * head
     calls.clear()
     runner.run(decode, path="gemv")  # the row-wise path stays on MLX's quantized_matmul
-    runner.run(decode, path="tiled")
     assert calls == []
+    runner.run(decode, path="tiled")  # --batch-invariant: the kernel computes each row alone
+    assert calls == [(3, 4)] * (4 * layers) + [(3, 4)] * head
 
 
 def test_the_setting_mlx_keeps_mlx_and_native_tokens_follow_it():

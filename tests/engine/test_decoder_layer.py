@@ -118,11 +118,26 @@ def test_fused_layer_writes_a_narrower_pool_as_the_op_by_op_layer(folders, kv_dt
         assert np.array_equal(a, b)
 
 
-def test_other_kernel_paths_keep_the_layer_op_by_op(folders):
+@pytest.mark.parametrize("weights", ["f32", "q4"])
+def test_the_batch_invariant_path_takes_the_fused_layer_with_its_bits(folders, weights):
+    """--batch-invariant ("tiled") runs the fused layer where "gemm" does: every part of it is
+    a native op there too. Above the float32 row limit the layer is op by op on the native
+    kernels, so 4-bit steps have the bits of "gemm" steps."""
+    loaded = folders["llama"][weights]
+    fused, fused_pool, calls = run_steps(loaded, True, path="tiled")
+    plain, plain_pool, _ = run_steps(loaded, False, path="tiled")
+    assert calls == len(family_for(loaded.model).layers) * (3 if weights == "f32" else 4)
+    assert fused == plain
+    for a, b in zip(fused_pool, plain_pool, strict=True):
+        assert np.array_equal(a, b)
+    if weights == "q4":
+        assert fused == run_steps(loaded, True)[0]
+
+
+def test_the_row_wise_path_keeps_the_layer_op_by_op(folders):
     loaded = folders["llama"]["q4"]
-    for path in ("gemv", "tiled"):
-        _, _, calls = run_steps(loaded, True, path=path)
-        assert calls == 0
+    _, _, calls = run_steps(loaded, True, path="gemv")
+    assert calls == 0
     family = family_for(loaded.model)
     runner = ModelRunner(loaded.model, pool_for(family, 64, 16), "auto", "mlx", family)
     assert runner.layer_kernel is None  # --row-kernels mlx: MLX's own ops throughout
