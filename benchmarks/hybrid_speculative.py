@@ -6,9 +6,10 @@ every draft wrong, against no speculation, on the same random-weight folder.
 
 A verify step of a hybrid runs the drafts through every GDN layer and keeps the state after
 each row in a scratch slot, so a rejected draft costs its rows and the snapshots. Prompt
-lookup seldom drafts on a random model, so the failing drafts come from a proposer that drafts
-on purpose: WrongDrafts knows each request's greedy continuation (from the plain engine's run
-of the same prompt in the same round) and drafts it with every token changed, so every step
+lookup seldom drafts on a random model, so the failing drafts come from a proposer that
+drafts on purpose: ScriptedDrafts(wrong=1) knows each request's greedy continuation (from the
+plain engine's run of the same prompt in the same round) and drafts it with every token
+changed, so every step
 verifies k drafts and keeps none. A third engine runs prompt lookup as it ships
 (speculative="ngram", prompt_lookup_min=1) to show how often it drafts here at all. The
 engines take turns per round, one request at a time (greedy, no EOS stop); all must give the
@@ -25,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,32 +40,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine, Submission
 from engine.platform import backend_info, blas_name
 from engine.sampling import SamplingParams
-from engine.testing import FAMILY_VOCAB
-
-
-class WrongDrafts:
-    """A Proposer (engine/speculative.py) whose every draft differs from the greedy token the
-    target will pick there, so each verify step keeps none of its drafts."""
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-        self.expected: dict[tuple[int, ...], list[int]] = {}
-
-    def learn(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        self.expected[tuple(prompt_ids)] = list(output_ids)
-
-    def propose(self, wanted):
-        out = {}
-        for seq_id, tokens, k in wanted:
-            for prompt, continuation in self.expected.items():
-                n = len(prompt)
-                if tuple(tokens[:n]) == prompt:
-                    done = len(tokens) - n
-                    out[seq_id] = [(t + 1) % self.vocab for t in continuation[done:done + k]]
-        return out
-
-    def release(self, seq_id: str) -> None:
-        pass  # keeps nothing per request
+from engine.testing import FAMILY_VOCAB, ScriptedDrafts
 
 
 def run(eng: Engine, ids: list[int], max_tokens: int) -> dict:
@@ -100,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         base = {"model": folder, "weights": args.weights, "max_num_seqs": 1,
                 "num_speculative_tokens": args.k}
         plain = Engine(EngineConfig(**base)).start()
-        proposer = WrongDrafts(FAMILY_VOCAB)
+        proposer = ScriptedDrafts(wrong=1, vocab=FAMILY_VOCAB)  # every draft wrong
         engines = {"off": plain,
                    "wrong drafts": Engine(EngineConfig(speculative="ngram", **base),
                                           proposer=proposer).start(),

@@ -9,6 +9,7 @@ tables, positions, masks).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -53,6 +54,32 @@ def cancel_after_tokens(handles, counts) -> None:
             if tokens >= n:
                 handle.cancel()
                 break
+
+
+class ScriptedDrafts:
+    """A Proposer (engine/speculative.py) drafting known continuations."""
+
+    def __init__(self, wrong: int = 3, vocab: int = ByteTokenizer.vocab_size):
+        """wrong: every wrong-th output position gets a wrong draft (1: every draft is
+        wrong); vocab: the model's, to keep a wrong draft a valid token."""
+        self.wrong = wrong
+        self.vocab = vocab
+        self.expected: dict[tuple[int, ...], list[int]] = {}
+
+    def learn(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        self.expected[tuple(prompt_ids)] = list(output_ids)
+
+    def propose(self, wanted):
+        out = {}
+        for seq_id, tokens, k in wanted:
+            for prompt, continuation in self.expected.items():
+                n = len(prompt)
+                done = len(tokens) - n
+                if tuple(tokens[:n]) != prompt or tokens[n:] != continuation[:done]:
+                    continue
+                out[seq_id] = [(t + 1) % self.vocab if (done + i) % self.wrong == self.wrong - 1
+                               else t for i, t in enumerate(continuation[done:done + k])]
+        return out
 
 
 def tiny_config(**overrides) -> dict:

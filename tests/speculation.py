@@ -1,4 +1,5 @@
-"""Drafts that the tiny random model accepts and rejects, for the app's speculation tests.
+"""Drafts that the tiny random model accepts and rejects, for the app's speculation tests
+(ScriptedDrafts lives in engine.testing, beside the tiny model; re-exported here).
 
 Prompt lookup rarely guesses right on random weights, so the app tests draft with a script: a
 request's greedy continuation as a run without speculation found it on the same engine, with
@@ -10,32 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.telemetry import StepRecord
+from engine.testing import ScriptedDrafts
+
+__all__ = ["SPEC", "ScriptedDrafts", "verify_totals"]
 
 # Speculation on for every step of these small tests (k drafts, up to 16 running requests).
 SPEC = {"speculative": "ngram", "num_speculative_tokens": 4, "speculative_max_batch": 16}
-
-
-class ScriptedDrafts:
-    """A Proposer (engine/speculative.py) drafting known continuations."""
-
-    def __init__(self, wrong: int = 3):
-        self.wrong = wrong
-        self.expected: dict[tuple[int, ...], list[int]] = {}
-
-    def learn(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        self.expected[tuple(prompt_ids)] = list(output_ids)
-
-    def propose(self, wanted):
-        out = {}
-        for seq_id, tokens, k in wanted:
-            for prompt, continuation in self.expected.items():
-                n = len(prompt)
-                done = len(tokens) - n
-                if tuple(tokens[:n]) != prompt or tokens[n:] != continuation[:done]:
-                    continue
-                out[seq_id] = [(t + 1) % 256 if (done + i) % self.wrong == self.wrong - 1
-                               else t for i, t in enumerate(continuation[done:done + k])]
-        return out
 
 
 def verify_totals(records: Sequence[StepRecord]) -> dict[str, int]:
