@@ -11,12 +11,15 @@ here touches MLX.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio.to_thread
+import pydantic_core
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
@@ -205,6 +208,7 @@ class _Shape:
         self.service, self.run = service, run
         self.logprobs, self.include_usage = logprobs, include_usage
         self.created = int(run.created)
+        self._text_frame: tuple[bytes, bytes] | None = None  # see token_sse
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.run.id, "object": obj, "created": self.created,
@@ -223,6 +227,28 @@ class _Shape:
 
     def token_chunk(self, event: TokenEvent) -> BaseModel | None:
         raise NotImplementedError
+
+    def token_sse(self, event: TokenEvent) -> bytes | None:
+        """`_sse(self.token_chunk(event))`, without building the models for every token.
+
+        Without logprobs a token's chunk differs from the next only in its text, so the chunk
+        is serialized once with a marker for the text, and each token puts its own text, as
+        the models serialize a string, between the two halves."""
+        if self.logprobs:
+            chunk = self.token_chunk(event)
+            return None if chunk is None else _sse(chunk)
+        if not event.text:
+            return None  # as token_chunk: nothing to say
+        if self._text_frame is None:
+            marker = pydantic_core.to_json(f"text-{uuid.uuid4().hex}")
+            chunk = self.token_chunk(dataclasses.replace(event, text=marker[1:-1].decode()))
+            assert chunk is not None
+            head, *tail = _sse(chunk).split(marker)
+            if len(tail) != 1:  # the marker must stand for the text alone
+                raise AssertionError("the token chunk's text marker was not found once")
+            self._text_frame = (head, tail[0])
+        head, tail = self._text_frame
+        return head + pydantic_core.to_json(event.text) + tail
 
     def final_chunk(self, finish: FinishEvent) -> BaseModel:
         raise NotImplementedError
@@ -319,30 +345,35 @@ class _ChatShape(_Shape):
                               usage=_usage(result.finish))
 
 
-def _out(model: BaseModel) -> str:
+def _out(model: BaseModel) -> bytes:
     """A response model as JSON: the keys it leaves unset (a chunk's usage, a delta's role)
     stay out."""
-    return model.model_dump_json(exclude_unset=True)
+    return model.model_dump_json(exclude_unset=True).encode()
 
 
 def _json(model: BaseModel) -> Response:
     return Response(_out(model), media_type="application/json")
 
 
-def _sse(model: BaseModel) -> dict:
-    return {"data": _out(model)}
+def _sse(model: BaseModel) -> bytes:
+    """One SSE event, encoded as sse-starlette encodes `{"data": json}` with sep "\n" (JSON
+    holds no line break), so that it passes the bytes through as they are."""
+    return _SSE_DATA + _out(model) + _SSE_END
 
 
-async def _stream(run: Run, shape: _Shape) -> AsyncIterator[dict]:
+_SSE_DATA, _SSE_END = b"data: ", b"\n\n"
+
+
+async def _stream(run: Run, shape: _Shape) -> AsyncIterator[bytes]:
     """SSE events for one run. Leaving early (client gone) ends run.events(), which cancels."""
     for chunk in shape.opening():
         yield _sse(chunk)
     error: str | None = None
     async for event in run.events():
         if isinstance(event, TokenEvent):
-            chunk = shape.token_chunk(event)
-            if chunk is not None:
-                yield _sse(chunk)
+            data = shape.token_sse(event)
+            if data is not None:
+                yield data
         elif isinstance(event, ErrorEvent):
             error = event.message
         elif isinstance(event, FinishEvent):
@@ -354,7 +385,7 @@ async def _stream(run: Run, shape: _Shape) -> AsyncIterator[dict]:
                 yield _sse(shape.final_chunk(event))
                 if shape.include_usage:
                     yield _sse(shape.usage_chunk(event))
-    yield {"data": "[DONE]"}
+    yield _SSE_DATA + b"[DONE]" + _SSE_END
 
 
 async def _respond(request: Request, run: Run, shape: _Shape, stream: bool) -> Response:
