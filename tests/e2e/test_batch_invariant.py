@@ -1,5 +1,5 @@
-"""--batch-invariant on the real model, float32 with OpenBLAS (where GEMM and GEMV differ):
-a request gives the same bits alone and alongside 1, 3, 7 and 15 other requests."""
+"""--batch-invariant on the real model, float32 with OpenBLAS (where GEMM and GEMV differ) and
+4-bit: a request gives the same bits alone and alongside 1, 3, 7 and 15 other requests."""
 
 from __future__ import annotations
 
@@ -40,13 +40,14 @@ def outputs(engine: Engine, target: str, companions: int) -> list[tuple[int, flo
     return result
 
 
-def engine_for(batch_invariant: bool, row_kernels: str = "auto") -> Engine:
-    return Engine(EngineConfig(weights="f32", batch_invariant=batch_invariant,
+def engine_for(batch_invariant: bool, row_kernels: str = "auto", weights: str = "f32") -> Engine:
+    return Engine(EngineConfig(weights=weights, batch_invariant=batch_invariant,
                                num_kv_blocks=512, max_num_seqs=16, row_kernels=row_kernels))
 
 
-def test_batch_invariant_mode_gives_the_same_bits_at_every_batch_size():
-    with engine_for(True).start() as engine:
+@pytest.mark.parametrize("weights", ["f32", "q4"])
+def test_batch_invariant_mode_gives_the_same_bits_at_every_batch_size(weights):
+    with engine_for(True, weights=weights).start() as engine:
         for target in TARGETS:
             alone = outputs(engine, target, 0)
             for n in (1, 3, 7, 15):
