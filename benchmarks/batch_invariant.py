@@ -1,10 +1,11 @@
 """The cost of --batch-invariant: aggregate throughput against the normal mode, in one run.
 
-    .venv/bin/python benchmarks/batch_invariant.py [--weights f32] [--concurrency 8 16]
+    .venv/bin/python benchmarks/batch_invariant.py [--weights q4 f32] [--concurrency 8 16]
 
-For each concurrency C, C requests (prompts of 20-120 tokens, --max-tokens new tokens each,
-greedy) run on an engine in normal mode and on one in batch-invariant mode, alternating
-rounds so drift on a shared machine hits both. Reports output tokens/s and the ratio.
+For each weight format and concurrency C, C requests (prompts of 20-120 tokens, --max-tokens
+new tokens each, greedy) run on an engine in normal mode and on one in batch-invariant mode,
+in interleaved rounds, each going first in every other one, so drift on a shared machine hits
+both. Reports output tokens/s and the ratio, one table per weight format.
 """
 
 from __future__ import annotations
@@ -35,17 +36,9 @@ def throughput(eng: Engine, prompts: list[list[int]], max_tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--weights", default="f32")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tile", type=int, default=16)
-    ap.add_argument("--out", default="benchmarks/results/batch_invariant.json")
-    args = ap.parse_args()
-
-    base = dict(weights=args.weights, max_num_seqs=max(args.concurrency), num_kv_blocks=1024,
+def measure(weights: str, args) -> dict[int, dict[str, list[float]]]:
+    """tok/s per concurrency and mode, one value per round."""
+    base = dict(weights=weights, max_num_seqs=max(args.concurrency), num_kv_blocks=1024,
                 max_num_batched_tokens=512, enable_prefix_caching=False)
     engines = {"normal": Engine(EngineConfig(**base)).start(),
                "invariant": Engine(EngineConfig(**base, batch_invariant=True,
@@ -56,29 +49,47 @@ def main() -> int:
     results: dict[int, dict[str, list[float]]] = {}
     for rnd in range(args.rounds):
         for c in args.concurrency:
-            for name, eng in engines.items():
-                print(f"# round {rnd + 1}, {c} requests, {name}...", file=sys.stderr, flush=True)
+            order = list(engines.items())  # each mode goes first in every other round
+            for name, eng in order if rnd % 2 == 0 else order[::-1]:
+                print(f"# {weights}, round {rnd + 1}, {c} requests, {name}...", file=sys.stderr,
+                      flush=True)
                 tps = throughput(eng, prompts_for[c], args.max_tokens)
                 results.setdefault(c, {}).setdefault(name, []).append(tps)
     for eng in engines.values():
         eng.stop()
+    return results
 
-    lines = [f"weights {args.weights}, tile {args.tile} rows, {args.max_tokens} new tokens per "
-             f"request, best of {args.rounds} rounds", "",
-             "| requests | normal tok/s | batch-invariant tok/s | cost |", "|---|---|---|---|"]
-    rows = []
-    for c, r in results.items():
-        normal, inv = max(r["normal"]), max(r["invariant"])
-        rows.append({"concurrency": c, "normal_tps": normal, "invariant_tps": inv,
-                     "cost": 1 - inv / normal})
-        lines.append(f"| {c} | {normal:.1f} | {inv:.1f} | {(1 - inv / normal) * 100:.0f}% |")
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--weights", nargs="+", default=["q4", "f32"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tile", type=int, default=16)
+    ap.add_argument("--out", default="benchmarks/results/batch_invariant.json")
+    args = ap.parse_args()
+
+    lines, runs = [], []
+    for weights in args.weights:
+        results = measure(weights, args)
+        lines += [f"weights {weights}, tile {args.tile} rows, {args.max_tokens} new tokens per "
+                  f"request, best of {args.rounds} rounds", "",
+                  "| requests | normal tok/s | batch-invariant tok/s | cost |", "|---|---|---|---|"]
+        rows = []
+        for c, r in results.items():
+            normal, inv = max(r["normal"]), max(r["invariant"])
+            rows.append({"concurrency": c, "normal_tps": normal, "invariant_tps": inv,
+                         "cost": 1 - inv / normal})
+            lines.append(f"| {c} | {normal:.1f} | {inv:.1f} | {(1 - inv / normal) * 100:.0f}% |")
+        lines.append("")
+        runs.append({"weights": weights, "rows": rows, "raw": results})
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"weights": args.weights, "tile": args.tile, "rows": rows,
-                               "raw": results}, indent=2))
-    out.with_suffix(".md").write_text(table + "\n")
+    out.write_text(json.dumps({"tile": args.tile, "runs": runs}, indent=2))
+    out.with_suffix(".md").write_text(table)
     return 0
 
 

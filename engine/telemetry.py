@@ -53,8 +53,9 @@ class StepRecord:
     # Seconds the proposer took to draft for the step (a draft model's forwards; not counted
     # in scheduler_time or model_time, which is the target's forward).
     propose_time: float = 0.0
-    # "gemm": one batched call per linear layer; "gemv": one per row; "tiled": calls of a
-    # fixed number of rows (batch-invariant mode)
+    # "gemm": one batched call per linear layer; "gemv": one per row; "tiled": batch-invariant
+    # mode, the native kernels where they apply and calls of a fixed number of rows elsewhere
+    # (linear_calls_per_layer counts those calls; docs/kernel-paths.md)
     kernel_path: str = "gemm"
     linear_calls_per_layer: int = 1
     # Mixture-of-experts models: per MoE layer (index as a string, JSON's key type), how many

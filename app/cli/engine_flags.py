@@ -29,7 +29,8 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                       "(gemv), or row-wise up to --kernel-threshold rows (auto)", POLICIES),
     "kernel_threshold": ("for --kernel-policy auto: row-wise at or below this many rows "
                          "(default: measured by `batchscope calibrate`, else 1)", None),
-    "invariant_tile": ("rows per linear call in --batch-invariant mode", None),
+    "invariant_tile": ("rows per MLX linear call in --batch-invariant mode (layers without a "
+                       "native kernel)", None),
     "attention": ("attention of decode rows and prefill chunks (and the Gated DeltaNet "
                   "recurrence of hybrid models): the native kernels (CPU backend, built by "
                   "scripts/setup.sh), MLX ops, or auto (native when available)",
@@ -66,8 +67,9 @@ RENAMED = {"decode_matmul": "row_kernels"}
 SWITCHES = {  # boolean fields: the flag flips the default
     "enable_prefix_caching": ("--no-prefix-caching", "turn prefix caching off"),
     "batch_invariant": ("--batch-invariant", "a request's output does not depend on what shares "
-                        "its batch: every linear call gets exactly --invariant-tile rows (costs "
-                        "throughput)"),
+                        "its batch: linear layers take the native kernels (each row alone) at "
+                        "every step size, and the rest gets calls of exactly --invariant-tile rows "
+                        "(no cost on 4-bit weights; float32 prefill is slower)"),
 }
 
 
