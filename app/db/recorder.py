@@ -79,6 +79,9 @@ class Recorder:
         self.flush_interval = flush_interval
         self.max_batch = max_batch
         self._queue: queue.SimpleQueue[_Item | _Flush | _Stop] = queue.SimpleQueue()
+        # Set when something queued cannot wait for the end of the batch's window (a flush,
+        # a call, close, a full batch): see _collect.
+        self._urgent = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
         # Counters, written by the writer thread only (for tests, logs and /metrics).
@@ -106,6 +109,7 @@ class Recorder:
         if self._thread is None:
             return
         self._queue.put(_Stop())
+        self._urgent.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("database writer did not finish within %.1f s; unwritten events are lost",
@@ -122,6 +126,7 @@ class Recorder:
             return False
         marker = _Flush()
         self._queue.put(marker)
+        self._urgent.set()
         return marker.done.wait(timeout)
 
     # ---- producers (any thread, never block) -----------------------------------------------
@@ -138,6 +143,7 @@ class Recorder:
                 return write(conn)
         future: Future = Future()
         self._queue.put(_Item("call", write, future=future))
+        self._urgent.set()
         return future.result(timeout=30)
 
     def run_started(self, run_id: str, *, session_id: int, source: str, endpoint: str, model: str,
@@ -169,6 +175,8 @@ class Recorder:
             log.debug("recorder closed; dropping a %s event", kind)
             return
         self._queue.put(_Item(kind, payload))
+        if self._queue.qsize() >= self.max_batch:
+            self._urgent.set()
 
     # ---- the writer thread -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -198,13 +206,19 @@ class Recorder:
         return max(self.flush_interval, 0.05)
 
     def _collect(self, wait: float | None) -> tuple[list[_Item], list[_Flush], bool]:
-        """Block for a first item, then gather more until the batch is full or its time is up."""
+        """Block for a first item, then gather more until the batch is full or its time is up.
+
+        Once the queue is empty the writer sleeps out the batch's window rather than waking
+        for every item (a token, a step: each wake-up takes the GIL from the engine and the
+        event loop); a producer whose item cannot wait sets `_urgent`, which ends the sleep."""
         batch: list[_Item] = []
         markers: list[_Flush] = []
         try:
             first = self._queue.get(timeout=wait)
         except queue.Empty:
             return batch, markers, False
+        # An item whose producer set it is already queued: the loop below reads it.
+        self._urgent.clear()
         deadline = time.monotonic() + self.flush_interval
         item = first
         while True:
@@ -223,11 +237,20 @@ class Recorder:
                 markers.append(item)
                 return batch, markers, False  # write now: someone is waiting
             batch.append(item)
-            remaining = deadline - time.monotonic()
-            if item.future is not None or len(batch) >= self.max_batch or remaining <= 0:
+            if item.future is not None or len(batch) >= self.max_batch:
                 return batch, markers, False
             try:
-                item = self._queue.get(timeout=remaining)
+                item = self._queue.get_nowait()
+                continue
+            except queue.Empty:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return batch, markers, False
+            self._urgent.wait(remaining)
+            self._urgent.clear()
+            try:
+                item = self._queue.get_nowait()
             except queue.Empty:
                 return batch, markers, False
 
