@@ -13,7 +13,9 @@ client is small next to the server's share.
 Per request: TTFT (send to first text: the first token event in process, the first SSE chunk
 with text over HTTP), decode tok/s (the tokens after the first over the time from the first to
 the end: the finish event, the `[DONE]` line) and, not streamed, the whole request's tok/s
-(tokens over send-to-response). Each round measures every side back to back, in an order that
+(tokens over send-to-response). On Linux it also reads, per request, the serving process's
+CPU time and wake-ups per output token from /proc: these hardly move when other work shares
+the machine, where the rates do. Each round measures every side back to back, in an order that
 alternates; the table gives each side's median over the rounds and the median of the
 per-round ratios (server / engine, TTFT as engine / server so that 1.00x is no overhead and
 lower is worse) with their range.
@@ -37,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # isort: off
@@ -54,12 +57,52 @@ from engine.sampling import SamplingParams
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PROMPT = "{}: Write a short story about a lighthouse keeper."
-METRICS = ("ttft_ms", "decode_tps", "e2e_tps")
+METRICS = ("ttft_ms", "decode_tps", "e2e_tps", "cpu_us")
 
 
 def prompt(i: int) -> str:
     return PROMPT.format(["Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot"][i % 6]
                          + str(i))
+
+
+# ---- CPU time per thread (Linux: /proc) ---------------------------------------------------------
+# The main thread (the event loop in the server, the events' reader in process) and the rest:
+# the engine thread, the BLAS workers, the runs recorder's writer. (Python does not name its
+# threads to the OS, so the rest cannot be told apart from outside.)
+ROLES = ("loop", "rest")
+
+
+def threads(pid: int) -> dict[str, list[int]] | None:
+    """Per role [CPU ns, voluntary context switches (the thread blocked: one wake-up each)];
+    None where /proc has no per-thread accounts."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return None
+    out = {role: [0, 0] for role in ROLES}
+    for task in tasks.iterdir():
+        try:
+            cpu = int((task / "schedstat").read_text().split()[0])
+            status = (task / "status").read_text()
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        role = out["loop" if task.name == str(pid) else "rest"]
+        role[0] += cpu
+        role[1] += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return out
+
+
+def measured(pid: int, request: Callable[[], dict], tokens: int) -> dict:
+    """The request's own figures plus, per role, CPU µs and wake-ups per output token."""
+    before = threads(pid)
+    result = request()
+    after = threads(pid)
+    if before is None or after is None:
+        return result
+    for role in ROLES:
+        result[f"{role}_cpu_us"] = (after[role][0] - before[role][0]) / 1e3 / tokens
+        result[f"{role}_wakeups"] = (after[role][1] - before[role][1]) / tokens
+    result["cpu_us"] = sum(result[f"{role}_cpu_us"] for role in ROLES)
+    return result
 
 
 # ---- the engine in process ---------------------------------------------------------------------
@@ -139,9 +182,12 @@ def summarize(rounds: list[dict], sides: list[str]) -> dict:
                 continue
             row[m] = _median(values)
             if side != "engine":
-                ratios = [(r["engine"][m] / r[side][m]) if m == "ttft_ms"
+                ratios = [(r["engine"][m] / r[side][m]) if m in ("ttft_ms", "cpu_us")
                           else (r[side][m] / r["engine"][m]) for r in rounds if m in r[side]]
                 row[f"{m}_ratio"] = [_median(ratios), min(ratios), max(ratios)]
+        for key in rounds[0][side]:
+            if key.endswith(("_cpu_us", "_wakeups")):
+                row[key] = _median([r[side][key] for r in rounds])
         out[side] = row
     return out
 
@@ -171,6 +217,29 @@ def render(summary: dict, servers: list[str], meta: dict) -> str:
             f"| {name} | {s['ttft_ms']:.1f} | {_ratio(s['ttft_ms_ratio'])} | "
             f"{s['decode_tps']:.1f} | {_ratio(s['decode_tps_ratio'])} | {n['e2e_tps']:.1f} | "
             f"{_ratio(n['e2e_tps_ratio'])} |")
+    if "cpu_us" not in e:
+        return "\n".join(lines) + "\n"
+    lines += [
+        "", "## CPU per output token", "",
+        "CPU time of the serving process per output token (from /proc), medians over the "
+        "rounds: its main thread (the server's event loop; in process, the thread reading the "
+        "events) and the others (the engine thread, the BLAS workers, the runs writer). "
+        "Wake-ups are the times threads blocked and were woken (voluntary context switches). "
+        "The ratio is the engine's total over the side's (1.00x: serving costs nothing "
+        "more).", "",
+        "| side | main thread µs | other threads µs | total µs | ratio "
+        "| main thread wake-ups | other threads' wake-ups |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = [("engine in process", e)] + [
+        (f"{name}, {kind}", summary[f"{name}:{key}"]) for name in servers
+        for kind, key in (("streamed", "stream"), ("not streamed", "json"))]
+    for label, row in rows:
+        ratio = _ratio(row["cpu_us_ratio"]) if "cpu_us_ratio" in row else "1.00x"
+        lines.append(
+            f"| {label} | {row['loop_cpu_us']:.0f} | {row['rest_cpu_us']:.0f} | "
+            f"{row['cpu_us']:.0f} | {ratio} | {row['loop_wakeups']:.2f} | "
+            f"{row['rest_wakeups']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -192,7 +261,7 @@ def main() -> int:
             stack.callback(lambda: os.system(
                 f"git -C {ROOT} worktree remove --force {work / 'base'} >/dev/null 2>&1"))
             trees[f"serve ({args.base})"] = base_tree(args.base, work)
-        ports = {}
+        ports, pids = {}, {}
         for name, tree in trees.items():
             port = free_port()
             cmd = server_commands("batchscope", port, args.weights, work,
@@ -201,20 +270,21 @@ def main() -> int:
             # on sys.path, then PYTHONPATH (which peers.server_env passes on).
             os.environ["PYTHONPATH"] = str(tree)
             with contextlib.chdir(tree):
-                stack.enter_context(running_server(name, cmd, port,
-                                                   work / f"{len(ports)}.log", log))
-            ports[name] = port
+                _, proc = stack.enter_context(running_server(name, cmd, port,
+                                                             work / f"{len(ports)}.log", log))
+            ports[name], pids[name] = port, proc.pid
         os.environ.pop("PYTHONPATH")
         eng = stack.enter_context(Engine(EngineConfig(weights=args.weights)))
         weights = eng.loaded.weights
         prompt_tokens = len(eng.encode(prompt(0)))
 
         def one(side: str, i: int) -> dict:
-            text = prompt(i)
+            text, n = prompt(i), args.max_tokens
             if side == "engine":
-                return engine_request(eng, text, args.max_tokens)
+                return measured(os.getpid(), lambda: engine_request(eng, text, n), n)
             name, kind = side.rsplit(":", 1)
-            return http_request(ports[name], text, args.max_tokens, kind == "stream")
+            return measured(pids[name], lambda: http_request(ports[name], text, n,
+                                                             kind == "stream"), n)
 
         sides = ["engine", *(f"{n}:{k}" for n in trees for k in ("stream", "json"))]
         for side in sides:  # warm-up: every path compiled and imported once
