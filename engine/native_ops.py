@@ -121,10 +121,13 @@ class NativeOps:
         where no kernel takes it)."""
         if self.quantized_kernel is not None and self.native_quantized_applies:
             return (f"native quantized kernel up to {DECODE_QUANTIZED_MAX_ROWS} rows "
-                    f"({native.decode_quantized_isa()} path)")
+                    f"({native.decode_quantized_isa()} path; each row computed alone, so "
+                    "every step is batch-invariant)")
         if self.matmul_kernel is not None:
             if self.native_matmul_applies:
-                return f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows"
+                return (f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows (each row computed "
+                        "alone: batch-invariant up to there; larger steps take the BLAS, "
+                        "unless --batch-invariant)")
             return (f"MLX (the native kernels take float32 or affine 4/8-bit, weights are "
                     f"{weights})")
         if self.fused_attention:

@@ -59,3 +59,13 @@ def test_batch_invariant_4bit_computes_what_the_default_computes(make_engine):
     """On 4-bit weights every layer has its native kernel: the flag changes no bit."""
     default = outputs(engine_for(make_engine, "q4", False), 3)[0]
     assert outputs(engine_for(make_engine, "q4", True), 3)[0] == default
+
+
+def test_the_start_up_log_says_which_steps_are_batch_invariant(make_engine):
+    """The row kernels, in words (logged at start): every 4-bit step is row-invariant on the
+    native kernel; float32 only up to its row limit, unless --batch-invariant."""
+    q4 = engine_for(make_engine, "q4", batch_invariant=False)
+    assert "every step is batch-invariant" in q4.row_kernels
+    f32 = engine_for(make_engine, "f32", batch_invariant=False)
+    assert "batch-invariant up to there" in f32.row_kernels
+    assert "every step" not in f32.row_kernels
