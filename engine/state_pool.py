@@ -83,13 +83,12 @@ class StatePool:
         src_at, dst_at = mx.array(src), mx.array(dst)
         # The slots read first, evaluated: the write is then the array's only user and MLX
         # makes it in place (a read in the same graph made it copy the whole pool).
-        values = [a[src_at] for a in self._conv + self._state]
+        arrays = self.state()
+        values = [a[src_at] for a in arrays]
         mx.eval(values)
-        for arrays, part in ((self._conv, values[:len(self._conv)]),
-                             (self._state, values[len(self._conv):])):
-            for i, value in enumerate(part):
-                arrays[i][dst_at] = value
-        mx.eval(self.state())
+        for a, value in zip(arrays, values, strict=True):
+            a[dst_at] = value  # the pool's own array object, updated in place
+        mx.eval(arrays)
 
     def gated_delta(self, layer: int, module, qkv: mx.array, a: mx.array, b: mx.array,
                     groups: list[tuple[int, int]], snapshots: list[tuple[int, int]],
