@@ -257,4 +257,5 @@ def params_dict(params: SamplingParams) -> dict:
     """Sampling parameters as JSON: the runs table's params and the playground's panels."""
     d = asdict(params)
     d["stop"] = list(params.stop)
+    d["logit_bias"] = [list(pair) for pair in params.logit_bias]
     return d

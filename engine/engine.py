@@ -30,6 +30,7 @@ from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, StepOutput, pool_for, state_pool_for
 from engine.models import family_for
 from engine.output import OutputText
+from engine.penalties import penalty_processors
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
 from engine.scheduler import GroupUpdate, Phase, RowGroup, Scheduler, SchedulerOutput
@@ -188,8 +189,8 @@ class Engine:
         for sub, params, prompt_ids in prepared:
             request_id = sub.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             handle = RequestHandle(request_id, prompt_ids, self.cancel, loop)
-            seq = Sequence(request_id, prompt_ids, params,
-                           logits_processors=tuple(sub.logits_processors))
+            seq = Sequence(request_id, prompt_ids, params, logits_processors=(
+                *penalty_processors(params, len(prompt_ids)), *sub.logits_processors))
             requests.append(_Request(seq, handle,
                                      OutputText(self.tokenizer, params.stop),
                                      trace=[] if sub.trace else None))
@@ -203,6 +204,8 @@ class Engine:
         vocab = self.loaded.config.get("vocab_size") if self.loaded else None
         if vocab and any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if vocab and any(t >= vocab for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         n = len(prompt_ids)
         # Blame max_tokens only when the prompt alone leaves room for at least one new token.
         total = n + params.max_tokens

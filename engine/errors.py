@@ -7,8 +7,9 @@ class RequestError(ValueError):
     """A request the engine cannot serve as asked.
 
     param: what the caller should change, in the engine's terms: "prompt" (empty, token ids
-    out of range, or too long on its own) or "max_tokens" (the prompt fits, but not with this
-    many new tokens). code: "invalid_value" or "context_length_exceeded".
+    out of range, or too long on its own), "max_tokens" (the prompt fits, but not with this
+    many new tokens) or "logit_bias" (a token id out of the vocabulary). code: "invalid_value"
+    or "context_length_exceeded".
     """
 
     def __init__(self, message: str, param: str, code: str = "invalid_value"):

@@ -19,6 +19,12 @@ class SamplingParams:
     ignore_eos: bool = False
     # This request may take drafted tokens when the engine speculates (engine/speculative.py).
     speculative: bool = True
+    # OpenAI's penalties over the tokens generated so far (engine/penalties.py): subtracted
+    # from a token's logit, frequency_penalty once per time it was generated, presence_penalty
+    # once if it was; and logit_bias, (token id, bias) pairs added to those tokens' logits.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -36,6 +42,19 @@ class SamplingParams:
                              f"got {self.logprobs!r}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number from -2 to 2, got {value!r}")
+        bias = tuple((t, b) for t, b in (self.logit_bias.items() if isinstance(
+            self.logit_bias, dict) else self.logit_bias))
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+               or isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100
+               for t, b in bias):
+            raise ValueError("logit_bias must map token ids (non-negative integers) to biases "
+                             "from -100 to 100")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in bias)))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a list of non-empty strings")

@@ -137,10 +137,10 @@ def _start(service: RunService, run_request: RunRequest, id_prefix: str,
     except EngineError as e:
         raise APIError(503, str(e), None, "engine_unavailable") from None
     except RequestError as e:
-        # The engine blames the prompt or max_tokens; max_tokens is the caller's to change only
-        # when they set it (under whichever name), otherwise the prompt is too long.
+        # The engine blames the prompt, max_tokens or logit_bias; max_tokens is the caller's to
+        # change only when they set it (under whichever name), otherwise the prompt is too long.
         param = (req.max_tokens_param if e.param == "max_tokens" and req.max_tokens_param
-                 else req.prompt_param)
+                 else "logit_bias" if e.param == "logit_bias" else req.prompt_param)
         raise bad(e.message, param, e.code) from None
 
 

@@ -195,10 +195,14 @@ class _Generation(BaseModel):
     speculative: bool | None = Field(True, description="extension: false keeps this request "
                                      "out of speculative decoding (no drafted tokens) when the "
                                      "server speculates (--speculative); ignored when it does not")
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2), NUM] | None = Field(
+        0.0, description="subtracted from a token's logit once per time it was generated")
+    presence_penalty: Annotated[float, Field(ge=-2, le=2), NUM] | None = Field(
+        0.0, description="subtracted from a token's logit once if it was generated")
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
+                     Annotated[float, Field(ge=-100, le=100), NUM]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit, -100 to 100")
     # OpenAI's parameters that this server does not implement: accepted at their neutral value.
-    frequency_penalty: Annotated[Any, Neutral(0)] = None
-    presence_penalty: Annotated[Any, Neutral(0)] = None
-    logit_bias: Annotated[Any, Neutral({})] = None
     best_of: Annotated[Any, Neutral(1)] = None
     echo: Annotated[Any, Neutral(False)] = None
     suffix: Annotated[Any, Neutral("")] = None
@@ -273,7 +277,10 @@ class _Generation(BaseModel):
             max_tokens=max_tokens, seed=self.seed, stop=self.stop, logprobs=logprobs,
             temperature=0.0 if self.temperature < MIN_TEMPERATURE else self.temperature,
             top_p=self.top_p, top_k=max(self.top_k, 0),  # -1: no cut (vLLM's convention)
-            ignore_eos=bool(self.ignore_eos), speculative=self.speculative is not False)
+            ignore_eos=bool(self.ignore_eos), speculative=self.speculative is not False,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()})
 
 
 class CompletionRequest(_Generation):

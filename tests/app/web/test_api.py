@@ -102,6 +102,21 @@ def test_completion_matches_the_engine_and_has_openai_shape(client, engine, reco
     assert recorder.finish_of(body["id"]).reason == expected.reason
 
 
+def test_penalties_and_logit_bias_reach_the_engine_and_the_run(client, engine, recorder):
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {"70": 3}}
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "xxxxxxxx",
+                                             "max_tokens": 12, "temperature": 0, **penalties})
+    assert r.status_code == 200, r.text
+    expected = engine.generate("xxxxxxxx", SamplingParams(
+        max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5, logit_bias={70: 3.0}))
+    assert r.json()["choices"][0]["text"] == expected.text
+    assert expected.token_ids != engine.generate("xxxxxxxx", SamplingParams(
+        max_tokens=12)).token_ids  # the adjustments change this output
+    [started] = [s for s in recorder.started if s["run_id"] == r.json()["id"]]
+    assert started["params"]["frequency_penalty"] == 1.5
+    assert started["params"]["logit_bias"] == [[70, 3.0]]
+
+
 def test_speculative_extension_opts_a_request_out_of_drafts():
     """`speculative` (default true) reaches SamplingParams: false means no verify rows."""
     drafts, recorder = ScriptedDrafts(), FakeRecorder()

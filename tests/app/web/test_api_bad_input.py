@@ -72,10 +72,13 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "hi", "stream": True, "stream_options": []}, 400, "stream_options"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": True}, 400, "presence_penalty"),
     ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ({"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "hi", "messages": CHAT}, 400, "messages"),
 ]
@@ -196,7 +199,7 @@ BOTH = [
     ({"n": 2}, "n"),
     # unknown and unsupported fields
     ({"frobnicate": True}, "frobnicate"),
-    ({"frequency_penalty": 1.5}, "frequency_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"model": ["tiny-llama"]}, "model"),
 ]
 
