@@ -5,7 +5,9 @@ them to each of the request's sampled rows, before the log-softmax, in mlx-lm's
 - logit_bias: a fixed bias added to chosen tokens' logits (-100 bans a token, 100 forces it);
 - frequency_penalty and presence_penalty, over the tokens generated so far (not the prompt),
   as OpenAI defines them: logit[t] -= count[t] * frequency_penalty + (count[t] > 0) *
-  presence_penalty.
+  presence_penalty;
+- repetition_penalty (vLLM's and Hugging Face's), over the prompt and the output: a seen
+  token's logit divided by it where positive, multiplied where negative.
 
 Each row sees only its own request's tokens, so a request's adjustments never depend on what
 shares its step; a verify row counts the drafts before it, as a decode row at that position
@@ -43,4 +45,12 @@ def penalty_processors(params: SamplingParams, prompt_len: int) -> tuple[LogitsP
             return logits - penalty.astype(logits.dtype)
 
         out.append(penalties)
+    repetition = params.repetition_penalty
+    if repetition != 1.0:
+        def repetition_penalty(tokens: mx.array, logits: mx.array) -> mx.array:
+            seen = mx.zeros((logits.shape[-1],), dtype=mx.float32).at[tokens].add(1.0) > 0
+            scaled = mx.where(logits > 0, logits / repetition, logits * repetition)
+            return mx.where(seen, scaled, logits)
+
+        out.append(repetition_penalty)
     return tuple(out)

@@ -145,13 +145,15 @@ def _processed(logits: mx.array, groups: list[RowGroup]) -> mx.array:
 
 
 def target_scores(logprobs: mx.array, p: SamplingParams) -> mx.array:
-    """(1, vocab) scores whose softmax is the distribution a request samples from: top-p and
-    top-k cuts, then temperature."""
-    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+    """(1, vocab) scores whose softmax is the distribution a request samples from: top-p,
+    min-p and top-k cuts, then temperature."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     x = logprobs[None]
     if 0.0 < p.top_p < 1.0:
         x = apply_top_p(x, p.top_p)
+    if p.min_p > 0.0:
+        x = apply_min_p(x, p.min_p)
     if 0 < p.top_k < x.shape[-1]:
         x = apply_top_k(x, p.top_k)
     return x * (1.0 / p.temperature)

@@ -25,6 +25,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's extensions: repetition_penalty over the prompt and the output (a seen token's
+    # positive logit divided by it, a negative one multiplied; 1: none), and min_p (sampling
+    # keeps the tokens at least min_p times as likely as the likeliest, as mlx-lm's
+    # apply_min_p; 0: none).
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -47,6 +53,14 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, int | float) \
                     or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be a number from -2 to 2, got {value!r}")
+        if (isinstance(self.repetition_penalty, bool)
+                or not isinstance(self.repetition_penalty, int | float)
+                or not 0.0 < self.repetition_penalty <= 2.0):
+            raise ValueError("repetition_penalty must be a number in (0, 2], got "
+                             f"{self.repetition_penalty!r}")
+        if (isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float)
+                or not 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be a number from 0 to 1, got {self.min_p!r}")
         bias = tuple((t, b) for t, b in (self.logit_bias.items() if isinstance(
             self.logit_bias, dict) else self.logit_bias))
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0

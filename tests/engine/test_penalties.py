@@ -1,4 +1,5 @@
-"""OpenAI's logit_bias, frequency_penalty and presence_penalty (engine/penalties.py): the
+"""OpenAI's logit_bias, frequency_penalty and presence_penalty, and vLLM's repetition_penalty
+and min_p (engine/penalties.py, engine/sampler.py): the
 processors against a numpy reference, and in the engine: per request, the same tokens alone
 and among others, with and without drafted tokens."""
 
@@ -33,11 +34,31 @@ def test_the_processors_against_a_numpy_reference():
     assert penalty_processors(SamplingParams(), 3) == ()  # the defaults add nothing
 
 
+def test_the_repetition_penalty_against_a_numpy_reference():
+    logits = np.array([[2.0, -1.0, 0.5, -3.0, 1.0]], dtype=np.float32)
+    [processor] = penalty_processors(SamplingParams(repetition_penalty=1.5), prompt_len=2)
+    out = np.array(processor(mx.array([0, 3, 3]), mx.array(logits)))  # prompt too
+    np.testing.assert_allclose(out, [[2.0 / 1.5, -1.0, 0.5, -3.0 * 1.5, 1.0]], rtol=1e-6)
+
+
+def test_min_p_one_keeps_only_the_likeliest_token(make_engine):
+    """min_p = 1 keeps the tokens as likely as the likeliest: a seeded draw at temperature 1
+    is then the greedy token; below it, the draw differs."""
+    engine = make_engine()
+    plain = engine.generate(PROMPTS[1], greedy()).token_ids
+    kept = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True, min_p=1.0)
+    assert engine.generate(PROMPTS[1], kept).token_ids == plain
+    free = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    assert engine.generate(PROMPTS[1], free).token_ids != plain
+
+
 def test_bad_values_are_refused_by_name():
     for kwargs, name in (({"frequency_penalty": 2.5}, "frequency_penalty"),
                          ({"presence_penalty": True}, "presence_penalty"),
                          ({"logit_bias": {-1: 1.0}}, "logit_bias"),
-                         ({"logit_bias": {5: 101}}, "logit_bias")):
+                         ({"logit_bias": {5: 101}}, "logit_bias"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"min_p": 1.5}, "min_p")):
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
 
@@ -67,9 +88,10 @@ def test_a_frequency_penalty_breaks_repetition(make_engine):
 def test_penalties_give_the_same_tokens_alone_among_others_and_with_drafts(make_engine, weights):
     """Seeded sampling with every adjustment: a request's tokens do not depend on its batch,
     and verify rows count the drafts before them as decode rows count generated tokens."""
-    params = [greedy(frequency_penalty=0.8, presence_penalty=0.3, logit_bias={66: 2.0}),
+    params = [greedy(frequency_penalty=0.8, presence_penalty=0.3, logit_bias={66: 2.0},
+                     repetition_penalty=1.3),
               SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True,
-                             frequency_penalty=1.2, logit_bias={70: -100})]
+                             frequency_penalty=1.2, logit_bias={70: -100}, min_p=0.05)]
     engine = make_engine(loader=lambda: tiny_model(quantize=weights == "q4"))
     alone = [[engine.generate(p, sp).token_ids for sp in params] for p in PROMPTS]
     handles = [[engine.submit(p, sp) for sp in params] for p in PROMPTS]

@@ -202,6 +202,12 @@ class _Generation(BaseModel):
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
                      Annotated[float, Field(ge=-100, le=100), NUM]] | None = Field(
         None, description="token id (as a string) -> bias added to its logit, -100 to 100")
+    repetition_penalty: Annotated[float, Field(gt=0, le=2), NUM] | None = Field(
+        1.0, description="extension: a token of the prompt or output has its logit divided by "
+                         "this where positive, multiplied where negative; 1: none")
+    min_p: Annotated[float, Field(ge=0, le=1), NUM] | None = Field(
+        0.0, description="extension: sample only tokens at least min_p times as likely as the "
+                         "likeliest; 0: none")
     # OpenAI's parameters that this server does not implement: accepted at their neutral value.
     best_of: Annotated[Any, Neutral(1)] = None
     echo: Annotated[Any, Neutral(False)] = None
@@ -280,7 +286,8 @@ class _Generation(BaseModel):
             ignore_eos=bool(self.ignore_eos), speculative=self.speculative is not False,
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
-            logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()})
+            logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
+            repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0)
 
 
 class CompletionRequest(_Generation):

@@ -74,6 +74,8 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "stream": True, "stream_options": []}, 400, "stream_options"),
     ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "hi", "presence_penalty": True}, 400, "presence_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "min_p": -0.1}, 400, "min_p"),
     ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
