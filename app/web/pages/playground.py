@@ -53,7 +53,8 @@ MAX_COPIES = 8
 MAX_STOP_CHARS = 200
 PLAYGROUND_LOGPROBS = 5  # alternatives kept per token, shown on hover
 DEFAULTS = {"mode": "chat", "temperature": 0.0, "top_p": 1.0, "max_tokens": 64, "seed": None,
-            "stop": "", "copies": 1, "ignore_eos": False, "speculative": True}
+            "stop": "", "copies": 1, "ignore_eos": False, "speculative": True,
+            "frequency_penalty": 0.0, "presence_penalty": 0.0}
 # The form sends speculative=0 from a hidden input and =1 from the checkbox after it (the last
 # one wins), so a form without the field at all keeps the default.
 SWITCH_VALUES = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
@@ -113,6 +114,8 @@ def parse_playground(form: dict[str, str], max_tokens_limit: int) -> tuple[Playg
     seed = _form_number(form, "seed", "seed", errors, 0, 2**63 - 1, integer=True,
                         optional=True)
     copies = _form_number(form, "copies", "copies", errors, 1, MAX_COPIES, integer=True)
+    penalties = {name: _form_number(form, name, name.replace("_", " "), errors, -2.0, 2.0)
+                 for name in ("frequency_penalty", "presence_penalty")}
     # Stop strings: one per line, or comma separated on a line.
     stops = [s.strip() for line in form.get("stop", "").splitlines() for s in line.split(",")]
     stops = [s for s in stops if s]
@@ -129,7 +132,7 @@ def parse_playground(form: dict[str, str], max_tokens_limit: int) -> tuple[Playg
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             seed=seed, stop=tuple(stops), logprobs=PLAYGROUND_LOGPROBS,
                             ignore_eos=form.get("ignore_eos", "") not in ("", "0", "off"),
-                            speculative=speculative)
+                            speculative=speculative, **penalties)
     return PlaygroundInput(mode, system, prompt, params, copies), {}
 
 

@@ -113,7 +113,8 @@ def test_playground_page_has_the_form(client):
     assert form["hx-post"] == "/playground" and form["hx-target"] == "#results"
     names = {el["name"] for el in form.find_all(["input", "textarea", "select"])}
     assert {"mode", "system", "prompt", "temperature", "top_p", "max_tokens", "seed", "stop",
-            "copies", "ignore_eos", "speculative"} <= names
+            "copies", "ignore_eos", "speculative", "frequency_penalty",
+            "presence_penalty"} <= names
     assert page.find(id="results") is not None
     assert "tiny-llama" in page.get_text()
     srcs = [s["src"] for s in page.find_all("script")]
@@ -199,6 +200,13 @@ def test_stream_of_a_finished_run_sends_the_final_state_at_once(client, recorder
     assert client.get("/runs/nope/stream").status_code == 404
 
 
+def test_playground_penalties_reach_the_run(client, recorder):
+    [run_id] = play(client, frequency_penalty="1.5", presence_penalty="-0.5", max_tokens="4")
+    finish(client, recorder, [run_id])
+    params = client.get(f"/runs/{run_id}.json").json()["params"]
+    assert params["frequency_penalty"] == 1.5 and params["presence_penalty"] == -0.5
+
+
 def test_playground_stop_strings_and_seed(client, recorder):
     [run_id] = play(client, temperature="1", seed="7", stop="zz, yy\nxx", max_tokens="4")
     finish(client, recorder, [run_id])
@@ -214,6 +222,8 @@ def test_playground_stop_strings_and_seed(client, recorder):
     ({"temperature": "nan"}, "temperature", "at most 2"),
     ({"temperature": "2.5"}, "temperature", "at most 2"),
     ({"top_p": "0"}, "top_p", "above 0"),
+    ({"frequency_penalty": "3"}, "frequency_penalty", "at most 2"),
+    ({"presence_penalty": "x"}, "presence_penalty", "must be a number"),
     ({"max_tokens": "1.5"}, "max_tokens", "whole number"),
     ({"max_tokens": "0"}, "max_tokens", "at least 1"),
     ({"max_tokens": "100000"}, "max_tokens", "at most 512"),
