@@ -204,11 +204,19 @@ class _Shape:
     Response: type[Completion] | type[ChatCompletion]
     Chunk: type[CompletionChunk] | type[ChatCompletionChunk]
 
-    def __init__(self, service: RunService, run: Run, logprobs: bool, include_usage: bool):
+    def __init__(self, service: RunService, run: Run, logprobs: bool, include_usage: bool,
+                 token_ids: bool = False):
+        """token_ids: logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids),
+        not by their text."""
         self.service, self.run = service, run
         self.logprobs, self.include_usage = logprobs, include_usage
+        self.token_ids = token_ids
         self.created = int(run.created)
         self._text_frame: tuple[bytes, bytes] | None = None  # see token_sse
+
+    def token_name(self, token_id: int) -> str:
+        """How logprobs name a token: its text, or "token_id:N"."""
+        return f"token_id:{token_id}" if self.token_ids else self.service.token_text(token_id)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.run.id, "object": obj, "created": self.created,
@@ -270,14 +278,14 @@ class _CompletionShape(_Shape):
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
         for e in events:
-            text = self.service.token_text(e.token_id)
+            text = self.token_name(e.token_id)
             tokens.append(text)
             token_lps.append(_lp(e.logprob))
             # The alternatives plus the sampled token: up to logprobs + 1 entries, as OpenAI.
             # Tokens that decode alike (partial UTF-8 bytes) share a key: the likeliest stays.
             top: dict[str, float] = {}
             for t, lp in e.top_logprobs:
-                top.setdefault(self.service.token_text(t), _lp(lp))
+                top.setdefault(self.token_name(t), _lp(lp))
             top.setdefault(text, _lp(e.logprob))
             tops.append(top)
             offsets.append(self._offset)
@@ -310,7 +318,7 @@ class _ChatShape(_Shape):
     Response, Chunk = ChatCompletion, ChatCompletionChunk
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self.service.token_text(token_id), "logprob": _lp(logprob),
+        return {"token": self.token_name(token_id), "logprob": _lp(logprob),
                 "bytes": list(self.service.token_bytes(token_id))}
 
     def _logprobs(self, events: list[TokenEvent]) -> ChatLogprobs | None:
@@ -414,7 +422,8 @@ async def completions(request: Request) -> Response:
                      req.logprobs or 0)
     run = _start(service, RunRequest(prompt_ids, params, "/v1/completions", "api", text),
                  "cmpl", req)
-    shape = _CompletionShape(service, run, req.logprobs is not None, req.include_usage)
+    shape = _CompletionShape(service, run, req.logprobs is not None, req.include_usage,
+                             bool(req.return_tokens_as_token_ids))
     return await _respond(request, run, shape, req.stream)
 
 
@@ -431,7 +440,8 @@ async def chat_completions(request: Request) -> Response:
     params = _params(req, max_tokens, req.top_logprobs or 0)
     run = _start(service, RunRequest(prompt_ids, params, "/v1/chat/completions", "api",
                                      None, messages), "chatcmpl", req)
-    shape = _ChatShape(service, run, bool(req.logprobs), req.include_usage)
+    shape = _ChatShape(service, run, bool(req.logprobs), req.include_usage,
+                       bool(req.return_tokens_as_token_ids))
     return await _respond(request, run, shape, req.stream)
 
 

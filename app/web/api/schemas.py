@@ -208,6 +208,9 @@ class _Generation(BaseModel):
     min_p: Annotated[float, Field(ge=0, le=1), NUM] | None = Field(
         0.0, description="extension: sample only tokens at least min_p times as likely as the "
                          "likeliest; 0: none")
+    return_tokens_as_token_ids: bool | None = Field(
+        False, description="extension: logprobs name tokens \"token_id:N\", not by their text "
+                           "(vLLM's)")
     # OpenAI's parameters that this server does not implement: accepted at their neutral value.
     best_of: Annotated[Any, Neutral(1)] = None
     echo: Annotated[Any, Neutral(False)] = None

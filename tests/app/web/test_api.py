@@ -205,6 +205,36 @@ def test_completion_logprobs_shape(client):
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_as_token_ids_in_both_endpoints(client, engine, stream):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N", N the engine's
+    own id, in the sampled token and its alternatives."""
+    expected = engine.generate("abc", SamplingParams(max_tokens=5, ignore_eos=True)).token_ids
+    names = [f"token_id:{t}" for t in expected]
+    common = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": stream,
+              "return_tokens_as_token_ids": True}
+    r = client.post("/v1/completions", json={"prompt": "abc", "logprobs": 2, **common})
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "abc"}], "logprobs": True, "top_logprobs": 2,
+        **common})
+    if stream:
+        choices = [json.loads(d)["choices"] for d in sse_data(r)[:-1]]
+        tokens = [t for c in choices if c for t in (c[0]["logprobs"] or {}).get("tokens", [])]
+        tops = [k for c in choices if c for top in (c[0]["logprobs"] or {}).get(
+            "top_logprobs", []) for k in top]
+    else:
+        lp = r.json()["choices"][0]["logprobs"]
+        tokens, tops = lp["tokens"], [k for top in lp["top_logprobs"] for k in top]
+    assert tokens == names
+    assert all(k.startswith("token_id:") and int(k[9:]) >= 0 for k in tops)
+    assert chat.status_code == 200
+    if not stream:
+        content = chat.json()["choices"][0]["logprobs"]["content"]
+        assert all(e["token"].startswith("token_id:") for e in content)
+        assert all(t["token"].startswith("token_id:") for e in content
+                   for t in e["top_logprobs"])
+
+
 def test_completion_logprobs_zero_still_gives_the_sampled_token(client):
     r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "logprobs": 0,
                                              "ignore_eos": True})
