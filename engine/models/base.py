@@ -61,8 +61,8 @@ class Family:
         self.config = config
         self.inner = model.model
         self.layers = list(self.inner.layers)
-        for i, layer in enumerate(self.layers):
-            check_rope(getattr(layer.self_attn, "rope", None), self.name, i)
+        for i, layer in enumerate(self.layers):  # a recurrent layer has no self_attn
+            check_rope(getattr(getattr(layer, "self_attn", None), "rope", None), self.name, i)
 
     # ---- what the engine asks of every family -------------------------------------------
     def layer_kv(self) -> list[LayerKV]:

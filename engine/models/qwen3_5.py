@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_5_moe, qwen3_next
 
-from engine.models.base import Family, LayerKV, UnsupportedModelError, check_rope, swiglu_mlp
+from engine.models.base import Family, LayerKV, UnsupportedModelError, swiglu_mlp
 from engine.models.experts import SwitchExperts
 from engine.models.moe import swiglu_experts
 from engine.state_pool import LayerState
@@ -41,10 +41,7 @@ class Qwen3_5(Family):
                "attention layers (sigmoid output gate, partial RoPE)")
 
     def __init__(self, model: nn.Module, config: dict):
-        # Family.__init__ checks every layer's RoPE; only the attention layers have one.
-        self.model, self.config = model, config
-        self.inner = model.model
-        self.layers = list(self.inner.layers)
+        super().__init__(model, config)
         self.lm = getattr(model, "language_model", model)  # holds lm_head and the args
         args = self.lm.args
         if args.full_attention_interval > args.num_hidden_layers:
@@ -59,8 +56,6 @@ class Qwen3_5(Family):
                 self._states[i] = LayerState(len(self._states), gdn.conv_dim,
                                              gdn.conv_kernel_size, gdn.num_v_heads,
                                              gdn.head_v_dim, gdn.head_k_dim)
-            else:
-                check_rope(layer.self_attn.rope, self.name, i)
         self._experts: dict[int, SwitchExperts] = {
             i: swiglu_experts(layer.mlp.switch_mlp) for i, layer in enumerate(self.layers)
             if hasattr(layer.mlp, "switch_mlp")}

@@ -160,13 +160,7 @@ def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_draf
             conn.exec_driver_sql(
                 "INSERT INTO run_tokens (run_id, idx, token_id, text, t, step) VALUES "
                 "('old-run', 0, 120, 'x', 1.5, 1)")
-            conn.exec_driver_sql(
-                "INSERT INTO steps (session_id, step, started_at, wall_time, model_time, "
-                "scheduler_time, total_rows, prefill_rows, decode_rows, kv_blocks_total, "
-                "kv_blocks_used, kv_blocks_free, kv_blocks_cached, num_running, num_waiting, "
-                "kernel_path, linear_calls_per_layer, prefix_cache_queries, prefix_cache_hits, "
-                "preempted_json) VALUES "
-                "(1, 1, 1.2, 0.1, 0.1, 0.0, 1, 1, 0, 8, 1, 7, 0, 1, 0, 'gemm', 1, 0, 0, '[]')")
+            insert_old_step(conn)
             conn.exec_driver_sql(
                 "INSERT INTO step_entries (session_id, step, run_id, phase, rows, "
                 "context_len, blocks_held, sampled) VALUES (1, 1, 'old-run', 'prefill', 1, 1, "
@@ -192,6 +186,17 @@ def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_draf
                                   "rate": None}
 
 
+def insert_old_step(conn) -> None:
+    """One step row as a database before 0005 holds it (its columns only)."""
+    conn.exec_driver_sql(
+        "INSERT INTO steps (session_id, step, started_at, wall_time, model_time, "
+        "scheduler_time, total_rows, prefill_rows, decode_rows, kv_blocks_total, "
+        "kv_blocks_used, kv_blocks_free, kv_blocks_cached, num_running, num_waiting, "
+        "kernel_path, linear_calls_per_layer, prefix_cache_queries, prefix_cache_hits, "
+        "preempted_json) VALUES "
+        "(1, 1, 1.2, 0.1, 0.1, 0.0, 1, 1, 0, 8, 1, 7, 0, 1, 0, 'gemm', 1, 0, 0, '[]')")
+
+
 STATE_POOL = {"state_slots_total": 4, "state_slots_used": 3, "state_checkpoints": 5,
               "state_checkpoint_capacity": 16, "state_checkpoint_hits": 2,
               "state_slot_bytes": 3 * 2**31}  # past 32 bits
@@ -206,13 +211,7 @@ def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_pa
             conn.exec_driver_sql(
                 "INSERT INTO engine_sessions (id, started_at, model, weights, kernel_policy, "
                 "config_json) VALUES (1, 1.0, 'm', 'q4', 'gemm', '{}')")
-            conn.exec_driver_sql(
-                "INSERT INTO steps (session_id, step, started_at, wall_time, model_time, "
-                "scheduler_time, total_rows, prefill_rows, decode_rows, kv_blocks_total, "
-                "kv_blocks_used, kv_blocks_free, kv_blocks_cached, num_running, num_waiting, "
-                "kernel_path, linear_calls_per_layer, prefix_cache_queries, prefix_cache_hits, "
-                "preempted_json) VALUES "
-                "(1, 1, 1.2, 0.1, 0.1, 0.0, 1, 1, 0, 8, 1, 7, 0, 1, 0, 'gemm', 1, 0, 0, '[]')")
+            insert_old_step(conn)
         assert "state_slots_total" not in {c["name"] for c in inspect(engine).get_columns("steps")}
     finally:
         engine.dispose()
