@@ -18,7 +18,12 @@ serve   `batchscope serve` (its default weights: q4 where the native kernel is b
         --max-concurrency 8 --seed 0 --ignore-eos on`: output tok/s, median TPOT, p99 TTFT.
 
 Writes llama_cpp.md and llama_cpp.json to --out-dir (benchmarks/results); a run of one section
-keeps the other's last results (each section is one run of its own). Progress on stderr.
+keeps the other's last results (each section is one run of its own, with its date and host: the
+CPU's model, its cores, and how llama.cpp was built: its version, compiler and instruction-set
+options, AMX on or off). Progress on stderr.
+
+The full remeasure is `.venv/bin/python benchmarks/llama_cpp_peer.py`; `--sections decode
+--repeats 1` is the quickest run that measures something.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -63,6 +69,96 @@ def llama_cpp_bin() -> Path | None:
 
 def log(msg: str) -> None:
     print(f"# {msg}", file=sys.stderr, flush=True)
+
+
+# ---- the host ---------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The CPU's model string: /proc/cpuinfo's on Linux, sysctl's on macOS."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        done = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                              text=True)
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout.strip()
+    return platform.processor() or "CPU model unknown"  # e.g. Linux on Arm: no model name
+
+
+# The CMake options that choose llama.cpp's instruction sets (build-llama-cpp.sh sets them).
+_ISA_OPTION = re.compile(r"^GGML_(NATIVE|AVX\w*|FMA|F16C|BMI2|AMX_\w+):BOOL=(ON|OFF)$", re.M)
+
+
+def llama_cpp_build(bin_dir: Path) -> dict:
+    """How the llama.cpp tools in bin_dir were built: the sdist they come from, llama.cpp's own
+    version line (its build number, and the compiler) and the instruction-set options in the
+    CMake cache, AMX among them."""
+    cache = bin_dir.parent / "CMakeCache.txt"
+    if not cache.is_file():
+        raise RuntimeError(f"{cache} is missing: the llama.cpp build's options cannot be named "
+                           "(./scripts/build-llama-cpp.sh builds it)")
+    options = dict(_ISA_OPTION.findall(cache.read_text()))
+    if "NATIVE" not in options:
+        raise RuntimeError(f"{cache} names no GGML_NATIVE: not a llama.cpp build")
+    done = subprocess.run([str(bin_dir / "llama-server"), "--version"], capture_output=True,
+                          text=True, timeout=60)
+    version = " ".join((done.stdout + done.stderr).split())
+    if done.returncode != 0 or "version:" not in version:
+        raise RuntimeError(f"llama-server --version printed no version: {version[-500:]!r}")
+    return {"llama_cpp_python": llama_cpp_python_version(bin_dir),
+            "version": version[version.index("version:"):], "options": options}
+
+
+def isa_text(options: dict[str, str]) -> str:
+    """The instruction-set options in words: 'GGML_NATIVE=OFF; AVX, AVX2 ... on; AMX off'."""
+    if options["NATIVE"] == "ON":
+        return "GGML_NATIVE=ON (every instruction set of the CPU it was built on)"
+    on = [k for k, v in options.items() if v == "ON" and k != "NATIVE"]
+    amx = [k for k in options if k.startswith("AMX_")]
+    amx_state = ("AMX off" if all(options[k] == "OFF" for k in amx) else
+                 "AMX " + ", ".join(f"{k}={options[k]}" for k in amx))
+    return f"GGML_NATIVE=OFF; {', '.join(on) or 'no instruction set'} on; {amx_state}"
+
+
+def host_info(bin_dir: Path, threads: int) -> dict:
+    """What a section's numbers depend on beyond the code: the CPU, the engine's backend and
+    BLAS, the llama.cpp build and its threads."""
+    info = backend_info()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(),
+            "system": f"{platform.system()} {platform.machine()}", "backend": info["backend"],
+            "blas": blas_name(info.get("blas")) or "bundled",
+            "quantized_isa": native.decode_quantized_isa(), "threads": threads,
+            "llama_cpp": llama_cpp_build(bin_dir)}
+
+
+def legacy_host(previous: dict) -> dict:
+    """A section from before hosts were recorded per section: what its file said of the run that
+    wrote it last, the CPU model and llama.cpp's build options left unknown."""
+    machine = previous["machine"]
+    return {"cpu": None, "cores": machine["cpus"], "system": None,
+            "backend": machine["backend"], "blas": machine["blas"],
+            "quantized_isa": machine["quantized_isa"], "threads": previous["threads"],
+            "llama_cpp": {"llama_cpp_python": previous["llama_cpp_python"], "version": None,
+                          "options": None}}
+
+
+def host_text(host: dict) -> str:
+    build = host["llama_cpp"]
+    peer = f"llama.cpp from the llama-cpp-python {build['llama_cpp_python']} sdist"
+    if host["cpu"] is None:
+        return (f"host not recorded with this section (it predates that): the file named "
+                f"backend {host['backend']}, BLAS {host['blas']}, native quantized path "
+                f"{host['quantized_isa']}, {host['cores']} CPUs, {host['threads']} llama.cpp "
+                f"threads, {peer}, its build options not recorded")
+    return (f"{host['cpu']}, {host['cores']} cores ({host['system']}); batchscope: backend "
+            f"{host['backend']}, BLAS {host['blas']}, native quantized path "
+            f"{host['quantized_isa']}; {peer} ({build['version']}), "
+            f"{isa_text(build['options'])}, {host['threads']} threads")
 
 
 # ---- decode -----------------------------------------------------------------------------------
@@ -119,7 +215,8 @@ def section_decode(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dic
         rows.append({"sequences": n, "llama_cpp": peer, "llama_cpp_runs": [first[n], second[n]],
                      "q4": q4, "f32": f32, "ratio": q4 / peer, "goal": DECODE_GOAL[n],
                      "goal_met": q4 / peer >= DECODE_GOAL[n]})
-    return {"rows": rows, "engines": engines, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {"rows": rows, "engines": engines, "repeats": repeats,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 # ---- serve ------------------------------------------------------------------------------------
@@ -175,21 +272,20 @@ def section_serve(bin_dir: Path, gguf: Path, threads: int, workdir: Path) -> dic
 
 
 def render(data: dict) -> str:
-    info = data["machine"]
     lines = [f"# batchscope and llama.cpp on {data['gguf']}", "",
-             f"`.venv/bin/python benchmarks/llama_cpp_peer.py`: backend {info['backend']}, "
-             f"BLAS {info['blas']}, native quantized path {info['quantized_isa']}, "
-             f"{data['threads']} llama.cpp threads, {info['cpus']} CPUs; llama.cpp from the "
-             f"llama-cpp-python {data['llama_cpp_python']} sdist.", ""]
+             "`.venv/bin/python benchmarks/llama_cpp_peer.py` (llama.cpp built by "
+             "`./scripts/build-llama-cpp.sh`); each section is a run of its own "
+             "(`--sections decode serve`), on the host it names.", ""]
     if "decode" in data:
         d = data["decode"]
         q4 = d["engines"]["q4"]
         kernels = q4.get("row_kernels") or q4["decode_matmul"]  # the key of older results
-        lines += ["## Decode, aggregate tok/s", "", f"Run {d['started']}.", "",
+        lines += ["## Decode, aggregate tok/s", "",
+                  f"Run {d['started']}: {host_text(d['host'])}.", "",
                   "llama.cpp: `llama-batched-bench -npp 64 -ntg 32` (S_TG, the better of a run "
                   "before and one after the engine's). batchscope: the engine in process, "
                   "prompts of 20-120 tokens, decode from the extra time of a 33-token call, "
-                  f"median of {data['repeats']}. Row kernels at q4: {kernels}.", "",
+                  f"median of {d['repeats']}. Row kernels at q4: {kernels}.", "",
                   "| sequences | llama.cpp | batchscope q4 | batchscope f32 | q4 / llama.cpp "
                   "| goal |", "|---|---|---|---|---|---|"]
         for r in d["rows"]:
@@ -199,7 +295,8 @@ def render(data: dict) -> str:
         lines.append("")
     if "serve" in data:
         s = data["serve"]
-        lines += ["## Serving, 8 streams", "", f"Run {s['started']}.", "",
+        lines += ["## Serving, 8 streams", "", f"Run {s['started']}: {host_text(s['host'])}.",
+                  "",
                   "`batchscope bench serve --num-prompts 32 --max-concurrency 8 --seed 0 "
                   "--ignore-eos on` against each server in turn, twice (cold, then warm): "
                   "batchscope on its default weights (q4), llama-server on the Q4_1 GGUF, "
@@ -228,6 +325,20 @@ def llama_cpp_python_version(bin_dir: Path) -> str:
     return m.group(1) if m else "unknown"
 
 
+def kept_sections(saved: Path) -> dict:
+    """The sections of an earlier llama_cpp.json, each with its host (see legacy_host)."""
+    if not saved.is_file():
+        return {}
+    previous = json.loads(saved.read_text())
+    kept = {k: previous[k] for k in ("decode", "serve") if k in previous}
+    for name, section in kept.items():
+        if "host" not in section:  # written before sections recorded their host
+            section["host"] = legacy_host(previous)
+            if name == "decode":
+                section.setdefault("repeats", previous["repeats"])
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sections", nargs="+", default=["decode", "serve"],
@@ -243,25 +354,21 @@ def main(argv: list[str] | None = None) -> int:
               "build); nothing was measured", file=sys.stderr)
         return 3
     gguf = embedded_gguf_path()
-    info = backend_info()
-    data = {"gguf": gguf.name, "threads": args.threads, "repeats": args.repeats,
-            "llama_cpp_python": llama_cpp_python_version(bin_dir),
-            "machine": {"backend": info["backend"], "blas": blas_name(info.get("blas")) or
-                        "bundled", "quantized_isa": native.decode_quantized_isa(),
-                        "cpus": os.cpu_count()},
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    host = host_info(bin_dir, args.threads)
+    log(f"host: {host_text(host)}")
+    data = {"gguf": gguf.name}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "llama_cpp.json"
-    if saved.is_file():  # the sections not run now keep their last results
-        previous = json.loads(saved.read_text())
-        data.update({k: previous[k] for k in ("decode", "serve") if k in previous})
+    data.update(kept_sections(saved))  # the sections not run now keep their last results
     if "decode" in args.sections:
-        data["decode"] = section_decode(bin_dir, gguf, args.threads, args.repeats)
+        data["decode"] = section_decode(bin_dir, gguf, args.threads, args.repeats) | {
+            "host": host}
         saved.write_text(json.dumps(data, indent=1) + "\n")
     if "serve" in args.sections:
         with tempfile.TemporaryDirectory(prefix="batchscope-llama-cpp-") as tmp:
-            data["serve"] = section_serve(bin_dir, gguf, args.threads, Path(tmp))
+            data["serve"] = section_serve(bin_dir, gguf, args.threads, Path(tmp)) | {
+                "host": host}
         saved.write_text(json.dumps(data, indent=1) + "\n")
     text = render(data)
     (out / "llama_cpp.md").write_text(text)

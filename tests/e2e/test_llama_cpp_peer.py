@@ -1,10 +1,14 @@
 """benchmarks/llama_cpp_peer.py without a llama.cpp build: it says how to build it, measures
-nothing and writes nothing; and the table it reads from llama-batched-bench is parsed as
-printed."""
+nothing and writes nothing; the table it reads from llama-batched-bench is parsed as printed; the
+host it records (the CPU, llama.cpp's version and instruction-set options) is read from the build;
+and with llama.cpp built (./scripts/build-llama-cpp.sh), its quickest run measures and names the
+host."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +29,31 @@ main: n_kv_max = 8192, n_batch = 2048, n_ubatch = 512, flash_attn = 0, is_pp_sha
 |    64 |     32 |   16 |   1536 |    4.034 |   253.85 |    2.467 |   207.56 |    6.501 |   236.29 |
 """
 
+# Lines of a CMake cache as build-llama-cpp.sh leaves it where AMX faults.
+CMAKE_CACHE = """\
+CMAKE_BUILD_TYPE:STRING=Release
+GGML_AMX_BF16:BOOL=OFF
+GGML_AMX_INT8:BOOL=OFF
+GGML_AMX_TILE:BOOL=OFF
+GGML_AVX:BOOL=ON
+GGML_AVX2:BOOL=ON
+GGML_AVX512:BOOL=ON
+GGML_AVX512_VNNI:BOOL=ON
+GGML_CUDA:BOOL=OFF
+GGML_FMA:BOOL=ON
+GGML_NATIVE:BOOL=OFF
+"""
+
+
+@pytest.fixture
+def peer():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import llama_cpp_peer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return llama_cpp_peer
+
 
 def test_without_a_build_it_says_how_to_build_it_and_exits_3(tmp_path):
     env = dict(os.environ, BATCHSCOPE_LLAMA_CPP=str(tmp_path / "none"))
@@ -37,13 +66,7 @@ def test_without_a_build_it_says_how_to_build_it_and_exits_3(tmp_path):
     assert not out.exists()
 
 
-def test_the_batched_bench_table_is_read_as_printed(monkeypatch, tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import llama_cpp_peer as peer
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
+def test_the_batched_bench_table_is_read_as_printed(peer, monkeypatch, tmp_path):
     class Done:
         stdout = TABLE
 
@@ -53,3 +76,96 @@ def test_the_batched_bench_table_is_read_as_printed(monkeypatch, tmp_path):
     Done.stdout = TABLE.replace("|   16 |", "|   32 |")
     with pytest.raises(RuntimeError, match="could not read llama-batched-bench's table"):
         peer.batched_bench(tmp_path, tmp_path / "model.gguf", 2)
+
+
+def fake_build(root: Path, cache: str, version: str) -> Path:
+    """A build folder as build-llama-cpp.sh leaves it, its llama-server a script printing
+    `version` as llama.cpp's --version does (on stderr)."""
+    bin_dir = root / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    (root / "build" / "CMakeCache.txt").write_text(cache)
+    (root / "sdist").mkdir()
+    (root / "sdist" / "llama_cpp_python-0.3.36.tar.gz").write_bytes(b"")
+    server = bin_dir / "llama-server"
+    server.write_text(f"#!/bin/sh\necho '{version}' >&2\n")
+    server.chmod(0o755)
+    return bin_dir
+
+
+def test_the_build_is_named_by_its_version_and_options(peer, tmp_path):
+    line = "version: 0 (unknown)\nbuilt with cc (Debian 12.2.0-14) 12.2.0 for x86_64-linux-gnu"
+    build = peer.llama_cpp_build(fake_build(tmp_path, CMAKE_CACHE, line))
+    assert build == {
+        "llama_cpp_python": "0.3.36",
+        "version": "version: 0 (unknown) built with cc (Debian 12.2.0-14) 12.2.0 for "
+                   "x86_64-linux-gnu",
+        "options": {"AMX_BF16": "OFF", "AMX_INT8": "OFF", "AMX_TILE": "OFF", "AVX": "ON",
+                    "AVX2": "ON", "AVX512": "ON", "AVX512_VNNI": "ON", "FMA": "ON",
+                    "NATIVE": "OFF"}}
+    assert peer.isa_text(build["options"]) == (
+        "GGML_NATIVE=OFF; AVX, AVX2, AVX512, AVX512_VNNI, FMA on; AMX off")
+    amx = dict(build["options"], AMX_TILE="ON", AMX_INT8="ON")
+    assert peer.isa_text(amx).endswith("; AMX AMX_BF16=OFF, AMX_INT8=ON, AMX_TILE=ON")
+    assert peer.isa_text({"NATIVE": "ON", "AVX": "OFF"}).startswith("GGML_NATIVE=ON (")
+
+
+def test_a_build_it_cannot_name_is_refused(peer, tmp_path):
+    bin_dir = fake_build(tmp_path / "a", CMAKE_CACHE, "no version here")
+    with pytest.raises(RuntimeError, match="llama-server --version printed no version"):
+        peer.llama_cpp_build(bin_dir)
+    bin_dir = fake_build(tmp_path / "b", "CMAKE_BUILD_TYPE:STRING=Release\n", "version: 1 (x)")
+    with pytest.raises(RuntimeError, match="names no GGML_NATIVE"):
+        peer.llama_cpp_build(bin_dir)
+    (bin_dir.parent / "CMakeCache.txt").unlink()
+    with pytest.raises(RuntimeError, match="CMakeCache.txt is missing"):
+        peer.llama_cpp_build(bin_dir)
+
+
+def test_sections_from_before_hosts_were_recorded_say_so(peer, tmp_path):
+    saved = tmp_path / "llama_cpp.json"
+    rows = [{"sequences": n, "llama_cpp": 100.0, "llama_cpp_runs": [99.0, 100.0], "q4": 90.0,
+             "f32": 50.0, "ratio": 0.9, "goal": 0.8, "goal_met": True} for n in peer.SEQUENCES]
+    saved.write_text(json.dumps({
+        "gguf": "model.gguf", "threads": 2, "repeats": 3, "llama_cpp_python": "0.3.36",
+        "machine": {"backend": "cpu", "blas": "bundled", "quantized_isa": "avx512", "cpus": 2},
+        "decode": {"rows": rows, "engines": {"q4": {"row_kernels": "native"}},
+                   "started": "2026-12-02 11:46:09"}}))
+    kept = peer.kept_sections(saved)
+    assert set(kept) == {"decode"} and kept["decode"]["repeats"] == 3
+    md = peer.render({"gguf": "model.gguf", **kept})
+    assert ("Run 2026-12-02 11:46:09: host not recorded with this section (it predates that): "
+            "the file named backend cpu, BLAS bundled, native quantized path avx512, 2 CPUs, "
+            "2 llama.cpp threads, llama.cpp from the llama-cpp-python 0.3.36 sdist, its build "
+            "options not recorded.") in md
+    assert "| 1 | 100.0 | 90.0 | 50.0 | 0.90x | >= 0.8x: met |" in md
+
+
+@pytest.mark.slow
+def test_its_quickest_run_measures_against_the_build_and_names_the_host(peer, tmp_path):
+    bin_dir = peer.llama_cpp_bin()
+    if bin_dir is None:
+        pytest.skip("llama.cpp is not built (./scripts/build-llama-cpp.sh)")
+    out = tmp_path / "results"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/llama_cpp_peer.py", "--sections", "decode", "--repeats",
+         "1", "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert "# decode: llama-batched-bench again..." in result.stderr  # progress on stderr
+    md = (out / "llama_cpp.md").read_text()
+    data = json.loads((out / "llama_cpp.json").read_text())
+    assert "## Serving" not in md and "serve" not in data  # only the section asked for
+    host = data["decode"]["host"]
+    assert host["cpu"] == peer.cpu_model() and host["cores"] == os.cpu_count()
+    build = host["llama_cpp"]
+    assert build["options"] == dict(peer._ISA_OPTION.findall(
+        (bin_dir.parent / "CMakeCache.txt").read_text()))
+    stamp = bin_dir.parent / "batchscope-isa.txt"  # what build-llama-cpp.sh built
+    if stamp.is_file() and "-DGGML_NATIVE=OFF" in stamp.read_text():
+        assert build["options"]["NATIVE"] == "OFF"
+        assert all(build["options"][k] == "OFF" for k in ("AMX_TILE", "AMX_INT8", "AMX_BF16"))
+    assert f"Run {data['decode']['started']}: {host['cpu']}, {host['cores']} cores" in md
+    assert peer.isa_text(build["options"]) in md and build["version"] in md
+    for n in peer.SEQUENCES:
+        assert re.search(rf"^\| {n} \| \d+\.\d \| \d+\.\d \| \d+\.\d \| \d+\.\d\dx \|", md,
+                         re.M), md
+    assert str(tmp_path) not in md and str(Path.home()) not in md  # no paths of this machine
