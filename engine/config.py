@@ -18,11 +18,14 @@ class ValueEnum(enum.StrEnum):
 
 
 class KernelPath(ValueEnum):
-    """How a step's linear layers run over its rows (engine/kernels.py)."""
+    """How a step's linear layers run over its rows (engine/kernels.py). A policy picks gemm,
+    gemv or tiled for a step; the step records native instead where every one of its matmul
+    calls ran on a native row kernel (engine/kernels.py, PathTally)."""
 
     GEMM = "gemm"  # one batched call per linear layer over all of the step's rows
     GEMV = "gemv"  # one call per row
     TILED = "tiled"  # the batch-invariant path: every call has exactly `tile` rows
+    NATIVE = "native"  # every call the native kernels: each row computed alone, in a fixed order
 
 
 POLICIES = ("gemm", "gemv", "auto")

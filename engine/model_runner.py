@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.config import DEFAULT_TILE, EngineConfig, KernelPath, NativeSetting
+from engine.kernels import PathTaken
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
 from engine.native_ops import NativeLayer, NativeOps, recurrence_kernel
@@ -37,6 +38,9 @@ class StepOutput:
     traces: dict[str, StepTrace] = field(default_factory=dict)  # seq_id -> what it wrote
     # Mixture-of-experts layers: layer index -> rows each expert received (the router's choice)
     expert_rows: dict[int, list[int]] = field(default_factory=dict)
+    # The path the step's matmul calls took ("native" where all ran on the native kernels,
+    # engine/kernels.py PathTally); None: no forward ran (an empty step)
+    taken: PathTaken | None = None
 
     @property
     def samples(self) -> dict[str, list]:
@@ -163,7 +167,8 @@ class ModelRunner(NativeOps):
                   plan.lens, plan.query_lens)[None]
 
     def run(self, groups: list[RowGroup], path: str = KernelPath.GEMM) -> StepOutput:
-        """One forward over the groups' rows, every linear layer along `path`."""
+        """One forward over the groups' rows, every linear layer along `path` (or the native
+        kernels where they take it: StepOutput.taken says which)."""
         t0 = time.perf_counter()
         step = Step(self, groups, path)
         logits_rows, sampled = self._forward(step, groups)
@@ -172,7 +177,7 @@ class ModelRunner(NativeOps):
         traces = (self._traces(groups, logits_rows, sampled, out)
                   if any(g.trace for g in groups) else {})
         return StepOutput(sampled=out, model_time=time.perf_counter() - t0, traces=traces,
-                          expert_rows=step.expert_rows())
+                          expert_rows=step.expert_rows(), taken=step.tally.taken())
 
     def _state_arrays(self) -> list[mx.array]:
         """The pools a step writes, evaluated with it."""

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from engine import native
 from engine.attention import use_fused_attention
 from engine.config import DEFAULT_TILE, KernelPath, NativeSetting, check_native_setting
-from engine.kernels import apply_linear
+from engine.kernels import PathTally, apply_linear
 
 # Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: it is
 # faster than MLX's BLAS matmul at every row count up to 32 in
@@ -122,12 +122,13 @@ class NativeOps:
         if self.quantized_kernel is not None and self.native_quantized_applies:
             return (f"native quantized kernel up to {DECODE_QUANTIZED_MAX_ROWS} rows "
                     f"({native.decode_quantized_isa()} path; each row computed alone, so "
-                    "every step is batch-invariant)")
+                    "every step is batch-invariant: kernel path native where every matmul "
+                    "takes it)")
         if self.matmul_kernel is not None:
             if self.native_matmul_applies:
                 return (f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows (each row computed "
-                        "alone: batch-invariant up to there; larger steps take the BLAS, "
-                        "unless --batch-invariant)")
+                        "alone: batch-invariant up to there, kernel path native; larger steps "
+                        "take the BLAS, kernel path gemm, unless --batch-invariant)")
             return (f"MLX (the native kernels take float32 or affine 4/8-bit, weights are "
                     f"{weights})")
         if self.fused_attention:
@@ -146,15 +147,16 @@ class NativeOps:
     #   layer without one goes through MLX, in calls of exactly `tile` rows (engine/kernels.py).
     #   The choice depends on the layer and dtype alone, never on the step's rows.
     # - "gemv": MLX's call per row.
+    # `tally` (the step's PathTally) is told which path each call took.
     def linear(self, module, x: mx.array, tied: bool = False, path: str = KernelPath.GEMM,
-               tile: int = DEFAULT_TILE) -> mx.array:
+               tile: int = DEFAULT_TILE, tally: PathTally | None = None) -> mx.array:
         """A linear layer on x (1, rows, features); tied=True: an embedding as the head."""
         found = self._native_linear(module, tied, x.dtype) if path != KernelPath.GEMV else None
         if found is not None and (path == KernelPath.TILED or x.shape[1] <= found[1]):
-            out = _in_row_chunks(found[0], x, found[1])
+            out = _in_row_chunks(found[0], x, found[1], tally)
             bias = getattr(module, "bias", None)
             return out if bias is None else out + bias
-        return apply_linear(module.as_linear if tied else module, x, path, tile)
+        return apply_linear(module.as_linear if tied else module, x, path, tile, tally)
 
     def _native_linear(self, module, tied: bool, dtype: mx.Dtype) -> tuple | None:
         """(the native kernel that takes this layer, as a function of x; its row limit), or
@@ -170,14 +172,14 @@ class NativeOps:
         return None
 
     def linears(self, modules: list, x: mx.array, path: str = KernelPath.GEMM,
-                tile: int = DEFAULT_TILE) -> list[mx.array]:
+                tile: int = DEFAULT_TILE, tally: PathTally | None = None) -> list[mx.array]:
         """Linear layers that share an input. Where the native kernels take them on this step
         (as in `linear`), they take them as one call over their weights stacked by output
         (`stacks`): each output's arithmetic in those kernels depends on its own weights alone,
         so the bits are those of one call per layer, with a fraction of the calls."""
-        stacked = self._stacked(modules, x, path) if path != KernelPath.GEMV else None
+        stacked = self._stacked(modules, x, path, tally) if path != KernelPath.GEMV else None
         if stacked is None:
-            return [self.linear(m, x, path=path, tile=tile) for m in modules]
+            return [self.linear(m, x, path=path, tile=tile, tally=tally) for m in modules]
         out = stacked(x)
         parts, at = [], 0
         for m in modules:
@@ -188,7 +190,7 @@ class NativeOps:
             parts.append(part if bias is None else part + bias)
         return parts
 
-    def _stacked(self, modules: list, x: mx.array, path: str):
+    def _stacked(self, modules: list, x: mx.array, path: str, tally: PathTally | None):
         """The native call for `modules` on x (a function of x, in calls of at most the
         kernel's row limit), or None where a layer would not take a native kernel on this
         step's path and rows."""
@@ -201,7 +203,7 @@ class NativeOps:
             return None
         kernel = ((lambda c: self.matmul_kernel(c, arrays[0])) if bits == 0 else
                   (lambda c: self.quantized_kernel(c, *arrays, group_size, bits)))
-        return lambda v: _in_row_chunks(kernel, v, most)
+        return lambda v: _in_row_chunks(kernel, v, most, tally)
 
     def _native_weights(self, modules: list, dtype: mx.Dtype) -> tuple[list, int, int] | None:
         """(arrays, bits, group_size) of the native kernel that takes `modules` stacked by
@@ -401,10 +403,12 @@ def _row_limit(bits: int) -> int:
     return DECODE_MATMUL_MAX_ROWS if bits == 0 else DECODE_QUANTIZED_MAX_ROWS
 
 
-def _in_row_chunks(kernel, x: mx.array, most: int) -> mx.array:
+def _in_row_chunks(kernel, x: mx.array, most: int, tally: PathTally | None) -> mx.array:
     """kernel(x) for x (1, rows, features), in calls of at most `most` rows: the same bits as
     one call for a kernel that computes each row alone (the native linear kernels)."""
     rows = x.shape[1]
+    if tally is not None:
+        tally.took(KernelPath.NATIVE, -(-rows // most))
     if rows <= most:
         return kernel(x)
     return mx.concatenate([kernel(x[:, i:i + most]) for i in range(0, rows, most)], axis=1)

@@ -1,7 +1,8 @@
 """One forward as a model family sees it (engine/models/): the step's packed rows, their
 positions, its kernel path and tile, and the operations that depend on the engine rather than
 the family: linear layers along the step's path, RoPE at each row's position, paged
-attention, routed experts and the fused decoder layer."""
+attention, routed experts and the fused decoder layer. It keeps the tally of the paths those
+calls took (engine/kernels.py, PathTally): what the step records."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from engine.attention import StepAttention, attend_step, plan_step
 from engine.config import KernelPath
-from engine.kernels import apply_experts
+from engine.kernels import PathTally, apply_experts
 from engine.kv_cache import KVPool
 from engine.native_ops import NativeOps
 from engine.scheduler import RowGroup
@@ -56,6 +57,7 @@ class Step:
             self.contexts.append((g.num_rows, ctx_len, g.block_table))
         self.tokens = mx.array(tokens)
         self.rows = len(tokens)
+        self.tally = PathTally(self.path, self.rows, self.tile)
         self.pos = mx.array(positions, dtype=mx.int32)
         write = np.concatenate(write_slots)
         self.write = mx.array(write.astype(np.int32))  # pool slots (int32: the fused op's)
@@ -85,12 +87,12 @@ class Step:
 
     def linear(self, module, x: mx.array, tied: bool = False) -> mx.array:
         """A linear layer (tied=True: an embedding used as the output head)."""
-        return self.runner.linear(module, x, tied, self.path, self.tile)
+        return self.runner.linear(module, x, tied, self.path, self.tile, self.tally)
 
     def linears(self, modules: list, x: mx.array) -> list[mx.array]:
         """Several linear layers over the same input (q/k/v, gate/up): the same results as
         one `linear` each, in fewer calls where the step's kernel allows."""
-        return self.runner.linears(modules, x, self.path, self.tile)
+        return self.runner.linears(modules, x, self.path, self.tile, self.tally)
 
     def rope(self, rope, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         """q: (rows, heads, dim), k: (rows, kv_heads, dim), rotated at each row's position.
@@ -148,7 +150,10 @@ class Step:
     def decoder_layer(self, i: int, x: mx.array) -> mx.array | None:
         """Layer i as one native op (the family's Family.fused_layer_spec), or None where the
         step computes it op by op: the same bits either way."""
-        return self.runner.decoder_layer(self, i, x)
+        out = self.runner.decoder_layer(self, i, x)
+        if out is not None:  # every part of it a native op, each row alone
+            self.tally.took(KernelPath.NATIVE, 1)
+        return out
 
     def experts(self, i: int, switch, x: mx.array, indices: mx.array,
                 num_experts: int) -> mx.array:
@@ -157,7 +162,7 @@ class Step:
         router's choice. The step's kernel path decides the calls (engine/kernels.py); the
         choice is recorded (StepOutput.expert_rows)."""
         self.expert_choices.append((i, num_experts, indices))
-        return apply_experts(switch, x, indices, self.path, self.tile)
+        return apply_experts(switch, x, indices, self.path, self.tile, self.tally)
 
     def expert_rows(self) -> dict[int, list[int]]:
         """Rows per expert in each MoE layer, from the evaluated router choices."""
