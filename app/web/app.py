@@ -33,7 +33,7 @@ from app.runs import Recorder, RunService, kernel_policy, session_config
 from app.settings import Settings
 from app.web import divergence_lab, feeds, metrics, security
 from app.web import render as pages
-from app.web.api import openapi
+from app.web.api import messages, openapi
 from app.web.api import routes as api
 from app.web.pages import benchmarks as benchmarks_page
 from app.web.pages import calibration as calibration_page
@@ -118,7 +118,7 @@ def create_app(settings: Settings, *, engine_factory: EngineFactory | None = Non
             await anyio.to_thread.run_sync(engine.stop)  # idempotent
             await anyio.to_thread.run_sync(stack.close)
 
-    app = Starlette(routes=list(api.routes) + dashboard.routes + metrics.routes
+    app = Starlette(routes=list(api.routes) + messages.routes + dashboard.routes + metrics.routes
                     + runs_pages.routes + streams.routes + calibration_page.routes
                     + divergence_page.routes + benchmarks_page.routes + openapi.routes
                     + [Mount("/static", app=StaticFiles(directory=pages.STATIC_DIR),
