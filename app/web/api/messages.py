@@ -368,8 +368,11 @@ class AnthropicError(_Event):
     error: AnthropicErrorDetail
 
 
-STREAM_EVENTS = (MessageStartEvent, ContentBlockStartEvent, PingEvent, ContentBlockDeltaEvent,
-                 ContentBlockStopEvent, MessageDeltaEvent, MessageStopEvent, AnthropicError)
+STREAM_EVENTS: dict[str, type[_Event]] = {  # by SSE event name (each one's `type`)
+    "message_start": MessageStartEvent, "content_block_start": ContentBlockStartEvent,
+    "ping": PingEvent, "content_block_delta": ContentBlockDeltaEvent,
+    "content_block_stop": ContentBlockStopEvent, "message_delta": MessageDeltaEvent,
+    "message_stop": MessageStopEvent, "error": AnthropicError}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                 429: "rate_limit_error"}

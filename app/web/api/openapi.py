@@ -2,7 +2,8 @@
 
 It covers the OpenAI-compatible `/v1/*` routes (request bodies with their types and ranges,
 responses, errors in OpenAI's shape, streams as `text/event-stream`), generated from the models
-that check the requests and the answers (app/web/api/schemas.py), and the pages' JSON twins
+that check the requests and the answers (app/web/api/schemas.py), Anthropic's `/v1/messages`
+(app/web/api/messages.py: its models, errors in Anthropic's shape), and the pages' JSON twins
 (`/runs.json`, `/runs/{run_id}.json`, `/compare.json`, `/dashboard.json`, `/steps.json`,
 `/calibration.json`, `/divergence.json`, `/benchmarks.json`, `/benchmarks/{run_id}.json`), from
 the models of their contexts (app/web/views.py).
@@ -25,13 +26,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.web import views
-from app.web.api import schemas
+from app.web.api import messages, schemas
 
 JSON = "application/json"
 SSE = "text/event-stream"
-REQUESTS = (schemas.CompletionRequest, schemas.ChatCompletionRequest)
+REQUESTS = (schemas.CompletionRequest, schemas.ChatCompletionRequest, messages.MessagesRequest)
 RESPONSES = (schemas.Completion, schemas.ChatCompletion, schemas.CompletionChunk,
-             schemas.ChatCompletionChunk, schemas.ModelList, schemas.ErrorResponse)
+             schemas.ChatCompletionChunk, schemas.ModelList, schemas.ErrorResponse,
+             messages.AnthropicMessage, *messages.STREAM_EVENTS.values())
 
 
 def _ref(name: str) -> dict:
@@ -108,7 +110,42 @@ def _event(chunk: str) -> dict:
          "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]}}]}}}
 
 
+def _named_event() -> dict:
+    """An event of the Messages API's stream: its name, and its JSON (with the same `type`)."""
+    return {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"enum": list(messages.STREAM_EVENTS)},
+        "data": {"type": "string", "contentMediaType": JSON, "contentSchema": {
+            "anyOf": [_ref(m.__name__) for m in messages.STREAM_EVENTS.values()]}}}}
+
+
 # ---- operations --------------------------------------------------------------------------------
+def _messages(retry_after: dict) -> dict:
+    """POST /v1/messages: Anthropic's shapes, its errors too (but the security layer's)."""
+    def error(description: str, headers: dict | None = None) -> dict:
+        out: dict[str, Any] = {"description": description,
+                               "content": {JSON: {"schema": _ref("AnthropicError")}}}
+        return out | ({"headers": headers} if headers else {})
+
+    return {
+        "summary": "Answer a conversation (Anthropic's Messages API)",
+        "requestBody": {"required": True,
+                        "content": {JSON: {"schema": _ref("MessagesRequest")}}},
+        "responses": {
+            "200": {"description": "the message, or with stream: true Anthropic's named "
+                                   "server-sent events (message_start ... message_stop)",
+                    "content": {JSON: {"schema": _ref("AnthropicMessage")},
+                                SSE: {"schema": _ref("AnthropicMessageEvent")}}},
+            "400": error("bad input: the message names the parameter"),
+            "404": error("no such model"),
+            "413": error("the body is too large"),
+            "429": error("too many requests are waiting", retry_after),
+            "500": error("the engine failed the request"),
+            "503": error("the engine is not running, or the request was cancelled"),
+            **_common_errors("401", "403"),
+        },
+    }
+
+
 def _generation(summary: str, request: str, response: str) -> dict:
     return {
         "summary": summary,
@@ -169,13 +206,15 @@ def build(*, model: str, vocab: int | None, context: int, max_tokens: int | None
                 f"(context {context} tokens). Limits: request bodies up to {max_body_bytes} "
                 f"bytes (413), max_tokens up to {cap}, at most {max_num_seqs} requests running "
                 f"and {max_waiting} waiting (429 with Retry-After beyond). Errors use OpenAI's "
-                "shape and name the parameter to change. Unknown request fields are refused."),
+                "shape (/v1/messages: Anthropic's) and name the parameter to change. Unknown "
+                "request fields are refused."),
         },
         "paths": {
             "/v1/completions": {"post": _generation(
                 "Complete a prompt", "CompletionRequest", "Completion")},
             "/v1/chat/completions": {"post": _generation(
                 "Answer a chat", "ChatCompletionRequest", "ChatCompletion")},
+            "/v1/messages": {"post": _messages(retry_after)},
             "/v1/models": {"get": {
                 "summary": "The served model",
                 "responses": {"200": _json_response("one model", _ref("ModelList")),
@@ -232,6 +271,7 @@ def build(*, model: str, vocab: int | None, context: int, max_tokens: int | None
             "schemas": _schemas(model, vocab, cap) | {
                 "CompletionEvent": _event("CompletionChunk"),
                 "ChatCompletionEvent": _event("ChatCompletionChunk"),
+                "AnthropicMessageEvent": _named_event(),
             },
             "responses": {
                 "BadRequest": _error_response("bad input: the error names the parameter"),
