@@ -36,6 +36,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import GroupUpdate, Phase, RowGroup, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, LogitsProcessor, Sequence
 from engine.speculative import Proposer, propose, proposer_for
+from engine.structured import MaskClock, grammar_processors
 from engine.telemetry import StepEntry, StepLog, StepRecord
 from engine.thresholds import ThresholdTable, resolve_threshold
 from engine.token_bytes import TokenBytes
@@ -99,6 +100,7 @@ class Engine:
         self.proposer = proposer or proposer_for(self.speculation)
         self._draft_loader = draft_loader
         self._propose_time = 0.0  # seconds the proposer took in the current step
+        self.mask_clock = MaskClock()  # grammar masks' rows and time (engine/structured.py)
         self.kernel_threshold_source = "flag" if config.kernel_threshold is not None else "default"
         self.step_count = 0
         self._inbox: queue.Queue[tuple] = queue.Queue()
@@ -184,13 +186,15 @@ class Engine:
             prompt_ids = (self.encode(sub.prompt) if isinstance(sub.prompt, str)
                           else list(sub.prompt))
             self.validate(prompt_ids, params)
-            prepared.append((sub, params, prompt_ids))
+            prepared.append((sub, params, prompt_ids, (
+                *penalty_processors(params, len(prompt_ids)),
+                *grammar_processors(params.structured, len(prompt_ids), self.loaded,
+                                    self.mask_clock), *sub.logits_processors)))
         requests = []
-        for sub, params, prompt_ids in prepared:
+        for sub, params, prompt_ids, processors in prepared:
             request_id = sub.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             handle = RequestHandle(request_id, prompt_ids, self.cancel, loop)
-            seq = Sequence(request_id, prompt_ids, params, logits_processors=(
-                *penalty_processors(params, len(prompt_ids)), *sub.logits_processors))
+            seq = Sequence(request_id, prompt_ids, params, logits_processors=processors)
             requests.append(_Request(seq, handle,
                                      OutputText(self.tokenizer, params.stop),
                                      trace=[] if sub.trace else None))

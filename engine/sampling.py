@@ -5,6 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow (engine/structured.py): kind "json" (spec: a JSON
+    Schema as JSON text), "regex", "choice" (a JSON list of the strings) or "grammar" (Lark,
+    or GBNF)."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS or not isinstance(self.spec, str):
+            raise ValueError(f"structured output must be one of {', '.join(STRUCTURED_KINDS)} "
+                             f"with its text, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,9 @@ class SamplingParams:
     # apply_min_p; 0: none).
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    # The output follows this grammar (engine/structured.py); such a request takes no drafted
+    # tokens, and must end at end-of-sequence (ignore_eos is refused).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -69,6 +88,11 @@ class SamplingParams:
             raise ValueError("logit_bias must map token ids (non-negative integers) to biases "
                              "from -100 to 100")
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in bias)))
+        if self.structured is not None:
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured output: "
+                                 "the grammar ends at end-of-sequence")
+            object.__setattr__(self, "speculative", False)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a list of non-empty strings")

@@ -137,10 +137,12 @@ def _start(service: RunService, run_request: RunRequest, id_prefix: str,
     except EngineError as e:
         raise APIError(503, str(e), None, "engine_unavailable") from None
     except RequestError as e:
-        # The engine blames the prompt, max_tokens or logit_bias; max_tokens is the caller's to
+        # The engine blames the prompt, max_tokens, logit_bias or the structured output (a
+        # schema, regex or grammar it cannot compile); max_tokens is the caller's to
         # change only when they set it (under whichever name), otherwise the prompt is too long.
         param = (req.max_tokens_param if e.param == "max_tokens" and req.max_tokens_param
-                 else "logit_bias" if e.param == "logit_bias" else req.prompt_param)
+                 else "logit_bias" if e.param == "logit_bias"
+                 else req.structured_param if e.param == "structured" else req.prompt_param)
         raise bad(e.message, param, e.code) from None
 
 

@@ -36,7 +36,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, core_schema
 
-from engine.sampling import SamplingParams
+from app.web.api.structured import (
+    ResponseFormat,
+    StructuredOutputs,
+    TextFormat,
+    response_format_spec,
+)
+from engine.sampling import SamplingParams, StructuredOutput
 
 MAX_STOP = 4
 MAX_COMPLETION_LOGPROBS = 5
@@ -211,6 +217,11 @@ class _Generation(BaseModel):
     return_tokens_as_token_ids: bool | None = Field(
         False, description="extension: logprobs name tokens \"token_id:N\", not by their text "
                            "(vLLM's)")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object or json_schema: the output follows it (docs/api.md)")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension (vLLM's): the output follows one of json, regex, choice, "
+                          "grammar or json_object")
     # OpenAI's parameters that this server does not implement: accepted at their neutral value.
     best_of: Annotated[Any, Neutral(1)] = None
     echo: Annotated[Any, Neutral(False)] = None
@@ -219,7 +230,6 @@ class _Generation(BaseModel):
     functions: Annotated[Any, Neutral([])] = None
     tool_choice: Annotated[Any, Neutral("none", "auto")] = None
     function_call: Annotated[Any, Neutral("none", "auto")] = None
-    response_format: Annotated[Any, Neutral({"type": "text"})] = None
     modalities: Annotated[Any, Neutral(["text"])] = None
     # Accepted whatever their value: they change nothing about generation.
     user: Ignored = None
@@ -267,6 +277,30 @@ class _Generation(BaseModel):
                 {"value": shown(value)}) from None
         return (stop,) if isinstance(stop, str) else tuple(stop)
 
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _one_structure(cls, value: Any, info: ValidationInfo) -> Any:
+        constrains = value is not None and not isinstance(value, TextFormat)
+        if constrains and info.data.get("ignore_eos"):
+            raise PydanticCustomError("invalid_value", "cannot be combined with ignore_eos: the "
+                                      "output ends where its grammar does")
+        if constrains and response_format_spec(info.data.get("response_format")) is not None:
+            raise PydanticCustomError("invalid_value", "cannot be combined with a "
+                                      "response_format that constrains the output")
+        return value
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the output follows (none: free text)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        return response_format_spec(self.response_format)
+
+    @property
+    def structured_param(self) -> str:
+        """The parameter the structure was given in (what a compile error names)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
     @property
     def max_tokens_param(self) -> str | None:
         """The name the limit was given under (the first of max_tokens_names that is set)."""
@@ -290,7 +324,8 @@ class _Generation(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
-            repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0)
+            repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0,
+            structured=self.structured)
 
 
 class CompletionRequest(_Generation):

@@ -110,7 +110,7 @@ CHAT_ERRORS = [
     ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({"messages": CHAT, "n": 3}, 400, "n"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"messages": CHAT, "prompt": "hi"}, 400, "prompt"),
 ]
 
