@@ -105,6 +105,17 @@ def decode_quantized_isa() -> str | None:
     return module.decode_quantized_isa() if module else None
 
 
+def int8_activations_isa() -> str | None:
+    """The path the quantized op's int8-activation option runs: "avx512-vnni" where the
+    quantized op runs AVX-512 and the build has VNNI, else "portable" (the same bits, slower);
+    None when not built."""
+    module = _load()
+    if module is None:
+        return None
+    vnni = module.quantized_int8_vnni_built() and module.decode_quantized_isa() == "avx512"
+    return "avx512-vnni" if vnni else "portable"
+
+
 def set_decode_quantized_isa(name: str) -> str:
     """Force the quantized op's path ("auto", "avx512", "avx2", "portable"; tests compare
     them): returns the one now in use, raises ValueError for one this CPU lacks."""

@@ -31,9 +31,14 @@ NB_MODULE(_kernels, m) {
         "stream"_a = nb::none(),
         "x @ weight.T in float32 for a few rows, each row computed alone (batch-invariant).");
   m.def("decode_quantized_linear", &batchscope::decode_quantized_linear, "x"_a, "w"_a,
-        "scales"_a, "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "scales"_a, "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(),
+        "int8_activations"_a = false, "stream"_a = nb::none(),
         "An affine-quantized (4 or 8 bit) linear layer for a few float32 rows, each row computed "
-        "alone (batch-invariant), the same bits on every instruction-set path.");
+        "alone (batch-invariant), the same bits on every instruction-set path; "
+        "int8_activations: x quantized to 8 bits per row and group first (not float32's "
+        "result).");
+  m.def("quantized_int8_vnni_built", &batchscope::quantized_int8_vnni_built,
+        "Whether decode_quantized_linear's int8-activation path has its AVX-512 VNNI code.");
   m.def("decode_quantized_isa", &batchscope::decode_quantized_isa,
         "The instruction set decode_quantized_linear uses: avx512, avx2 or portable.");
   m.def("set_decode_quantized_isa", &batchscope::set_decode_quantized_isa, "name"_a,
@@ -58,13 +63,15 @@ NB_MODULE(_kernels, m) {
   nb::class_<Linear>(spec, "Linear",
                      "A linear layer: weight float32 (out, in) with bits 0, or MLX's affine "
                      "quantization (weight, scales, biases, bits 4 or 8, group_size).")
-      .def(nb::init<mx::array, Array, Array, int, int>(), "weight"_a, nb::kw_only(),
-           "scales"_a = nb::none(), "biases"_a = nb::none(), "bits"_a = 0, "group_size"_a = 0)
+      .def(nb::init<mx::array, Array, Array, int, int, bool>(), "weight"_a, nb::kw_only(),
+           "scales"_a = nb::none(), "biases"_a = nb::none(), "bits"_a = 0, "group_size"_a = 0,
+           "int8_activations"_a = false)
       .def_ro("weight", &Linear::weight)
       .def_ro("scales", &Linear::scales)
       .def_ro("biases", &Linear::biases)
       .def_ro("bits", &Linear::bits)
-      .def_ro("group_size", &Linear::group_size);
+      .def_ro("group_size", &Linear::group_size)
+      .def_ro("int8_activations", &Linear::int8_activations);
   nb::class_<Rope>(spec, "Rope", "RoPE at each row's position, as rope_rows takes it.")
       .def(nb::init<mx::array, int, bool, float>(), nb::kw_only(), "inv_freqs"_a, "dims"_a,
            "traditional"_a, "scale"_a)

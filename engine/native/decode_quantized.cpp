@@ -12,6 +12,7 @@
 #include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "quantized_common.h"
 #include "simd.h"
 #include "workers.h"
 
@@ -32,8 +33,6 @@ namespace batchscope {
 
 namespace {
 
-enum class ScaleType { f32, f16, bf16 };
-
 struct Problem {
   const float* x;  // (M, K), in lane order
   const uint32_t* w;
@@ -43,17 +42,6 @@ struct Problem {
   float* out;  // (M, N)
   int M, K, N, group_size, bits;
 };
-
-// A scale or bias as float32 (exact; float16 through F16C where the build has it: a scale and a
-// bias are read per group per output, and a software conversion slowed a 1-row call in
-// benchmarks/decode_linear.py --weights q4).
-inline float scale_at(const void* p, ScaleType t, size_t i) {
-  switch (t) {
-    case ScaleType::f16: return to_float(static_cast<const mx::float16_t*>(p)[i]);
-    case ScaleType::bf16: return to_float(static_cast<const mx::bfloat16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
 
 // Prefetch the packed weights of the outputs this many rows ahead: memory bounds a few-row
 // step, and the next tile's loads then overlap this one's arithmetic.
@@ -524,10 +512,13 @@ std::string set_decode_quantized_isa(const std::string& name) {
 
 void quantized_linear_rows(const float* x, int M, int K, const uint32_t* w, const void* scales,
                            const void* biases, mx::Dtype scale_dtype, int N, int group_size,
-                           int bits, float* out) {
-  const ScaleType st = scale_dtype == mx::float16    ? ScaleType::f16
-                       : scale_dtype == mx::bfloat16 ? ScaleType::bf16
-                                                     : ScaleType::f32;
+                           int bits, float* out, bool int8_activations) {
+  if (int8_activations) {
+    quantized_linear_rows_int8(x, M, K, w, scales, biases, scale_dtype, N, group_size, bits,
+                               out);
+    return;
+  }
+  const ScaleType st = scale_type_of(scale_dtype);
   thread_local std::vector<float> lane_order;  // reused: no allocation per call
   if (bits == 4) {  // each 32 values: the even ones, then the odd ones (see the top)
     lane_order.resize(static_cast<size_t>(M) * K);
@@ -545,7 +536,8 @@ void quantized_linear_rows(const float* x, int M, int K, const uint32_t* w, cons
 
 mx::array decode_quantized_linear(const mx::array& x, const mx::array& w,
                                   const mx::array& scales, const mx::array& biases,
-                                  int group_size, int bits, mx::StreamOrDevice s) {
+                                  int group_size, int bits, bool int8_activations,
+                                  mx::StreamOrDevice s) {
   check(bits == 4 || bits == 8, "bits must be 4 or 8, not " + std::to_string(bits));
   check(group_size == 32 || group_size == 64 || group_size == 128,
         "group_size must be 32, 64 or 128, not " + std::to_string(group_size));
@@ -575,7 +567,8 @@ mx::array decode_quantized_linear(const mx::array& x, const mx::array& w,
   auto shape = x.shape();
   shape.back() = w.shape(0);
   return mx::array(shape, mx::float32,
-                   std::make_shared<DecodeQuantizedLinear>(stream, group_size, bits),
+                   std::make_shared<DecodeQuantizedLinear>(stream, group_size, bits,
+                                                           int8_activations),
                    {row_contiguous(x, stream), row_contiguous(w, stream),
                     row_contiguous(scales, stream),
                     row_contiguous(biases, stream)});
@@ -599,9 +592,10 @@ void DecodeQuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
                     scales = mx::array::unsafe_weak_copy(scales),
                     biases = mx::array::unsafe_weak_copy(biases),
                     out = mx::array::unsafe_weak_copy(out), M, K, N, gs = group_size_,
-                    bits = bits_]() mutable {
+                    bits = bits_, int8 = int8_activations_]() mutable {
     quantized_linear_rows(x.data<float>(), M, K, w.data<uint32_t>(), scales.data<void>(),
-                          biases.data<void>(), scales.dtype(), N, gs, bits, out.data<float>());
+                          biases.data<void>(), scales.dtype(), N, gs, bits, out.data<float>(),
+                          int8);
   });
 }
 

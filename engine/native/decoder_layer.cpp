@@ -39,7 +39,8 @@ void run_linear(const LayerLayout& s, int which, const std::vector<mx::array>& i
   const mx::array& scales = in[s.first[which] + 1];
   const mx::array& biases = in[s.first[which] + 2];
   quantized_linear_rows(x, M, K, w.data<uint32_t>(), scales.data<void>(), biases.data<void>(),
-                        scales.dtype(), N, s.group_size[which], s.bits[which], out);
+                        scales.dtype(), N, s.group_size[which], s.bits[which], out,
+                        s.int8_activations[which]);
 }
 
 // Rows [0, rows) of body(begin, end) on the worker pool when there is enough of them.
@@ -321,6 +322,7 @@ LayerSpec::LayerSpec(LayerFields fields) : LayerFields(std::move(fields)), layou
   for (int i = 0; i < 4; ++i) {
     l.bits[i] = linears[i]->bits;
     l.group_size[i] = linears[i]->group_size;
+    l.int8_activations[i] = linears[i]->int8_activations;
     l.first[i] = add(linears[i]->weight);
     if (linears[i]->bits) {
       add(*linears[i]->scales);

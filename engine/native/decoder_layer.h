@@ -37,6 +37,7 @@ struct Linear {
   std::optional<mx::array> scales, biases;
   int bits = 0;
   int group_size = 0;
+  bool int8_activations = false;  // quantized layers: decode_quantized_linear's option
 };
 
 // RoPE of q and k at each row's position, as rope_rows takes it (row_ops.h): inv_freqs
@@ -78,6 +79,7 @@ struct LayerLayout {
   float rope_scale, attn_scale;
   int block_size, window;
   int bits[4], group_size[4];  // qkv, o, gate_up, down
+  bool int8_activations[4];
   int first[4];                // index of each linear's first input
   int attn_norm, mlp_norm, bias, qk_norms, inv_freqs, pool;
 };

@@ -1,0 +1,39 @@
+// What the affine-quantized linear kernels share: how they read a scale or bias, and which of
+// their vector paths this build has.
+#pragma once
+
+#include <cstddef>
+
+#include "mlx/dtype.h"
+#include "simd.h"
+
+// The int8-activation kernel's vector path (quantized_int8.cpp): AVX-512 with the byte and
+// VNNI extensions (vpdpbusd).
+#if BATCHSCOPE_HAS_AVX512 && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define BATCHSCOPE_HAS_VNNI 1
+#else
+#define BATCHSCOPE_HAS_VNNI 0
+#endif
+
+namespace batchscope {
+
+enum class ScaleType { f32, f16, bf16 };
+
+inline ScaleType scale_type_of(mx::Dtype dtype) {
+  return dtype == mx::float16 ? ScaleType::f16 : dtype == mx::bfloat16 ? ScaleType::bf16
+                                                                       : ScaleType::f32;
+}
+
+// A scale or bias as float32 (exact; float16 through F16C where the build has it: a scale and a
+// bias are read per group per output, and a software conversion slowed a 1-row call in
+// benchmarks/decode_linear.py --weights q4).
+inline float scale_at(const void* p, ScaleType t, size_t i) {
+  switch (t) {
+    case ScaleType::f16: return to_float(static_cast<const mx::float16_t*>(p)[i]);
+    case ScaleType::bf16: return to_float(static_cast<const mx::bfloat16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+}  // namespace batchscope

@@ -1,0 +1,327 @@
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "decode_quantized.h"
+#include "quantized_common.h"
+#include "workers.h"
+
+// The affine 4/8-bit linear layer with its activations quantized to 8 bits (int8 activations,
+// an option: decode_quantized.h). Per row and weight group g:
+//   d = max |x| / 127, xq[k] = nearbyint(x[k] * (127 / max |x|)) in [-127, 127] (0 where the
+//   group is all zeros), xs = d * (sum of xq[k]): the sum of the quantized activations, so
+// that an output is exactly the dot product of the dequantized weights with the dequantized
+// activations d * xq (the error is sum of w[k] * (d * xq[k] - x[k]), centred like w), up to
+// the float rounding of: sum over g of s[g] * d * (sum of q[k] * xq[k]) + b[g] * xs. The
+// integer sums are exact, so the instruction set only decides how fast they come. The float
+// arithmetic around them is fixed by a 16-lane structure every path follows:
+// - the packed weights of an output are cut into 32-byte units; unit u feeds lanes
+//   8 * (u % 2) + j, j < 8, lane j taking its bytes 4j..4j+3 (4 bits: both nibbles of each);
+//   per unit and lane, acc = fma(float(integer dot), s[g] * d, acc), units in increasing u;
+// - lane l of a second accumulator takes fma(b[g], xs[g], .) for g = l, l + 16, ... in order;
+// - out = lane_sum(acc) + lane_sum(bias accumulator) (vector_math.h's tree).
+// The file is built with -ffp-contract=off: no fma but the written ones.
+
+namespace batchscope {
+
+namespace {
+
+// The rows of x, quantized once per call and laid out as the kernel reads them.
+struct QuantizedRows {
+  int M = 0, K = 0, G = 0, G16 = 0;  // G groups, padded to a multiple of 16 (zeros)
+  int pairs = 0;                     // 64-byte pairs of units per output row of weights
+  int bits = 4, group_size = 64;
+  // Per row, per pair: the 64 activations that meet the low nibbles (or the 8-bit weights),
+  // then (4 bits) the 64 that meet the high ones; zeros past the end of the row.
+  std::vector<int8_t> q;
+  std::vector<float> dl;   // (M, pairs, 16): d of each lane's group, 0 past the row's end
+  std::vector<float> xs;   // (M, G16): the groups' d * sum of xq, 0 past G
+  std::vector<int32_t> lane_group;  // (pairs, 16): the group each lane's bytes belong to
+
+  int q_per_pair() const { return bits == 4 ? 128 : 64; }
+  const int8_t* row_q(int m) const { return q.data() + static_cast<size_t>(m) * pairs * q_per_pair(); }
+};
+
+// The weight index of lane l's first byte in pair p, and how many bytes the row has.
+inline int lane_weight(int bits, int p, int l) {
+  const int byte = 64 * p + 4 * l;
+  return bits == 4 ? 2 * byte : byte;
+}
+
+void quantize_rows(const float* x, int M, int K, int group_size, int bits, QuantizedRows& r) {
+  r.M = M, r.K = K, r.bits = bits, r.group_size = group_size;
+  r.G = K / group_size;
+  r.G16 = (r.G + 15) / 16 * 16;
+  const int row_bytes = K * bits / 8;
+  r.pairs = (row_bytes + 63) / 64;
+  const int per_pair = r.q_per_pair();
+  r.q.assign(static_cast<size_t>(M) * r.pairs * per_pair, 0);
+  r.dl.assign(static_cast<size_t>(M) * r.pairs * 16, 0.0f);
+  r.xs.assign(static_cast<size_t>(M) * r.G16, 0.0f);
+  r.lane_group.assign(static_cast<size_t>(r.pairs) * 16, 0);
+  for (int p = 0; p < r.pairs; ++p) {
+    for (int l = 0; l < 16; ++l) {
+      const int k = lane_weight(bits, p, l);
+      r.lane_group[p * 16 + l] = k < K ? k / group_size : 0;
+    }
+  }
+  std::vector<float> d(r.G);
+  for (int m = 0; m < M; ++m) {
+    const float* xr = x + static_cast<size_t>(m) * K;
+    int8_t* qr = r.q.data() + static_cast<size_t>(m) * r.pairs * per_pair;
+    for (int g = 0; g < r.G; ++g) {
+      const float* xg = xr + g * group_size;
+      float amax = 0.0f;
+      for (int k = 0; k < group_size; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      d[g] = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
+        const float v = std::nearbyint(xr[k] * inv);
+        const int8_t qv = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+        sum += qv;
+        // Where weight k's byte sits in its pair (see QuantizedRows::q).
+        if (bits == 4) {
+          const int byte = k / 2, p = byte / 64;
+          qr[static_cast<size_t>(p) * 128 + (k % 2) * 64 + byte % 64] = qv;
+        } else {
+          qr[k] = qv;
+        }
+      }
+      r.xs[static_cast<size_t>(m) * r.G16 + g] = d[g] * static_cast<float>(sum);
+    }
+    float* dr = r.dl.data() + static_cast<size_t>(m) * r.pairs * 16;
+    for (int p = 0; p < r.pairs; ++p) {
+      for (int l = 0; l < 16; ++l) {
+        const int k = lane_weight(bits, p, l);
+        dr[p * 16 + l] = k < K ? d[k / group_size] : 0.0f;
+      }
+    }
+  }
+}
+
+struct Job {
+  const QuantizedRows& rows;
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  ScaleType scale_type;
+  float* out;
+  int N;
+};
+
+// The output's scales and biases as float32, G16 each (zeros past G).
+void output_scales(const Job& j, int n, float* s, float* b) {
+  const int G = j.rows.G;
+  for (int g = 0; g < j.rows.G16; ++g) {
+    const size_t at = static_cast<size_t>(n) * G + g;
+    s[g] = g < G ? scale_at(j.scales, j.scale_type, at) : 0.0f;
+    b[g] = g < G ? scale_at(j.biases, j.scale_type, at) : 0.0f;
+  }
+}
+
+// The bias accumulator's lane_sum for row m and an output's biases b (the structure above).
+float bias_term(const Job& j, int m, const float* b) {
+  float acc[16] = {};
+  const float* xs = j.rows.xs.data() + static_cast<size_t>(m) * j.rows.G16;
+  for (int g0 = 0; g0 < j.rows.G16; g0 += 16)
+    for (int l = 0; l < 16; ++l) acc[l] = std::fma(b[g0 + l], xs[g0 + l], acc[l]);
+  return lane_sum(acc);
+}
+
+// ---- portable: plain C++, the reference for the structure ---------------------------------
+
+void portable_outputs(const Job& j, int n_begin, int n_end) {
+  const QuantizedRows& r = j.rows;
+  const size_t row_bytes = static_cast<size_t>(r.K) * r.bits / 8;
+  std::vector<float> s(r.G16), b(r.G16);
+  for (int n = n_begin; n < n_end; ++n) {
+    output_scales(j, n, s.data(), b.data());
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(j.w) + n * row_bytes;
+    for (int m = 0; m < r.M; ++m) {
+      const int8_t* xq = r.row_q(m);
+      const float* dl = r.dl.data() + static_cast<size_t>(m) * r.pairs * 16;
+      float acc[16] = {};
+      for (int p = 0; p < r.pairs; ++p) {
+        const int8_t* xp = xq + static_cast<size_t>(p) * r.q_per_pair();
+        for (int l = 0; l < 16; ++l) {
+          const size_t byte0 = static_cast<size_t>(p) * 64 + 4 * l;
+          if (byte0 >= row_bytes) continue;  // a half pair: the lane is left as it is
+          int32_t dot = 0;
+          for (int i = 0; i < 4; ++i) {
+            const int byte = 4 * l + i;
+            const uint8_t v = wr[byte0 + i];
+            if (r.bits == 4) {
+              dot += static_cast<int32_t>(v & 0xf) * xp[byte] +
+                     static_cast<int32_t>(v >> 4) * xp[64 + byte];
+            } else {
+              dot += static_cast<int32_t>(v) * xp[byte];
+            }
+          }
+          const float sd = s[r.lane_group[p * 16 + l]] * dl[p * 16 + l];
+          acc[l] = std::fma(static_cast<float>(dot), sd, acc[l]);
+        }
+      }
+      j.out[static_cast<size_t>(m) * j.N + n] = lane_sum(acc) + bias_term(j, m, b.data());
+    }
+  }
+}
+
+// ---- AVX-512 VNNI: a pair of units is one register; vpdpbusd takes 4 bytes a lane ----------
+
+#if BATCHSCOPE_HAS_VNNI
+// Outputs n0..n0+NR for rows m0..m0+MR: per pair, each output's weights are unpacked once and
+// meet each row's activations in one or two vpdpbusd.
+template <int BITS, int MR, int NR>
+void vnni_tile(const Job& j, int m0, int n0, const float* s) {
+  const QuantizedRows& r = j.rows;
+  const size_t row_bytes = static_cast<size_t>(r.K) * BITS / 8;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + n0 * row_bytes;
+  const int full = static_cast<int>(row_bytes / 64);  // pairs with both units
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int o = 0; o < NR; ++o) acc[i][o] = _mm512_setzero_ps();
+  for (int p = 0; p < r.pairs; ++p) {
+    const bool whole = p < full;
+    const __mmask64 bytes = whole ? ~__mmask64{0} : __mmask64{0xffffffff};
+    const __mmask16 lanes = whole ? __mmask16{0xffff} : __mmask16{0x00ff};
+    const __m512i gidx = _mm512_loadu_si512(r.lane_group.data() + p * 16);
+    __m512i lo[NR], hi[NR];
+    __m512 sl[NR];
+    for (int o = 0; o < NR; ++o) {
+      const uint8_t* wp = w0 + o * row_bytes + static_cast<size_t>(p) * 64;
+      __builtin_prefetch(wp + NR * row_bytes);  // the next tile's weights
+      const __m512i v = _mm512_maskz_loadu_epi8(bytes, wp);
+      if constexpr (BITS == 4) {
+        lo[o] = _mm512_and_si512(v, nibble);
+        hi[o] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      } else {
+        lo[o] = v;
+      }
+      // each lane's group scale: 16 groups per block, a pair's lanes in one block
+      const int block = r.lane_group[p * 16] / 16 * 16;
+      const __m512i local = _mm512_sub_epi32(gidx, _mm512_set1_epi32(block));
+      sl[o] = _mm512_permutexvar_ps(local, _mm512_loadu_ps(s + o * r.G16 + block));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xp = r.row_q(m0 + i) + static_cast<size_t>(p) * r.q_per_pair();
+      const __m512i xlo = _mm512_loadu_si512(xp);
+      const __m512 dl = _mm512_loadu_ps(r.dl.data() + (static_cast<size_t>(m0 + i) * r.pairs + p) * 16);
+      for (int o = 0; o < NR; ++o) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[o], xlo);
+        if constexpr (BITS == 4) dot = _mm512_dpbusd_epi32(dot, hi[o], _mm512_loadu_si512(xp + 64));
+        const __m512 sd = _mm512_mul_ps(sl[o], dl);
+        acc[i][o] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[i][o], lanes);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const float* xs = r.xs.data() + static_cast<size_t>(m0 + i) * r.G16;
+    for (int o = 0; o < NR; ++o) {
+      // bias_term's lanes, sixteen at once
+      const float* b = s + (NR + o) * r.G16;
+      __m512 bacc = _mm512_setzero_ps();
+      for (int g = 0; g < r.G16; g += 16)
+        bacc = _mm512_fmadd_ps(_mm512_loadu_ps(b + g), _mm512_loadu_ps(xs + g), bacc);
+      j.out[static_cast<size_t>(m0 + i) * j.N + n0 + o] =
+          lane_sum(VecAvx512{acc[i][o]}) + lane_sum(VecAvx512{bacc});
+    }
+  }
+}
+
+// output_scales' values, sixteen at a time (exact conversions, zeros past G).
+void vnni_output_scales(const Job& j, int n, float* s, float* b) {
+  const int G = j.rows.G;
+  for (int g = 0; g < j.rows.G16; g += 16) {
+    const __mmask16 in = G - g >= 16 ? __mmask16{0xffff} : __mmask16((1u << (G - g)) - 1);
+    const size_t at = static_cast<size_t>(n) * G + g;
+    for (int which = 0; which < 2; ++which) {
+      const void* from = which == 0 ? j.scales : j.biases;
+      __m512 v;
+      if (j.scale_type == ScaleType::f32) {
+        v = _mm512_maskz_loadu_ps(in, static_cast<const float*>(from) + at);
+      } else {
+        const __m256i h = _mm256_maskz_loadu_epi16(in, static_cast<const uint16_t*>(from) + at);
+        v = j.scale_type == ScaleType::f16
+                ? _mm512_cvtph_ps(h)
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
+      _mm512_storeu_ps((which == 0 ? s : b) + g, v);
+    }
+  }
+}
+
+template <int BITS, int NR, int MR = 4>
+void vnni_rows(const Job& j, int m0, int rows, int n0, const float* s) {
+  if constexpr (MR >= 1) {
+    if (rows >= MR) return vnni_tile<BITS, MR, NR>(j, m0, n0, s);
+    vnni_rows<BITS, NR, MR - 1>(j, m0, rows, n0, s);
+  }
+}
+
+template <int BITS, int NR>
+void vnni_outputs_nr(const Job& j, int n0, float* s) {
+  // s: NR outputs' scales, then their biases (G16 each), converted once for all rows.
+  for (int o = 0; o < NR; ++o)
+    vnni_output_scales(j, n0 + o, s + o * j.rows.G16, s + (NR + o) * j.rows.G16);
+  for (int m = 0; m < j.rows.M;) {
+    const int rows = std::min(4, j.rows.M - m);
+    vnni_rows<BITS, NR>(j, m, rows, n0, s);
+    m += rows;
+  }
+}
+
+constexpr int VNNI_NR = 4;
+
+template <int BITS>
+void vnni_outputs(const Job& j, int n_begin, int n_end) {
+  thread_local std::vector<float> s;
+  s.resize(static_cast<size_t>(2 * VNNI_NR) * j.rows.G16);
+  int n = n_begin;
+  for (; n + VNNI_NR <= n_end; n += VNNI_NR) vnni_outputs_nr<BITS, VNNI_NR>(j, n, s.data());
+  for (; n < n_end; ++n) vnni_outputs_nr<BITS, 1>(j, n, s.data());
+}
+#endif  // BATCHSCOPE_HAS_VNNI
+
+void outputs(const Job& j, int n_begin, int n_end, bool vnni) {
+#if BATCHSCOPE_HAS_VNNI
+  if (vnni) {
+    if (j.rows.bits == 4) return vnni_outputs<4>(j, n_begin, n_end);
+    return vnni_outputs<8>(j, n_begin, n_end);
+  }
+#endif
+  (void)vnni;
+  portable_outputs(j, n_begin, n_end);
+}
+
+}  // namespace
+
+bool quantized_int8_vnni_built() {
+  return BATCHSCOPE_HAS_VNNI;
+}
+
+void quantized_linear_rows_int8(const float* x, int M, int K, const uint32_t* w,
+                                const void* scales, const void* biases, mx::Dtype scale_dtype,
+                                int N, int group_size, int bits, float* out) {
+  thread_local QuantizedRows rows;  // reused: no allocation per call once grown
+  quantize_rows(x, M, K, group_size, bits, rows);
+  const Job j{rows, w, scales, biases, scale_type_of(scale_dtype), out, N};
+  // The vector path where the quantized kernel's instruction set is AVX-512 (and the build
+  // has VNNI), else the portable one: the same bits (tests/engine/test_quantized_int8.py).
+  const bool vnni = BATCHSCOPE_HAS_VNNI && decode_quantized_isa() == "avx512";
+  constexpr int unit = 4;
+  const int tiles = (N + unit - 1) / unit;
+  if (static_cast<int64_t>(M) * K * N >= (1 << 16)) {
+    const int chunk = std::max(1, tiles / (parallel_threads() * 8));
+    auto body = [&](int begin, int end) {
+      outputs(j, begin * unit, std::min(N, end * unit), vnni);
+    };
+    if (parallel_for(tiles, chunk, body)) return;
+  }
+  outputs(j, 0, N, vnni);
+}
+
+}  // namespace batchscope
