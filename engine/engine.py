@@ -415,7 +415,7 @@ class Engine:
             verify_rows=sum(g.num_rows for g in plan.groups if g.phase == Phase.VERIFY),
             draft_tokens=sum(len(g.drafts) for g in plan.groups),
             accepted_tokens=sum(e.accepted for e in entries), speculation=speculation,
-            propose_time=self._propose_time,
+            propose_time=self._propose_time, **self.mask_clock.take(),
             kv_blocks_total=bm.num_blocks, kv_blocks_used=kv_used, kv_blocks_free=kv_free,
             kv_blocks_cached=kv_cached,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

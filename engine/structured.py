@@ -41,15 +41,16 @@ _TOKENIZERS: WeakKeyDictionary[Any, dict[int, Any]] = WeakKeyDictionary()
 
 
 class MaskClock:
-    """Seconds spent feeding matchers and computing masks, summed until read (per step)."""
+    """Constrained rows and the seconds spent feeding their matchers and computing their
+    masks, summed until read (the engine reads it once a step: StepRecord)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.rows = 0
 
-    def take(self) -> tuple[int, float]:
-        """(constrained rows, seconds) since the last take."""
-        out = (self.rows, self.seconds)
+    def take(self) -> dict[str, int | float]:
+        """The StepRecord fields for what was summed since the last take (one step)."""
+        out = {"constrained_rows": self.rows, "mask_ms": self.seconds * 1000.0}
         self.rows, self.seconds = 0, 0.0
         return out
 

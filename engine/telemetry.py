@@ -76,6 +76,10 @@ class StepRecord:
     state_checkpoint_capacity: int = 0  # checkpoints the memory budget allows
     state_checkpoint_hits: int = 0  # cumulative: admissions that resumed from a checkpoint
     state_slot_bytes: int = 0  # one slot, all recurrent layers: conv + recurrent state
+    # Structured outputs (engine/structured.py): the step's rows held to a grammar, and the
+    # milliseconds their matchers took to take the new tokens and compute the masks.
+    constrained_rows: int = 0
+    mask_ms: float = 0.0
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -92,7 +96,8 @@ STATE_POOL_FIELDS = ("state_slots_total", "state_slots_used", "state_checkpoints
 # one row per entry, its request_id under "run_id"; what a reader shows of a step takes the
 # field's name again (field_name). Fields kept only in memory (/metrics and the live dashboard
 # read them from the record itself) are left out.
-_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable")
+_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable",
+                  "constrained_rows", "mask_ms")
 _ENTRY_UNSTORED = ("emitted",)
 _JSON_SUFFIX = "_json"
 

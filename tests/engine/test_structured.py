@@ -60,6 +60,7 @@ def test_constrained_rows_beside_free_rows_get_the_tokens_they_get_alone(make_en
 
     subs = [Submission(p, s) for p, s in zip(PROMPTS, specs, strict=False)]
     subs += [Submission(p, free()) for p in PROMPTS]
+    before = engine.step_count
     results = [h.result() for h in engine.submit_many(subs)]
     assert [r.token_ids for r in results[:3]] == alone
     assert [r.token_ids for r in results[3:]] == alone_free
@@ -69,6 +70,14 @@ def test_constrained_rows_beside_free_rows_get_the_tokens_they_get_alone(make_en
     assert value["kind"] in ("cat", "dog") and 0 <= value["age"] <= 20
     assert len(value["tags"]) <= 2
     assert not re.search(r"\s", results[2].text)  # compact JSON: no whitespace at all
+    # The steps they shared counted the constrained rows (one per token each samples, its
+    # end-of-sequence too) and timed the masks.
+    shared = [r for r in engine.steps.recent() if r.step > before]
+    assert sum(r.constrained_rows for r in shared) == sum(len(r.token_ids) + 1
+                                                         for r in results[:3])
+    assert max(r.constrained_rows for r in shared) == 3
+    assert all(r.mask_ms > 0 for r in shared if r.constrained_rows)
+    assert all(r.mask_ms == 0 for r in shared if not r.constrained_rows)
 
 
 def test_a_complete_grammar_stops_with_stop(make_engine):
