@@ -26,6 +26,7 @@ from engine.config import EngineConfig, KernelPath, KernelPolicy
 from engine.draft import draft_proposer
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
+from engine.kernels import PathTally
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, StepOutput, pool_for, state_pool_for
 from engine.models import family_for
@@ -396,6 +397,9 @@ class Engine:
         t1 = time.perf_counter()
         output, error = self._run_model(plan, path)
         t2 = time.perf_counter()
+        # What the calls took ("native" where every one ran on a native kernel); else planned.
+        taken = output.taken if output is not None and output.taken else PathTally(
+            path, plan.num_rows, self.config.invariant_tile).taken()
         model_time = output.model_time if output is not None else t2 - t1
         bm = self.block_manager
         # KV usage as the step ran, before finished requests give their blocks back.
@@ -403,7 +407,7 @@ class Engine:
         states = self.state_slots.usage() if self.state_slots is not None else {}
         if output is not None:
             updates = self.scheduler.update_from_output(plan, output)
-            entries = self._publish(updates, output.traces, plan, path, started_at)
+            entries = self._publish(updates, output.traces, plan, taken.path, started_at)
             expert_rows = {str(i): rows for i, rows in output.expert_rows.items()}
         else:
             entries, expert_rows = self._fail(plan, error, started_at), {}
@@ -419,8 +423,8 @@ class Engine:
             kv_blocks_total=bm.num_blocks, kv_blocks_used=kv_used, kv_blocks_free=kv_free,
             kv_blocks_cached=kv_cached,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            preempted=[s.seq_id for s in plan.preempted], kernel_path=path,
-            linear_calls_per_layer=self._calls_per_layer(path, plan.num_rows),
+            preempted=[s.seq_id for s in plan.preempted], kernel_path=taken.path,
+            linear_calls_per_layer=taken.calls_per_layer,
             expert_rows=expert_rows, **self.runner.window_savings(plan.groups),
             **states,
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
@@ -500,11 +504,6 @@ class Engine:
         if self.config.batch_invariant:
             return KernelPath.TILED
         return self.kernel_policy.path_for(rows)
-
-    def _calls_per_layer(self, path: KernelPath, rows: int) -> int:
-        if path == KernelPath.TILED:
-            return -(-rows // self.config.invariant_tile)
-        return 1 if path == KernelPath.GEMM else rows
 
     def _traced(self, seq_id: str) -> bool:
         req = self._requests.get(seq_id)
