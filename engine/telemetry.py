@@ -53,9 +53,12 @@ class StepRecord:
     # Seconds the proposer took to draft for the step (a draft model's forwards; not counted
     # in scheduler_time or model_time, which is the target's forward).
     propose_time: float = 0.0
-    # "gemm": one batched call per linear layer; "gemv": one per row; "tiled": batch-invariant
-    # mode, the native kernels where they apply and calls of a fixed number of rows elsewhere
-    # (linear_calls_per_layer counts those calls; docs/kernel-paths.md)
+    # The path the step's matmul calls took (engine/kernels.py, PathTally): "native" where
+    # every one ran on a native row kernel (each row computed alone, whatever shares the step);
+    # else the policy's, which at least one MLX/BLAS call took: "gemm" one batched call per
+    # linear layer, "gemv" one per row, "tiled" (batch-invariant mode) calls of a fixed number
+    # of rows. linear_calls_per_layer: the most calls one layer made on that path
+    # (docs/kernel-paths.md).
     kernel_path: str = "gemm"
     linear_calls_per_layer: int = 1
     # Mixture-of-experts models: per MoE layer (index as a string, JSON's key type), how many
