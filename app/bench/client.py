@@ -104,7 +104,8 @@ def choose_model(info: ServerInfo, requested: str | None) -> str | None:
     return None
 
 
-def request_body(item: BenchRequest, endpoint: str, model: str | None, ignore_eos: bool) -> dict:
+def request_body(item: BenchRequest, endpoint: str, model: str | None, ignore_eos: bool,
+                 response_format: dict | None = None) -> dict:
     body: dict = {"stream": True, "stream_options": {"include_usage": True},
                   "max_tokens": item.max_tokens, "temperature": 0.0}
     if model is not None:
@@ -115,7 +116,23 @@ def request_body(item: BenchRequest, endpoint: str, model: str | None, ignore_eo
         body["prompt"] = item.prompt
     if ignore_eos:
         body["ignore_eos"] = True
+    if response_format is not None:
+        body["response_format"] = response_format
     return body
+
+
+def json_schema_format(schema: dict, name: str = "bench") -> dict:
+    """OpenAI's response_format asking for JSON valid against `schema` (--json-schema)."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                   "strict": True}}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _error_text(status: int, raw: bytes) -> str:
@@ -140,13 +157,16 @@ def _chunk_text(choice: dict, endpoint: str) -> str:
 
 
 async def send(client: httpx.AsyncClient, url: str, item: BenchRequest, index: int,
-               endpoint: str, model: str | None, ignore_eos: bool, t0: float) -> RequestResult:
-    """One streamed request; never raises (a failure is a result with its error text)."""
+               endpoint: str, model: str | None, ignore_eos: bool, t0: float,
+               response_format: dict | None = None) -> RequestResult:
+    """One streamed request; never raises (a failure is a result with its error text). With
+    a response_format, `parsed` says whether the output parsed as JSON."""
     clock = time.perf_counter
     result = RequestResult(index=index, input_len=item.input_len, max_tokens=item.max_tokens,
                            start=clock() - t0)
     try:
-        await _stream(client, url, item, endpoint, model, ignore_eos, t0, result)
+        await _stream(client, url, item, endpoint, model, ignore_eos, t0, result,
+                      response_format)
     except httpx.HTTPError as e:
         result.error = _short(e)
     finally:
@@ -174,10 +194,12 @@ async def send(client: httpx.AsyncClient, url: str, item: BenchRequest, index: i
 
 
 async def _stream(client: httpx.AsyncClient, url: str, item: BenchRequest, endpoint: str,
-                  model: str | None, ignore_eos: bool, t0: float, result: RequestResult) -> None:
+                  model: str | None, ignore_eos: bool, t0: float, result: RequestResult,
+                  response_format: dict | None) -> None:
     """Read one response's SSE stream into `result` (sets error, or end on success)."""
     clock = time.perf_counter
-    body = request_body(item, endpoint, model, ignore_eos)
+    body = request_body(item, endpoint, model, ignore_eos, response_format)
+    texts: list[str] | None = [] if response_format is not None else None
     last = 0.0
     done = False
     async with client.stream("POST", url + ENDPOINTS[endpoint], json=body) as response:
@@ -209,7 +231,10 @@ async def _stream(client: httpx.AsyncClient, url: str, item: BenchRequest, endpo
             for choice in obj.get("choices") or []:
                 if not isinstance(choice, dict):
                     continue
-                if _chunk_text(choice, endpoint):
+                text = _chunk_text(choice, endpoint)
+                if texts is not None:
+                    texts.append(text)
+                if text:
                     if result.ttft is None:
                         result.ttft = now - result.start
                     else:
@@ -221,6 +246,8 @@ async def _stream(client: httpx.AsyncClient, url: str, item: BenchRequest, endpo
         result.end = clock() - t0  # before closing the connection
     if not done and result.finish_reason is None:
         result.error = "the stream ended before the response was complete"
+    elif texts is not None:
+        result.parsed = _parses("".join(texts))
 
 
 def arrival_delays(n: int, request_rate: float | None, seed: int) -> list[float]:
@@ -239,7 +266,7 @@ async def run_load(url: str, requests: Sequence[BenchRequest], *, endpoint: str 
                    max_concurrency: int | None = None, ignore_eos: bool = False,
                    seed: int = 0, timeout: float = 600.0,
                    on_done: Callable[[RequestResult], None] | None = None,
-                   api_key: str | None = None,
+                   api_key: str | None = None, response_format: dict | None = None,
                    transport: httpx.AsyncBaseTransport | None = None
                    ) -> tuple[list[RequestResult], float]:
     """Send every request; returns the results (in request order) and the duration.
@@ -257,11 +284,12 @@ async def run_load(url: str, requests: Sequence[BenchRequest], *, endpoint: str 
 
         async def one(index: int, item: BenchRequest) -> RequestResult:
             if semaphore is None:
-                result = await send(client, url, item, index, endpoint, model, ignore_eos, t0)
+                result = await send(client, url, item, index, endpoint, model, ignore_eos, t0,
+                                    response_format)
             else:
                 async with semaphore:
                     result = await send(client, url, item, index, endpoint, model, ignore_eos,
-                                        t0)
+                                        t0, response_format)
             if on_done is not None:
                 on_done(result)
             return result

@@ -49,6 +49,8 @@ class RequestResult:
     finish_reason: str | None = None
     # Tokens the server's usage reported, kept even when it disagrees with the chunk count.
     usage: dict | None = None
+    # With --json-schema: whether the output parsed as JSON (None: no schema was sent).
+    parsed: bool | None = None
 
     @property
     def latency(self) -> float | None:
@@ -167,7 +169,11 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "output_tokens_source": _count(r.output_tokens_source for r in ok),
         "input_tokens_source": _count(r.prompt_tokens_source for r in ok),
         "goodput": None,
+        "json_parsed": None,
     }
+    asked = [r for r in ok if r.parsed is not None]
+    if asked:
+        summary["json_parsed"] = {"parsed": sum(r.parsed for r in asked), "of": len(asked)}
     if slos:
         good = sum(1 for r in ok if meets_slos(r, slos))
         summary["goodput"] = {"slos_ms": dict(slos), "good_requests": good,
@@ -216,6 +222,9 @@ def format_report(summary: Mapping, *, request_rate: float | None,
         slos = ", ".join(f"{k} <= {v:g} ms" for k, v in goodput["slos_ms"].items())
         out.append(line("Request goodput (req/s):", _num(goodput["request_goodput"])))
         out.append(line("  good requests:", f"{goodput['good_requests']} ({slos})"))
+    parsed = summary.get("json_parsed")
+    if parsed:
+        out.append(line("Outputs parsed as JSON:", f"{parsed['parsed']} of {parsed['of']}"))
     for metric in METRICS:
         short, title = METRIC_TITLES[metric]
         s = summary[metric]

@@ -72,6 +72,9 @@ def add_bench_command(subparsers) -> None:
     p.add_argument("--ignore-eos", default="auto", choices=["auto", "on", "off"],
                    help="send ignore_eos so outputs run to max_tokens (auto: only to batchscope, "
                         "which supports it)")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="send this JSON Schema with every request (response_format json_schema; "
+                        "ignore_eos stays off) and report how many outputs parsed as JSON")
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS", default=None,
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000 (milliseconds)")
     p.add_argument("--timeout", type=float, default=600.0,
@@ -97,7 +100,7 @@ def _fail(message: str, code: int = 1) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from app.bench import dataset as datasets
-    from app.bench.client import BenchError, choose_model, probe, run_load
+    from app.bench.client import BenchError, choose_model, json_schema_format, probe, run_load
     from app.bench.metrics import format_report, parse_goodput, summarize
     from app.bench.progress import Progress
     from app.db.benchmarks import save_run
@@ -110,6 +113,18 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e), 2)
     request_rate = None if math.isinf(args.request_rate) else args.request_rate
+    response_format = None
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(Path(args.json_schema).read_text())
+        except (OSError, ValueError) as e:
+            return _fail(f"--json-schema {args.json_schema}: {e}", 2)
+        if not isinstance(schema, dict):
+            return _fail(f"--json-schema {args.json_schema}: not a JSON object", 2)
+        if args.ignore_eos == "on":
+            return _fail("--json-schema and --ignore-eos on: a schema's output ends where the "
+                         "schema does", 2)
+        response_format = json_schema_format(schema)
 
     db = None
     if not args.no_record:
@@ -133,13 +148,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         except (ValueError, FileNotFoundError) as e:
             return _fail(str(e), 2)
         model = choose_model(info, args.model)
-        ignore_eos = args.ignore_eos == "on" or (args.ignore_eos == "auto" and info.is_batchscope)
+        ignore_eos = args.ignore_eos == "on" or (args.ignore_eos == "auto" and info.is_batchscope
+                                                 and response_format is None)
         limit = "unlimited" if args.max_concurrency is None else args.max_concurrency
         rate = "inf" if request_rate is None else f"{request_rate:g}/s"
         print(f"Benchmarking {info.base_url} ({model or 'server default model'}, "
               f"/v1/{'chat/' if args.endpoint == 'chat' else ''}completions): "
               f"{len(requests)} requests from {args.dataset!r}, rate {rate}, "
-              f"concurrency {limit}, ignore_eos {'on' if ignore_eos else 'off'}",
+              f"concurrency {limit}, ignore_eos {'on' if ignore_eos else 'off'}"
+              + (f", JSON schema {args.json_schema}" if response_format else ""),
               file=sys.stderr)
         progress = Progress(len(requests))
         created = time.time()
@@ -147,14 +164,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             info.base_url, requests, endpoint=args.endpoint, model=model,
             request_rate=request_rate, max_concurrency=args.max_concurrency,
             ignore_eos=ignore_eos, seed=args.seed, timeout=args.timeout, api_key=api_key,
-            on_done=lambda r: progress.update(r.success)))
+            response_format=response_format, on_done=lambda r: progress.update(r.success)))
         summary = summarize(results, duration, slos)
         print(format_report(summary, request_rate=request_rate,
                             max_concurrency=args.max_concurrency))
         config = {"ignore_eos": ignore_eos, "max_tokens_cap": args.max_tokens_cap,
                   "input_len_cap": args.input_len_cap, "context": context,
                   "timeout": args.timeout, "goodput": slos or None,
-                  "server_owned_by": info.owned_by, "server_models": info.models}
+                  "server_owned_by": info.owned_by, "server_models": info.models,
+                  "json_schema": response_format and response_format["json_schema"]["schema"]}
         per_request = [r.to_dict() for r in results]
         dataset_name = args.dataset if args.dataset == "mixed" else Path(args.dataset).name
         record = dict(url=info.base_url, model=model or "(server default)",
