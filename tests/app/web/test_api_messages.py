@@ -188,6 +188,13 @@ def test_a_streamed_stop_sequence_is_in_the_message_delta(live, client):
     text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
     assert text == whole[:whole.find(stop)]
     assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+    # A stop sequence that never comes holds the output's last characters back until the end.
+    events = _events(live.post("/v1/messages", {
+        "model": MODEL, "max_tokens": 40, "temperature": 0, "messages": USER, "stream": True,
+        "stop_sequences": ["\x00never"]}))
+    text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
+    assert text == whole
+    assert events[-2][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
 
 
 # ---- tool blocks -------------------------------------------------------------------------------
