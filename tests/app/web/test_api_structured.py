@@ -11,7 +11,7 @@ from typing import Literal
 
 import openai
 import pytest
-from api_helpers import CHAT, assert_error, make_app
+from api_helpers import CHAT, FakeRecorder, assert_error, make_app
 from live_server import serving
 from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
@@ -104,6 +104,18 @@ def test_bad_structures_are_400s_naming_the_parameter_and_nothing_runs(client, p
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": CHAT}
     assert_error(client.post(path, json={**body, **extra}), 400, param)
     assert idle(client)
+
+
+def test_the_run_record_keeps_the_structure():
+    recorder = FakeRecorder()
+    with TestClient(make_app(recorder)) as c:
+        r = c.post("/v1/chat/completions", json={
+            "messages": CHAT, "max_tokens": 8, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}})
+        assert r.status_code == 200, r.text
+    params = recorder.started[-1]["params"]
+    assert params["structured"] == {"kind": "json", "spec": json.dumps(SCHEMA)}
+    assert params["speculative"] is False  # a constrained request takes no drafts
 
 
 # ---- the official client on the embedded model ------------------------------------------------
