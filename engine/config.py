@@ -59,6 +59,11 @@ WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
 # a narrower one halves the bytes attention reads per position and doubles the positions a
 # pool of a given size holds (docs/engine.md, "KV dtype").
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# What the affine-quantized linear layers multiply their weights with: the float32 activations
+# (mlx-lm's numbers), or the activations quantized to 8 bits per row and weight group with
+# integer dot products (engine/native/quantized_int8.cpp: faster, and not mlx-lm's numbers;
+# the divergence view shows where they part).
+ACTIVATIONS = ("float32", "int8")
 
 
 class NativeSetting(ValueEnum):
@@ -78,6 +83,11 @@ NATIVE_SETTING = tuple(NativeSetting)
 def check_native_setting(name: str, value: str) -> None:
     if value not in NATIVE_SETTING:
         raise ValueError(f"{name} must be one of {', '.join(NATIVE_SETTING)}, got {value!r}")
+
+
+def check_activations(value: str) -> None:
+    if value not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {value!r}")
 
 
 @dataclass
@@ -107,6 +117,7 @@ class EngineConfig:
     invariant_tile: int = DEFAULT_TILE
     attention: str = NativeSetting.AUTO
     row_kernels: str = NativeSetting.AUTO
+    activations: str = "float32"  # ACTIVATIONS
     # Speculative decoding (engine/speculative.py): "off", "ngram" (prompt lookup) or "draft"
     # (a draft model, engine/draft.py); drafts per request per step; the n-gram sizes matched;
     # the most running requests at which a step still speculates; and the draft model:
@@ -138,6 +149,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         check_native_setting("attention", self.attention)
         check_native_setting("row_kernels", self.row_kernels)
+        check_activations(self.activations)
         threshold = 1 if self.kernel_threshold is None else self.kernel_threshold
         KernelPolicy(self.kernel_policy, threshold)  # raises on bad values
         _ = self.speculation  # raises on bad values

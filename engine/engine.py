@@ -308,7 +308,7 @@ class Engine:
         self.pool = pool_for(family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
         self.runner = ModelRunner(self.loaded.model, self.pool, cfg.attention,
                                   cfg.row_kernels, family, tile=cfg.invariant_tile,
-                                  states=states)
+                                  states=states, activations=cfg.activations)
         threshold, self.kernel_threshold_source = resolve_threshold(
             cfg, self.loaded.name, self.loaded.weights, backend_info(), self._thresholds)
         self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)

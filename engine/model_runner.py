@@ -95,13 +95,14 @@ class ModelRunner(NativeOps):
     def __init__(self, model, pool: KVPool, attention: str = NativeSetting.AUTO,
                  row_kernels: str = NativeSetting.AUTO, family: Family | None = None, *,
                  tile: int = DEFAULT_TILE, stacks: dict | None = None,
-                 states: StatePool | None = None):
+                 states: StatePool | None = None, activations: str = "float32"):
         """model: a loaded mlx-lm model; its family adapter is looked up by model_type
         (engine/models/) unless given. Raises UnsupportedModelError for one it cannot run.
         tile: rows per call on the batch-invariant ("tiled") path. stacks: the `stacks` of a
         runner over the same modules (a layers:N draft shares the target's). states: the
-        recurrent layers' state pool (state_pool_for), for a family that has such layers."""
-        super().__init__(model, attention, row_kernels, stacks)
+        recurrent layers' state pool (state_pool_for), for a family that has such layers.
+        activations: engine.config.ACTIVATIONS, for the affine-quantized layers."""
+        super().__init__(model, attention, row_kernels, stacks, activations)
         self.family = family or family_for(model)
         self.pool = pool
         self.states = states

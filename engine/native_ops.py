@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine import native
 from engine.attention import use_fused_attention
-from engine.config import DEFAULT_TILE, KernelPath, NativeSetting, check_native_setting
+from engine.config import (
+    DEFAULT_TILE,
+    KernelPath,
+    NativeSetting,
+    check_activations,
+    check_native_setting,
+)
 from engine.kernels import PathTally, apply_linear
 
 # Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: it is
@@ -70,14 +77,20 @@ class NativeOps:
     and the operations that use them. A step passes its kernel path and tile."""
 
     def __init__(self, model, attention: str = NativeSetting.AUTO,
-                 row_kernels: str = NativeSetting.AUTO, stacks: dict | None = None):
+                 row_kernels: str = NativeSetting.AUTO, stacks: dict | None = None,
+                 activations: str = "float32"):
         """stacks: another NativeOps' `stacks` over the same modules (a draft made of the
-        target's layers), shared instead of stacked again."""
+        target's layers), shared instead of stacked again. activations: "int8" runs the
+        affine-quantized layers on 8-bit activations (engine.config.ACTIVATIONS)."""
         self.model = model
         self.fused_attention = use_fused_attention()
         self.attention_kernel = attention_kernel(attention, self.fused_attention)
         self.matmul_kernel = matmul_kernel(row_kernels, self.fused_attention)
         self.quantized_kernel = quantized_kernel(row_kernels, self.fused_attention)
+        check_activations(activations)
+        self.int8_activations = activations == "int8"
+        if self.int8_activations:
+            self.quantized_kernel = self._int8_kernel()
         # RMS norm, RoPE and the sampler's logsumexp as one native op each
         # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
         # for all of a row's math.
@@ -105,6 +118,18 @@ class NativeOps:
         return self.quantized_kernel is not None and any(
             quantized_weight(m, kind) is not None for m in self.model.modules()
             for kind in (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
+    def _int8_kernel(self):
+        """The native quantized op with its int8-activation option on; an error naming why
+        where nothing would take it (the option would be silently off)."""
+        if self.quantized_kernel is None:
+            why = native.why_not() or "not used with row_kernels 'mlx' or on a GPU backend"
+            raise ValueError("activations 'int8' runs on the native quantized kernel, which "
+                             f"this engine does not use (the native kernels: {why})")
+        if not self.native_quantized_applies:
+            raise ValueError("activations 'int8' applies to affine 4/8-bit weights, and this "
+                             "model has none (--weights q4 quantizes it)")
+        return partial(self.quantized_kernel, int8_activations=True)
 
     def describe_attention(self, setting: str) -> str:
         """Which attention a step's rows use under this setting, in words."""
@@ -301,7 +326,8 @@ class NativeOps:
                 return None
             rope = layer_spec.Rope(inv_freqs=freqs[0], dims=spec.rope.dims,
                                    traditional=spec.rope.traditional, scale=freqs[1])
-        qkv, o, gate_up, down = (_linear_spec(layer_spec.Linear, *found) for found in linears)
+        qkv, o, gate_up, down = (_linear_spec(layer_spec.Linear, *found, self.int8_activations)
+                                 for found in linears)
         q_bias, k_bias, v_bias = qkv_bias
         q_norm, k_norm = (n.weight for n in qk_norms) if qk_norms else (None, None)
         return NativeLayer(layer_spec(
@@ -414,12 +440,14 @@ def _in_row_chunks(kernel, x: mx.array, most: int, tally: PathTally | None) -> m
     return mx.concatenate([kernel(x[:, i:i + most]) for i in range(0, rows, most)], axis=1)
 
 
-def _linear_spec(linear: type, arrays: list, bits: int, group_size: int):
-    """A LayerSpec.Linear of NativeOps._native_weights' (arrays, bits, group_size)."""
+def _linear_spec(linear: type, arrays: list, bits: int, group_size: int, int8: bool):
+    """A LayerSpec.Linear of NativeOps._native_weights' (arrays, bits, group_size); int8: its
+    quantized layers on 8-bit activations."""
     if bits == 0:
         return linear(arrays[0])
     weight, scales, biases = arrays
-    return linear(weight, scales=scales, biases=biases, bits=bits, group_size=group_size)
+    return linear(weight, scales=scales, biases=biases, bits=bits, group_size=group_size,
+                  int8_activations=int8)
 
 
 def _stack_rows(modules: list, names: list[str]) -> list[mx.array]:

@@ -15,9 +15,13 @@ A side is a comma-separated list of key=value settings:
                                  greedy tokens; N drafts a step), on whatever shares the batch
   draft=layers:N|embedded|PATH   with speculative=draft: the draft model (default:
                                  --draft-model), as the engine's --draft-model takes it
+  activations=float32|int8       what the 4/8-bit linear layers multiply (int8: 8-bit
+                                 activations and integer dot products, faster)
   max_batched=N, max_seqs=N, block_size=N, batch_invariant=1   engine settings
 
 examples:
+  # what 8-bit activations change against float32 ones, on the shipped 4-bit weights
+  batchscope diverge "Once upon a time" --weights q4 --a activations=float32 --b activations=int8
   # batched GEMM against row-wise GEMV, the target alone on both sides
   batchscope diverge "Once upon a time" --a policy=gemm --b policy=gemv
   # alone against alongside three other requests, mixed steps GEMM, single rows GEMV

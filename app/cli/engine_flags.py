@@ -7,7 +7,14 @@ import argparse
 import dataclasses
 import sys
 
-from engine.config import KV_DTYPES, NATIVE_SETTING, POLICIES, WEIGHT_FORMATS, EngineConfig
+from engine.config import (
+    ACTIVATIONS,
+    KV_DTYPES,
+    NATIVE_SETTING,
+    POLICIES,
+    WEIGHT_FORMATS,
+    EngineConfig,
+)
 from engine.speculative import METHODS as SPECULATIVE_METHODS
 
 # EngineConfig field -> (help, choices). Defaults come from EngineConfig itself.
@@ -40,6 +47,10 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                     "path, RMS norm, RoPE, the sampler's logsumexp and the fused decoder layer "
                     "on the native kernels (CPU backend, batch-invariant), on MLX's own ops, or "
                     "auto (native when available)", NATIVE_SETTING),
+    "activations": ("what the 4/8-bit linear layers multiply: the float32 activations "
+                    "(mlx-lm's numbers) or int8 ones, quantized per row and weight group, with "
+                    "integer dot products (native quantized kernel: faster, not mlx-lm's "
+                    "numbers; see docs/engine.md)", ACTIVATIONS),
     "speculative": ("speculative decoding: drafted tokens verified inside the shared step; "
                     "ngram proposes what followed the request's last tokens earlier in its own "
                     "prompt and output, draft the greedy tokens of --draft-model (see "
@@ -79,7 +90,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (help_text, choices) in FLAGS.items():
         default = fields[name].default
         kind = str if name in ("model", "weights", "kv_dtype", "kernel_policy", "attention",
-                               "row_kernels", "speculative", "draft_model") else int
+                               "row_kernels", "activations", "speculative", "draft_model") else int
         shown = f" (default: {default})" if default is not None and choices is None else ""
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=default,
                            type=kind, choices=choices, help=help_text + shown)

@@ -9,16 +9,20 @@
 #include "workers.h"
 
 // The affine 4/8-bit linear layer with its activations quantized to 8 bits (int8 activations,
-// an option: decode_quantized.h). Per row and weight group g:
+// an option: decode_quantized.h), as llama.cpp's Q8_0 does. Per row, in blocks of ACT_BLOCK
+// activations (or the weight group, if smaller):
 //   d = max |x| / 127, xq[k] = nearbyint(x[k] * (127 / max |x|)) in [-127, 127] (0 where the
-//   group is all zeros), xs = d * (sum of xq[k]): the sum of the quantized activations, so
-// that an output is exactly the dot product of the dequantized weights with the dequantized
-// activations d * xq (the error is sum of w[k] * (d * xq[k] - x[k]), centred like w), up to
-// the float rounding of: sum over g of s[g] * d * (sum of q[k] * xq[k]) + b[g] * xs. The
-// integer sums are exact, so the instruction set only decides how fast they come. The float
-// arithmetic around them is fixed by a 16-lane structure every path follows:
+//   block is all zeros)
+// and per weight group g, xs = the sum over its blocks, in order, of d * (sum of xq): the
+// quantized activations' sum, so that an output is exactly the dot product of the dequantized
+// weights with the dequantized activations d * xq (the error is the sum of w[k] * (d * xq[k]
+// - x[k]), centred like w), up to the float rounding of
+//   sum over g of s[g] * (sum over blocks of d * (sum of q[k] * xq[k])) + b[g] * xs.
+// The integer sums are exact, so the instruction set only decides how fast they come. The
+// float arithmetic around them is fixed by a 16-lane structure every path follows:
 // - the packed weights of an output are cut into 32-byte units; unit u feeds lanes
-//   8 * (u % 2) + j, j < 8, lane j taking its bytes 4j..4j+3 (4 bits: both nibbles of each);
+//   8 * (u % 2) + j, j < 8, lane j taking its bytes 4j..4j+3 (4 bits: both nibbles of each,
+//   8 weights; one block and one group hold them all);
 //   per unit and lane, acc = fma(float(integer dot), s[g] * d, acc), units in increasing u;
 // - lane l of a second accumulator takes fma(b[g], xs[g], .) for g = l, l + 16, ... in order;
 // - out = lane_sum(acc) + lane_sum(bias accumulator) (vector_math.h's tree).
@@ -50,6 +54,10 @@ inline int lane_weight(int bits, int p, int l) {
   return bits == 4 ? 2 * byte : byte;
 }
 
+// Activations share a scale d in blocks of this many (or the weight group, if smaller): each
+// lane's bytes lie in one block, so finer blocks cost the kernel nothing but a per-lane d.
+constexpr int ACT_BLOCK = 32;
+
 void quantize_rows(const float* x, int M, int K, int group_size, int bits, QuantizedRows& r) {
   r.M = M, r.K = K, r.bits = bits, r.group_size = group_size;
   r.G = K / group_size;
@@ -67,36 +75,42 @@ void quantize_rows(const float* x, int M, int K, int group_size, int bits, Quant
       r.lane_group[p * 16 + l] = k < K ? k / group_size : 0;
     }
   }
-  std::vector<float> d(r.G);
+  const int block = std::min(ACT_BLOCK, group_size);
+  std::vector<float> d(K / block);
   for (int m = 0; m < M; ++m) {
     const float* xr = x + static_cast<size_t>(m) * K;
     int8_t* qr = r.q.data() + static_cast<size_t>(m) * r.pairs * per_pair;
     for (int g = 0; g < r.G; ++g) {
-      const float* xg = xr + g * group_size;
-      float amax = 0.0f;
-      for (int k = 0; k < group_size; ++k) amax = std::max(amax, std::fabs(xg[k]));
-      d[g] = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t sum = 0;
-      for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
-        const float v = std::nearbyint(xr[k] * inv);
-        const int8_t qv = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-        sum += qv;
-        // Where weight k's byte sits in its pair (see QuantizedRows::q).
-        if (bits == 4) {
-          const int byte = k / 2, p = byte / 64;
-          qr[static_cast<size_t>(p) * 128 + (k % 2) * 64 + byte % 64] = qv;
-        } else {
-          qr[k] = qv;
+      float xs = 0.0f;
+      for (int b = g * group_size / block; b < (g + 1) * group_size / block; ++b) {
+        const float* xb = xr + b * block;
+        float amax = 0.0f;
+        for (int k = 0; k < block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+        d[b] = amax / 127.0f;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int k = b * block; k < (b + 1) * block; ++k) {
+          const float v = std::nearbyint(xr[k] * inv);
+          const int8_t qv = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+          sum += qv;
+          // Where weight k's byte sits in its pair (see QuantizedRows::q).
+          if (bits == 4) {
+            const int byte = k / 2, p = byte / 64;
+            qr[static_cast<size_t>(p) * 128 + (k % 2) * 64 + byte % 64] = qv;
+          } else {
+            qr[k] = qv;
+          }
         }
+        const float part = d[b] * static_cast<float>(sum);
+        xs = b == g * group_size / block ? part : xs + part;
       }
-      r.xs[static_cast<size_t>(m) * r.G16 + g] = d[g] * static_cast<float>(sum);
+      r.xs[static_cast<size_t>(m) * r.G16 + g] = xs;
     }
     float* dr = r.dl.data() + static_cast<size_t>(m) * r.pairs * 16;
     for (int p = 0; p < r.pairs; ++p) {
       for (int l = 0; l < 16; ++l) {
         const int k = lane_weight(bits, p, l);
-        dr[p * 16 + l] = k < K ? d[k / group_size] : 0.0f;
+        dr[p * 16 + l] = k < K ? d[k / block] : 0.0f;
       }
     }
   }

@@ -17,27 +17,32 @@ def kernel():
     return native_op("decode_quantized_linear")
 
 
-def int8_reference(x, w, scales, biases, group_size, bits) -> np.ndarray:
-    """out = sum over groups of s * d * (q . xq) + b * xs in float64, with x quantized as the
-    kernel defines it: d = max|x| / 127, xq = round-half-even(x * (127 / max|x|)) in float32,
-    xs = d * the sum of xq."""
+def int8_reference(x, w, scales, biases, group_size, bits, block=32) -> np.ndarray:
+    """out = sum over groups of s * (sum over blocks of d * (q . xq)) + b * xs in float64, with
+    x quantized as the kernel defines it, per block of min(32, group_size): d = max|x| / 127,
+    xq = round-half-even(x * (127 / max|x|)) in float32; xs = the group's blocks' d * sum(xq),
+    summed in order in float32."""
     x = np.asarray(x, np.float32)
     rows, k = x.shape
-    groups = k // group_size
-    xg = x.reshape(rows, groups, group_size)
-    amax = np.abs(xg).max(-1)
+    block = min(block, group_size)
+    groups, per = k // group_size, group_size // block
+    xb = x.reshape(rows, k // block, block)
+    amax = np.abs(xb).max(-1)
     d = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    xq = np.clip(np.rint(xg * inv[..., None]), -127, 127).astype(np.float64)
-    xs = (d * xq.sum(-1).astype(np.float32)).astype(np.float32)  # d * the exact integer sum
+    xq = np.clip(np.rint(xb * inv[..., None]), -127, 127)
+    parts = (d * xq.sum(-1).astype(np.float32)).astype(np.float32).reshape(rows, groups, per)
+    xs = parts[..., 0]
+    for i in range(1, per):
+        xs = (xs + parts[..., i]).astype(np.float32)
     s = np.array(scales.astype(mx.float32)).astype(np.float64)
     b = np.array(biases.astype(mx.float32)).astype(np.float64)
-    q = (reference_weights(w, mx.ones_like(scales), mx.zeros_like(biases), group_size, bits))
-    qg = q.reshape(q.shape[0], groups, group_size)
-    dots = np.einsum("rgk,ngk->rng", xq, qg)  # exact integers
-    return (np.einsum("rng,ng,rg->rn", dots, s, d.astype(np.float64))
-            + np.einsum("ng,rg->rn", b, xs.astype(np.float64)))
+    q = reference_weights(w, mx.ones_like(scales), mx.zeros_like(biases), group_size, bits)
+    qb = q.reshape(q.shape[0], k // block, block)
+    dots = np.einsum("rbk,nbk->rnb", xq.astype(np.float64), qb) * d.astype(np.float64)[:, None]
+    dots = dots.reshape(rows, -1, groups, per).sum(-1)
+    return (np.einsum("rng,ng->rn", dots, s) + np.einsum("ng,rg->rn", b, xs.astype(np.float64)))
 
 
 # Tails: a row of packed weights that is not a whole number of 64-byte pairs (576 at 4 bits:
@@ -100,3 +105,64 @@ def test_the_vnni_path_is_taken_where_the_cpu_has_it():
         assert native.int8_activations_isa() == "avx512-vnni"
     with forced("portable"):
         assert native.int8_activations_isa() == "portable"
+
+
+def int8_runner(model):
+    from engine.model_runner import ModelRunner, pool_for
+    from engine.models import family_for
+
+    family = family_for(model)
+    return ModelRunner(model, pool_for(family, 64, 16), "auto", "auto", family,
+                       activations="int8")
+
+
+def test_an_int8_engine_step_gives_each_row_its_alone_bits():
+    """The option keeps the engine batch-invariant: four sequences decoding in one step get
+    the token and logprob bits each gets in a step of its own (fused layers, head included),
+    and not float32's."""
+    from native_ops import decode_groups, runner_for
+
+    from engine.testing import tiny_model
+
+    kernel()
+    model = tiny_model().model
+    runner = int8_runner(model)
+    assert runner.int8_activations
+    prefill, decode = decode_groups([30, 12, 25, 3])
+    runner.run(prefill)
+    together = {k: (s[0].token_id, s[0].logprob) for k, s in runner.run(decode).samples.items()}
+    alone = {}
+    for i, group in enumerate(decode):
+        solo = int8_runner(model)
+        solo.run([prefill[i]])
+        alone.update({k: (s[0].token_id, s[0].logprob)
+                      for k, s in solo.run([group]).samples.items()})
+    assert together == alone
+    # the fused decoder layer's int8 linears: the bits of the op-by-op layers
+    unfused = int8_runner(model)
+    unfused.layer_kernel = None
+    unfused.run(prefill)
+    assert together == {k: (s[0].token_id, s[0].logprob)
+                        for k, s in unfused.run(decode).samples.items()}
+    f32 = runner_for(model)
+    f32.run(prefill)
+    floats = {k: s[0].logprob for k, s in f32.run(decode).samples.items()}
+    assert floats != {k: v[1] for k, v in together.items()}
+
+
+def test_int8_activations_are_refused_where_nothing_would_take_them():
+    from engine.config import EngineConfig
+    from engine.testing import tiny_model
+
+    kernel()
+    with pytest.raises(ValueError, match="activations must be one of float32, int8"):
+        EngineConfig(activations="int4")
+    with pytest.raises(ValueError, match="applies to affine 4/8-bit weights"):
+        int8_runner(tiny_model(quantize=False).model)
+    from engine.model_runner import ModelRunner, pool_for
+    from engine.models import family_for
+
+    model = tiny_model().model
+    with pytest.raises(ValueError, match="runs on the native quantized kernel"):
+        ModelRunner(model, pool_for(family_for(model), 64, 16), "auto", "mlx",
+                    activations="int8")

@@ -102,7 +102,8 @@ class DivergenceRunner:
             model=self.model, weights=side.weights, max_num_seqs=side.max_num_seqs,
             max_num_batched_tokens=side.max_num_batched_tokens, block_size=side.block_size,
             num_kv_blocks=max(blocks, 16), enable_prefix_caching=False, step_history=4096,
-            row_kernels=side.row_kernels, speculative=side.speculative,
+            row_kernels=side.row_kernels, activations=side.activations,
+            speculative=side.speculative,
             num_speculative_tokens=side.num_speculative_tokens,
             speculative_max_batch=side.max_num_seqs, draft_model=side.engine_draft_model,
             **extra)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from engine.config import WEIGHT_FORMATS, KernelPolicy, check_native_setting
+from engine.config import WEIGHT_FORMATS, KernelPolicy, check_activations, check_native_setting
 from engine.speculative import METHODS as SPECULATIVE_METHODS
 from engine.speculative import draft_layers
 
@@ -32,6 +32,8 @@ class SideConfig:
     # The engine's row_kernels: a row's linear layers, norms, RoPE and logsumexp on the native
     # kernels ("auto"/"native") or on MLX's own ops ("mlx").
     row_kernels: str = "auto"
+    # What the 4/8-bit linear layers multiply: "float32" activations or "int8" ones.
+    activations: str = "float32"
     # Speculative decoding of the target (and the others): "off", "ngram" or "draft", k drafts
     # a step. A side speculates whatever shares its steps (no automatic turn-down).
     speculative: str = "off"
@@ -46,6 +48,7 @@ class SideConfig:
                              f"got {self.weights!r}")
         KernelPolicy(self.kernel_policy, self.kernel_threshold)  # raises on bad values
         check_native_setting("row_kernels", self.row_kernels)
+        check_activations(self.activations)
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative!r}")
@@ -83,6 +86,8 @@ class SideConfig:
             context = f"alongside {lengths}" + (f" from token {self.join_at}"
                                                  if self.join_at else "")
         kernels = "" if self.row_kernels == "auto" else f" · row kernels {self.row_kernels}"
+        if self.activations != "float32":
+            kernels += f" · {self.activations} activations"
         spec = ("" if self.speculative == "off"
                 else f" · {self.speculative} k={self.num_speculative_tokens}")
         if self.speculative == "draft":
@@ -92,7 +97,7 @@ class SideConfig:
     def engine_key(self) -> tuple:
         """Sides with equal keys share an engine (the kernel policy is set per run)."""
         return (self.weights, self.max_num_batched_tokens, self.max_num_seqs, self.block_size,
-                self.batch_invariant, self.row_kernels, self.speculative,
+                self.batch_invariant, self.row_kernels, self.activations, self.speculative,
                 self.num_speculative_tokens, self.engine_draft_model)
 
     @property
@@ -135,7 +140,7 @@ class SideConfig:
             if name == "alongside":
                 changes[name] = _lengths(value)
                 list_key = name
-            elif name in ("weights", "kernel_policy", "row_kernels", "speculative",
+            elif name in ("weights", "kernel_policy", "row_kernels", "activations", "speculative",
                           "draft_model"):
                 changes[name] = value
             elif name == "batch_invariant":
@@ -159,6 +164,7 @@ SPEC_KEYS = {
     "max_seqs": "max_num_seqs", "max_num_seqs": "max_num_seqs", "block_size": "block_size",
     "batch_invariant": "batch_invariant", "row_kernels": "row_kernels",
     "matmul": "row_kernels", "decode_matmul": "row_kernels",  # the setting's older names
+    "activations": "activations",
     "speculative": "speculative", "spec": "speculative",
     "k": "num_speculative_tokens", "num_speculative_tokens": "num_speculative_tokens",
     "draft": "draft_model", "draft_model": "draft_model",
