@@ -40,7 +40,7 @@ def add_calibrate_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from app.lab.calibration import calibrate, describe, render_table
+    from app.lab.calibration import calibrate, describe, describe_paths, render_table
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -51,6 +51,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(describe(result) + f"; measured in {result['elapsed_s']:.0f} s")
     print()
     print(render_table(result))
+    print(describe_paths(result))
     print()
     print(f"chosen threshold T = {result['threshold']} rows "
           f"(from the {result['threshold_basis']})")

@@ -7,6 +7,10 @@ run on this machine, model and weight format:
     gemm       batched, one call per linear layer over all rows (kernel_policy="gemm")
     gemv       batched, one call per row (kernel_policy="gemv")
 
+The modes are kernel policies; what their steps ran on is measured too (`decode_paths`, from the
+step records): where the native kernels take every layer, the gemm policy's steps are `native`
+(each row computed alone), not one shared GEMM call.
+
 Two rates per run: aggregate output tokens/s (all tokens over the wall time, prefill included:
 what a user sees) and decode-only tokens/s from the step records (only decode steps holding
 exactly N rows, so the rate belongs to one row count). The threshold T is picked from the
@@ -132,6 +136,24 @@ def ratio_of(row: Mapping[str, Any]) -> float | None:
     """GEMV/GEMM of a row: decode-only when measured, else aggregate."""
     ratio = row.get("gemv_over_gemm_decode")
     return ratio if ratio is not None else row.get("gemv_over_gemm")
+
+
+def one_row_same_call(result: Mapping[str, Any]) -> bool:
+    """Whether a calibration's 1-row steps made the same calls under both policies (see
+    choose_threshold); a file from before it said so: unless its gemm steps took the native
+    kernels."""
+    same = result.get("one_row_same_call")
+    return same if isinstance(same, bool) else not result.get("native_gemm", False)
+
+
+def same_call_at_one_row(native_gemm: bool, rows: list[dict]) -> bool:
+    """Both policies' 1-row steps make the same calls: MLX's everywhere (no native kernel on
+    gemm steps, and a 1-row batched call is the row-wise one), or the native kernels everywhere
+    (both policies' 1-row decode steps were recorded `native`)."""
+    one = next((r["detail"] for r in rows if r["concurrency"] == 1), None)
+    native = one is not None and all(one[mode]["decode_paths"] == ["native"]
+                                     for mode in ("gemm", "gemv"))
+    return not native_gemm or native
 
 
 def choose_threshold(rows: Iterable[Mapping[str, Any]], one_row_same_call: bool = True) -> int:
@@ -272,7 +294,8 @@ def calibrate(model: str = "embedded", weights: str = "auto",
                     runs[mode][n].append(m)
                     decode = "—" if m["decode_tps"] is None else f"{m['decode_tps']:.1f}"
                     say(f"{tag} {n:>3} requests: {m['tps']:7.1f} tok/s aggregate, {decode:>7} "
-                        f"tok/s decode-only ({m['tokens']} tokens in {m['wall_s']:.2f} s)")
+                        f"tok/s decode-only ({m['tokens']} tokens in {m['wall_s']:.2f} s; "
+                        f"decode steps {'/'.join(m['decode_paths']) or '—'})")
             finally:
                 eng.stop()
                 del eng
@@ -292,6 +315,7 @@ def calibrate(model: str = "embedded", weights: str = "auto",
             "detail": {mode: measured[mode][n] for mode in MODES},
         })
     info = backend_info()
+    same_call = same_call_at_one_row(native_gemm, rows)
     result = {
         "format": FORMAT_VERSION, "model": name, "model_source": model, "weights": fmt,
         "requested_weights": weights, "backend": backend_key(info), "backend_info": info,
@@ -301,8 +325,11 @@ def calibrate(model: str = "embedded", weights: str = "auto",
         "host": platform.node(), "cpu_count": os.cpu_count(),
         "max_tokens": max_tokens, "repeats": repeats, "concurrency": levels,
         "prompt_tokens": prompt_lengths,
-        "threshold": choose_threshold(rows, one_row_same_call=not native_gemm),
-        "native_gemm": native_gemm,
+        "threshold": choose_threshold(rows, one_row_same_call=same_call),
+        "native_gemm": native_gemm, "one_row_same_call": same_call,
+        # What each policy's decode steps ran on (native: every call on the native kernels).
+        "decode_paths": {mode: sorted({p for m in measured[mode].values()
+                                       for p in m["decode_paths"]}) for mode in MODES},
         "threshold_basis": THRESHOLD_BASIS, "rows": rows,
     }
     if save:
@@ -346,6 +373,16 @@ def render_table(result: Mapping[str, Any]) -> str:
             f"{_rate(r['unbatched_decode_tps'])} | {_rate(r['gemm_decode_tps'])} | "
             f"{_rate(r['gemv_decode_tps'])} | {_pct(r['gemv_over_gemm_decode'])} |")
     return "\n".join(lines)
+
+
+def describe_paths(result: Mapping[str, Any]) -> str | None:
+    """The kernel paths each policy's decode steps were recorded on (native: every call on
+    the native kernels, each row alone), in words; None for a file from before they were."""
+    paths = result.get("decode_paths")
+    if not isinstance(paths, dict):
+        return None
+    return "decode steps ran on: " + " · ".join(
+        f"{mode} {'/'.join(paths.get(mode) or ['—'])}" for mode in MODES)
 
 
 def describe(result: Mapping[str, Any]) -> str:
@@ -421,4 +458,11 @@ def render_svg(result: Mapping[str, Any]) -> str:
                swatch=22, row=20)
     svg.add("text", f"chosen T = {threshold} rows", x=lx, y=ly + 100, fill=CHOSEN)
     svg.add("text", str(result.get("date", "")), x=lx, y=ly + 118, fill=INK)
+    paths = result.get("decode_paths")
+    if isinstance(paths, dict):  # what each policy's steps ran on (native: the native kernels)
+        with svg.group(class_="decode-paths"):
+            svg.add("text", "decode steps ran on", x=lx, y=ly + 146, fill=INK)
+            for i, mode in enumerate(MODES):
+                svg.add("text", f"{mode}: {'/'.join(paths.get(mode) or ['—'])}", x=lx,
+                        y=ly + 164 + 18 * i, fill=COLORS[mode])
     return svg.render()

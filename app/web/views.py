@@ -307,6 +307,8 @@ class CalibrationFile(View):
     threshold_from_rows: Any = Field(description="recomputed from the rows: whether the "
                                                  "file's threshold still follows from its data")
     threshold_basis: Any
+    decode_paths: str | None = Field(description="the kernel paths each policy's decode steps "
+                                     "were recorded on, in words (None: not in the file)")
     date: Any
     host: Any
     cpu_count: Any

@@ -18,7 +18,9 @@ from app.lab.calibration import (
     backend_key,
     calibration_path,
     choose_threshold,
+    describe_paths,
     load_calibration,
+    one_row_same_call,
     render_svg,
 )
 from app.web.render import page_response, view_routes
@@ -47,7 +49,9 @@ def calibration_context(engine: Any, found: dict | None, backend: str) -> Calibr
         saved = CalibrationFile(
             threshold=found["threshold"],
             # Recomputed from the rows: says whether the file's T still follows from its data.
-            threshold_from_rows=choose_threshold(rows) if rows else None,
+            threshold_from_rows=(choose_threshold(rows, one_row_same_call(found)) if rows
+                                 else None),
+            decode_paths=describe_paths(found),
             threshold_basis=found.get("threshold_basis"),
             date=found.get("date"), host=found.get("host"),
             cpu_count=found.get("cpu_count"), mlx_version=found.get("mlx_version"),

@@ -15,9 +15,12 @@ from app.lab.calibration import (
     calibrate,
     calibration_path,
     choose_threshold,
+    describe_paths,
     load_calibration,
+    one_row_same_call,
     render_svg,
     render_table,
+    same_call_at_one_row,
     save_calibration,
     saved_thresholds,
 )
@@ -84,7 +87,9 @@ def test_calibrate_result_shape(measured):
                 assert m["decode_steps"] == 3 * n
             else:
                 assert 1 <= m["decode_steps"] <= 3
-            assert m["decode_paths"] == (["gemv"] if mode == "gemv" else ["gemm"])
+            # The tiny 4-bit model's gemm steps are native where the native kernel takes them.
+            batched = ["native"] if result["native_gemm"] else ["gemm"]
+            assert m["decode_paths"] == (["gemv"] if mode == "gemv" else batched)
         assert row["gemv_over_gemm"] == pytest.approx(row["gemv_tps"] / row["gemm_tps"])
         assert row["gemv_over_gemm_decode"] == pytest.approx(
             row["gemv_decode_tps"] / row["gemm_decode_tps"])
@@ -92,6 +97,9 @@ def test_calibrate_result_shape(measured):
     from engine import native
 
     assert result["native_gemm"] == native.decode_quantized_fast()
+    assert result["decode_paths"] == {"unbatched": batched, "gemm": batched, "gemv": ["gemv"]}
+    # A 1-row gemv step is MLX's call; a 1-row gemm step the native kernel's, where it runs.
+    assert result["one_row_same_call"] is not result["native_gemm"]
     assert result["threshold"] == choose_threshold(result["rows"],
                                                    one_row_same_call=not result["native_gemm"])
     # One progress line per measurement (plus one per engine load).
@@ -210,6 +218,35 @@ def test_table_and_svg_of_synthetic_result():
     threshold = [g for g in root.iter(f"{SVG}g") if g.get("class") == "threshold"]
     assert threshold and threshold[0].get("data-threshold") == "2"
     assert "<m&>" in "".join(root.itertext())
+
+
+def test_one_row_is_exempt_only_where_both_policies_make_the_same_calls():
+    """A 1-row step's ratio is noise where both policies make the same calls: MLX's on both
+    (no native kernel on gemm steps), or the native kernels on both (both recorded native)."""
+    def rows(gemm: str, gemv: str) -> list[dict]:
+        return [{"concurrency": 1, "detail": {"gemm": {"decode_paths": [gemm]},
+                                              "gemv": {"decode_paths": [gemv]}}}]
+
+    assert same_call_at_one_row(False, rows("gemm", "gemv"))
+    assert not same_call_at_one_row(True, rows("native", "gemv"))
+    assert not same_call_at_one_row(True, rows("gemm", "gemv"))  # e.g. native layers, MLX experts
+    assert same_call_at_one_row(True, rows("native", "native"))
+    # Saved files: the key, else (older ones) whether gemm steps took the native kernels.
+    assert one_row_same_call({"one_row_same_call": False}) is False
+    assert one_row_same_call({"native_gemm": True}) is False
+    assert one_row_same_call({}) is True
+
+
+def test_the_report_says_what_each_policy_ran_on():
+    paths = {"unbatched": ["native"], "gemm": ["native"], "gemv": ["gemv"]}
+    result = synthetic({1: 1.0, 2: 0.9}, decode_paths=paths)
+    assert describe_paths(result) == ("decode steps ran on: unbatched native · gemm native · "
+                                      "gemv gemv")
+    assert describe_paths(synthetic({1: 1.0})) is None  # a file from before
+    root = ET.fromstring(render_svg(result))
+    shown = [g for g in root.iter(f"{SVG}g") if g.get("class") == "decode-paths"]
+    assert [t.text for t in shown[0]] == ["decode steps ran on", "unbatched: native",
+                                          "gemm: native", "gemv: gemv"]
 
 
 # ---- resolve_threshold: the table the engine is given ---------------------------------------

@@ -40,7 +40,7 @@ def calibration_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def save_synthetic(ratios: dict[int, float]) -> dict:
+def save_synthetic(ratios: dict[int, float], **extra) -> dict:
     rows = []
     for n, ratio in ratios.items():
         rows.append({"concurrency": n, "unbatched_tps": 7.0, "gemm_tps": 8.0 * n,
@@ -53,7 +53,7 @@ def save_synthetic(ratios: dict[int, float]) -> dict:
         "backend_info": backend_info(), "mlx_version": "0.32.4", "max_tokens": 16,
         "date": "2025-06-01T12:00:00+00:00", "host": "bench-host", "cpu_count": 2,
         "repeats": 1, "elapsed_s": 42.0, "threshold_basis": "decode-only tokens/s",
-        "rows": rows, "threshold": choose_threshold(rows)})
+        "rows": rows, "threshold": choose_threshold(rows, not extra.get("native_gemm")), **extra})
 
 
 def test_uncalibrated_page_says_how_to_calibrate(client, calibration_dir):
@@ -103,6 +103,23 @@ def test_calibrated_page_shows_table_plot_and_threshold(client):
     assert [r["concurrency"] for r in cal["rows"]] == [1, 3, 4, 5]
     assert cal["rows"][1]["gemv_over_gemm"] == pytest.approx(1.343)
     assert "detail" not in cal["rows"][0] and "plot_svg" not in data
+
+
+def test_native_gemm_calibration_keeps_its_threshold_and_names_its_paths(client):
+    """Where a 1-row gemm step is the native kernel's and a gemv step MLX's, the 1-row ratio
+    counts (here GEMM wins: T = 0), and the page recomputes T from the rows by that rule."""
+    rows = {1: 0.9, 2: 0.8}
+    paths = {"unbatched": ["native"], "gemm": ["native"], "gemv": ["gemv"]}
+    save_synthetic(rows, native_gemm=True, one_row_same_call=False, decode_paths=paths)
+    rows_only = [{"concurrency": n, "gemv_over_gemm_decode": r} for n, r in rows.items()]
+    page = BeautifulSoup(client.get("/calibration").text, "html.parser")
+    assert page.select_one("[data-col=threshold] strong").text == "0"
+    assert page.select_one("[data-col=threshold] .error-text") is None
+    assert page.select_one("[data-col=decode_paths]").text.startswith(
+        "decode steps ran on: unbatched native · gemm native · gemv gemv")
+    cal = client.get("/calibration.json").json()["calibration"]
+    assert cal["threshold"] == cal["threshold_from_rows"] == 0
+    assert choose_threshold(rows_only) == 1  # the exemption would have given 1
 
 
 def test_calibration_for_other_weights_is_not_shown(client):
