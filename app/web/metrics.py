@@ -91,8 +91,9 @@ class EngineMetrics:
                                    "cache.")
         self.state_hits = counter("state_checkpoint_hits", "Admissions that resumed from a "
                                   "prefix checkpoint of the recurrent state.")
-        self.steps = counter("steps", "Engine steps, by the kernel path their linear layers "
-                             "took.", ("kernel_path",))
+        self.steps = counter("steps", "Engine steps, by the kernel path their matmul calls "
+                             "took (native: every one on the native kernels, each row "
+                             "alone).", ("kernel_path",))
         # Speculative decoding, as vLLM counts it: one draft per verify group (a request's
         # drafts checked in one step), its tokens, those the target kept, and per draft
         # position i the groups that kept more than i drafts (the acceptance curve).

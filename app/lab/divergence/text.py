@@ -24,7 +24,7 @@ def _writer_columns(w: Writer | None, steps: list | None = None) -> str:
         return "—"
     first, last = steps or (w.step, w.step)
     step = str(first) if first == last else f"{first}–{last}"
-    return f"{step:>7} {w.path:<5} {w.step_rows:>4}"
+    return f"{step:>7} {w.path:<6} {w.step_rows:>4}"
 
 
 def _speculation_lines(r: DivergenceRecord) -> list[str]:
@@ -81,7 +81,7 @@ def _logit_lines(r: DivergenceRecord, all_tokens: bool) -> list[str]:
     logits, fork = r.logits, r.fork
     out = ["", f"Logits token by token while the sides agree ({logits.compared_tokens} "
                "tokens):",
-           f"  {'token':>5}  {'A step path rows':>18}  {'B step path rows':>18}  "
+           f"  {'token':>5}  {'A step path rows':>19}  {'B step path rows':>19}  "
            f"{'max|Δlogit|':>11}  {'margin A':>9}  {'margin B':>9}"]
     rows = logits.per_token
     shown = _telling(r) if not all_tokens and len(rows) > 20 else set(range(len(rows)))
@@ -93,8 +93,8 @@ def _logit_lines(r: DivergenceRecord, all_tokens: bool) -> list[str]:
             out.append("  …")
         previous = p.index
         flag = " ← fork" if fork and p.index == fork.token_index else ""
-        out.append(f"  {p.index:>5}  {p.step_a:>7} {p.path_a:<5} {p.rows_a:>4}  "
-                   f"{p.step_b:>7} {p.path_b:<5} {p.rows_b:>4}  "
+        out.append(f"  {p.index:>5}  {p.step_a:>7} {p.path_a:<6} {p.rows_a:>4}  "
+                   f"{p.step_b:>7} {p.path_b:<6} {p.rows_b:>4}  "
                    f"{g(p.max_abs_delta):>11}  {g(p.margin_a, 4):>9}  "
                    f"{g(p.margin_b, 4):>9}{flag}")
     if previous != len(rows) - 1 and rows:
@@ -106,8 +106,8 @@ def _timeline_lines(r: DivergenceRecord) -> list[str]:
     kv = r.kv
     out = ["", f"Contamination timeline: keys/values compared at {kv.compared_positions} "
                "positions (* = first difference)",
-           f"  {'positions':>9}  {'what':<14} {'A step path rows':>18}  "
-           f"{'B step path rows':>18}  {'max|ΔKV|':>9}"]
+           f"  {'positions':>9}  {'what':<14} {'A step path rows':>19}  "
+           f"{'B step path rows':>19}  {'max|ΔKV|':>9}"]
     for row in timeline(r):
         span = str(row.first) if row.first == row.last else f"{row.first}–{row.last}"
         star = " *" if holds_first_difference(r, row) else ""

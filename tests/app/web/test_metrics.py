@@ -128,7 +128,7 @@ def test_counters_equal_what_the_engine_did(client, finishes):
         assert value(m, "batchscope:request_success", "batchscope:request_success_total",
                      finished_reason=reason) == reasons[reason], reason
     paths = Counter(r.kernel_path for r in steps)
-    for path in ("gemm", "gemv", "tiled"):  # every path is exported, at zero until taken
+    for path in ("native", "gemm", "gemv", "tiled"):  # every path exported, 0 until taken
         assert value(m, "batchscope:steps", "batchscope:steps_total",
                      kernel_path=path) == paths[path]
     bm = engine.block_manager
