@@ -186,60 +186,69 @@ void portable_outputs(const Job& j, int n_begin, int n_end) {
 // ---- AVX-512 VNNI: a pair of units is one register; vpdpbusd takes 4 bytes a lane ----------
 
 #if BATCHSCOPE_HAS_VNNI
-// Outputs n0..n0+NR for rows m0..m0+MR: per pair, each output's weights are unpacked once and
-// meet each row's activations in one or two vpdpbusd.
+// One pair of units for outputs n0..n0+NR and rows m0..m0+MR: each output's weights are
+// unpacked once and meet each row's activations in one or two vpdpbusd. FULL: both units
+// (else the first only: the row's last, half pair).
+template <int BITS, int MR, int NR, bool FULL>
+inline void vnni_pair(const Job& j, int m0, const uint8_t* w0, size_t row_bytes, int p,
+                      const float* s, __m512 (&acc)[MR][NR]) {
+  const QuantizedRows& r = j.rows;
+  const __mmask64 bytes = FULL ? ~__mmask64{0} : __mmask64{0xffffffff};
+  const __mmask16 lanes = FULL ? __mmask16{0xffff} : __mmask16{0x00ff};
+  // each lane's group scale: 16 groups per block, a pair's lanes in one block
+  const int block = r.lane_group[p * 16] / 16 * 16;
+  const __m512i local = _mm512_sub_epi32(_mm512_loadu_si512(r.lane_group.data() + p * 16),
+                                         _mm512_set1_epi32(block));
+  __m512i xlo[MR], xhi[MR];
+  __m512 dl[MR];
+  for (int i = 0; i < MR; ++i) {
+    const int8_t* xp = r.row_q(m0 + i) + static_cast<size_t>(p) * r.q_per_pair();
+    xlo[i] = _mm512_loadu_si512(xp);
+    if constexpr (BITS == 4) xhi[i] = _mm512_loadu_si512(xp + 64);
+    dl[i] = _mm512_loadu_ps(r.dl.data() + (static_cast<size_t>(m0 + i) * r.pairs + p) * 16);
+  }
+  for (int o = 0; o < NR; ++o) {
+    const uint8_t* wp = w0 + o * row_bytes + static_cast<size_t>(p) * 64;
+    __builtin_prefetch(wp + NR * row_bytes);  // the next tile's weights
+    const __m512i v = FULL ? _mm512_loadu_si512(wp) : _mm512_maskz_loadu_epi8(bytes, wp);
+    const __m512 sl = _mm512_permutexvar_ps(local, _mm512_loadu_ps(s + o * r.G16 + block));
+    __m512i lo = v, hi;
+    if constexpr (BITS == 4) {
+      const __m512i nibble = _mm512_set1_epi8(0x0f);
+      lo = _mm512_and_si512(v, nibble);
+      hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
+    for (int i = 0; i < MR; ++i) {
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[i]);
+      if constexpr (BITS == 4) dot = _mm512_dpbusd_epi32(dot, hi, xhi[i]);
+      const __m512 f = _mm512_cvtepi32_ps(dot);
+      const __m512 sd = _mm512_mul_ps(sl, dl[i]);
+      acc[i][o] = FULL ? _mm512_fmadd_ps(f, sd, acc[i][o])
+                       : _mm512_mask3_fmadd_ps(f, sd, acc[i][o], lanes);
+    }
+  }
+}
+
+// Outputs n0..n0+NR for rows m0..m0+MR; s: their scales, b: their biases (G16 each).
 template <int BITS, int MR, int NR>
-void vnni_tile(const Job& j, int m0, int n0, const float* s) {
+void vnni_tile(const Job& j, int m0, int n0, const float* s, const float* b) {
   const QuantizedRows& r = j.rows;
   const size_t row_bytes = static_cast<size_t>(r.K) * BITS / 8;
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + n0 * row_bytes;
   const int full = static_cast<int>(row_bytes / 64);  // pairs with both units
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int o = 0; o < NR; ++o) acc[i][o] = _mm512_setzero_ps();
-  for (int p = 0; p < r.pairs; ++p) {
-    const bool whole = p < full;
-    const __mmask64 bytes = whole ? ~__mmask64{0} : __mmask64{0xffffffff};
-    const __mmask16 lanes = whole ? __mmask16{0xffff} : __mmask16{0x00ff};
-    const __m512i gidx = _mm512_loadu_si512(r.lane_group.data() + p * 16);
-    __m512i lo[NR], hi[NR];
-    __m512 sl[NR];
-    for (int o = 0; o < NR; ++o) {
-      const uint8_t* wp = w0 + o * row_bytes + static_cast<size_t>(p) * 64;
-      __builtin_prefetch(wp + NR * row_bytes);  // the next tile's weights
-      const __m512i v = _mm512_maskz_loadu_epi8(bytes, wp);
-      if constexpr (BITS == 4) {
-        lo[o] = _mm512_and_si512(v, nibble);
-        hi[o] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      } else {
-        lo[o] = v;
-      }
-      // each lane's group scale: 16 groups per block, a pair's lanes in one block
-      const int block = r.lane_group[p * 16] / 16 * 16;
-      const __m512i local = _mm512_sub_epi32(gidx, _mm512_set1_epi32(block));
-      sl[o] = _mm512_permutexvar_ps(local, _mm512_loadu_ps(s + o * r.G16 + block));
-    }
-    for (int i = 0; i < MR; ++i) {
-      const int8_t* xp = r.row_q(m0 + i) + static_cast<size_t>(p) * r.q_per_pair();
-      const __m512i xlo = _mm512_loadu_si512(xp);
-      const __m512 dl = _mm512_loadu_ps(r.dl.data() + (static_cast<size_t>(m0 + i) * r.pairs + p) * 16);
-      for (int o = 0; o < NR; ++o) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[o], xlo);
-        if constexpr (BITS == 4) dot = _mm512_dpbusd_epi32(dot, hi[o], _mm512_loadu_si512(xp + 64));
-        const __m512 sd = _mm512_mul_ps(sl[o], dl);
-        acc[i][o] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[i][o], lanes);
-      }
-    }
-  }
+  for (int p = 0; p < full; ++p) vnni_pair<BITS, MR, NR, true>(j, m0, w0, row_bytes, p, s, acc);
+  if (full < r.pairs) vnni_pair<BITS, MR, NR, false>(j, m0, w0, row_bytes, full, s, acc);
   for (int i = 0; i < MR; ++i) {
     const float* xs = r.xs.data() + static_cast<size_t>(m0 + i) * r.G16;
     for (int o = 0; o < NR; ++o) {
       // bias_term's lanes, sixteen at once
-      const float* b = s + (NR + o) * r.G16;
+      const float* bo = b + o * r.G16;
       __m512 bacc = _mm512_setzero_ps();
       for (int g = 0; g < r.G16; g += 16)
-        bacc = _mm512_fmadd_ps(_mm512_loadu_ps(b + g), _mm512_loadu_ps(xs + g), bacc);
+        bacc = _mm512_fmadd_ps(_mm512_loadu_ps(bo + g), _mm512_loadu_ps(xs + g), bacc);
       j.out[static_cast<size_t>(m0 + i) * j.N + n0 + o] =
           lane_sum(VecAvx512{acc[i][o]}) + lane_sum(VecAvx512{bacc});
     }
@@ -247,6 +256,7 @@ void vnni_tile(const Job& j, int m0, int n0, const float* s) {
 }
 
 // output_scales' values, sixteen at a time (exact conversions, zeros past G).
+template <ScaleType T>
 void vnni_output_scales(const Job& j, int n, float* s, float* b) {
   const int G = j.rows.G;
   for (int g = 0; g < j.rows.G16; g += 16) {
@@ -255,11 +265,11 @@ void vnni_output_scales(const Job& j, int n, float* s, float* b) {
     for (int which = 0; which < 2; ++which) {
       const void* from = which == 0 ? j.scales : j.biases;
       __m512 v;
-      if (j.scale_type == ScaleType::f32) {
+      if constexpr (T == ScaleType::f32) {
         v = _mm512_maskz_loadu_ps(in, static_cast<const float*>(from) + at);
       } else {
         const __m256i h = _mm256_maskz_loadu_epi16(in, static_cast<const uint16_t*>(from) + at);
-        v = j.scale_type == ScaleType::f16
+        v = T == ScaleType::f16
                 ? _mm512_cvtph_ps(h)
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
       }
@@ -268,43 +278,58 @@ void vnni_output_scales(const Job& j, int n, float* s, float* b) {
   }
 }
 
-template <int BITS, int NR, int MR = 4>
-void vnni_rows(const Job& j, int m0, int rows, int n0, const float* s) {
+// Rows in tiles of up to 4; at 3-4 rows two outputs at a time, so that the accumulators, the
+// rows' activations and the unpacked weights stay in the 32 registers.
+template <int BITS, int NT, int MR = 4>
+void vnni_rows(const Job& j, int m0, int rows, int n0, const float* s, const float* b) {
   if constexpr (MR >= 1) {
-    if (rows >= MR) return vnni_tile<BITS, MR, NR>(j, m0, n0, s);
-    vnni_rows<BITS, NR, MR - 1>(j, m0, rows, n0, s);
-  }
-}
-
-template <int BITS, int NR>
-void vnni_outputs_nr(const Job& j, int n0, float* s) {
-  // s: NR outputs' scales, then their biases (G16 each), converted once for all rows.
-  for (int o = 0; o < NR; ++o)
-    vnni_output_scales(j, n0 + o, s + o * j.rows.G16, s + (NR + o) * j.rows.G16);
-  for (int m = 0; m < j.rows.M;) {
-    const int rows = std::min(4, j.rows.M - m);
-    vnni_rows<BITS, NR>(j, m, rows, n0, s);
-    m += rows;
+    if (rows < MR) return vnni_rows<BITS, NT, MR - 1>(j, m0, rows, n0, s, b);
+    constexpr int NR = MR <= 2 ? NT : (NT >= 2 ? 2 : 1);
+    const int G16 = j.rows.G16;
+    for (int o = 0; o < NT; o += NR)
+      vnni_tile<BITS, MR, NR>(j, m0, n0 + o, s + o * G16, b + o * G16);
   }
 }
 
 constexpr int VNNI_NR = 4;
 
-template <int BITS>
+template <int BITS, ScaleType T, int NT>
+void vnni_outputs_nt(const Job& j, int n0, float* s) {
+  // NT outputs' scales, then their biases (G16 each), converted once for all rows
+  const int G16 = j.rows.G16;
+  float* b = s + NT * G16;
+  for (int o = 0; o < NT; ++o) vnni_output_scales<T>(j, n0 + o, s + o * G16, b + o * G16);
+  for (int m = 0; m < j.rows.M;) {
+    const int rows = std::min(4, j.rows.M - m);
+    vnni_rows<BITS, NT>(j, m, rows, n0, s, b);
+    m += rows;
+  }
+}
+
+template <int BITS, ScaleType T>
 void vnni_outputs(const Job& j, int n_begin, int n_end) {
   thread_local std::vector<float> s;
   s.resize(static_cast<size_t>(2 * VNNI_NR) * j.rows.G16);
   int n = n_begin;
-  for (; n + VNNI_NR <= n_end; n += VNNI_NR) vnni_outputs_nr<BITS, VNNI_NR>(j, n, s.data());
-  for (; n < n_end; ++n) vnni_outputs_nr<BITS, 1>(j, n, s.data());
+  for (; n + VNNI_NR <= n_end; n += VNNI_NR) vnni_outputs_nt<BITS, T, VNNI_NR>(j, n, s.data());
+  for (; n < n_end; ++n) vnni_outputs_nt<BITS, T, 1>(j, n, s.data());
+}
+
+template <int BITS>
+void vnni_outputs_bits(const Job& j, int n_begin, int n_end) {
+  switch (j.scale_type) {
+    case ScaleType::f16: return vnni_outputs<BITS, ScaleType::f16>(j, n_begin, n_end);
+    case ScaleType::bf16: return vnni_outputs<BITS, ScaleType::bf16>(j, n_begin, n_end);
+    default: return vnni_outputs<BITS, ScaleType::f32>(j, n_begin, n_end);
+  }
 }
 #endif  // BATCHSCOPE_HAS_VNNI
 
 void outputs(const Job& j, int n_begin, int n_end, bool vnni) {
 #if BATCHSCOPE_HAS_VNNI
   if (vnni) {
-    if (j.rows.bits == 4) return vnni_outputs<4>(j, n_begin, n_end);
-    return vnni_outputs<8>(j, n_begin, n_end);
+    if (j.rows.bits == 4) return vnni_outputs_bits<4>(j, n_begin, n_end);
+    return vnni_outputs_bits<8>(j, n_begin, n_end);
   }
 #endif
   (void)vnni;
