@@ -33,6 +33,8 @@ class Settings:
     # Host-header check against DNS rebinding (app/web/security.py): None, no check; a tuple,
     # loopback names plus these. `batchscope serve` turns it on for a keyless loopback server.
     allowed_hosts: tuple[str, ...] | None = None
+    # The format tool calls are parsed in (app/web/api/tool_calls.py): "auto", the template's.
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from app.cli.engine_flags import add_engine_args, engine_config
 from app.settings import ENV_API_KEY, ENV_HOST, ENV_PORT, Settings, resolve_db_path
+from app.web.api.tool_calls import PARSERS
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +39,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-tokens-limit", type=int, default=None,
                      help="most new tokens one API request may ask for (default: the context "
                           "window)")
+    srv.add_argument("--tool-call-parser", choices=PARSERS, default="auto",
+                     help="the format tool calls are read in (and forced calls written in): "
+                          "auto (default) picks it from the chat template; hermes also for a "
+                          "template without tools (docs/api.md, Tool calls)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -117,6 +122,7 @@ def settings_from_args(args: argparse.Namespace,
         max_tokens_limit=args.max_tokens_limit,
         log_level="debug" if getattr(args, "verbose", False) else "info",
         api_key=args.api_key or env.get(ENV_API_KEY) or None,
+        tool_call_parser=args.tool_call_parser,
     )
     settings.allowed_hosts = host_check(settings.host, settings.api_key, args.allowed_host or [])
     return settings

@@ -1,0 +1,274 @@
+"""Tool calls in a model's output: the formats chat templates teach, parsed out of the text, and
+the grammars that make a forced call well-formed.
+
+Formats (`--tool-call-parser`, or picked from the chat template's text by `detect`):
+
+- hermes (Hermes, Qwen 2.5/3, and this server's fallback rendering, app/web/api/tools.py):
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one tag per call;
+- llama3: the whole answer is `{"name": ..., "parameters": {...}}` (several joined by `;`,
+  an optional `<|python_tag|>` first);
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
+- qwen3-coder: `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
+  </function>\\n</tool_call>` (a value is JSON where it parses as such, else text).
+
+Each parser splits a region of the output (from the first opening marker on) into complete
+calls and what is left; `ToolStream` feeds it the output piece by piece, so a streamed answer
+and a whole one are the same parse. Text a parser cannot read as a call stays the model's
+text (content): nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+PARSERS = ("auto", "hermes", "llama3", "mistral", "qwen3-coder")
+# Forced calls' JSON: one line, spaced as the templates' `tojson` writes it.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = ""
+
+    @staticmethod
+    def new_id() -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(name: Any, arguments: Any) -> ToolCall | None:
+    """A call from its decoded parts; None unless a name and an object of arguments."""
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), ToolCall.new_id())
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """One format. `opens` says where the calls begin; `split` reads complete calls off the
+    front of the region (from that point on) and returns them with the rest."""
+
+    name: ClassVar[str]
+    marker: ClassVar[str]  # the text that opens the calls
+
+    def opens(self, text: str) -> tuple[int | None, int]:
+        """(where the calls begin in `text`, or None; how many trailing characters to hold
+        back because they could begin it)."""
+        at = text.find(self.marker)
+        return (at, 0) if at >= 0 else (None, _held(text, self.marker))
+
+    def split(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
+        raise NotImplementedError
+
+    def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
+        """A Lark grammar (llguidance) for one call of one of `tools` (name, parameters
+        schema), or with `many` one or more."""
+        raise NotImplementedError
+
+    def _object_schema(self, tools: list[tuple[str, dict]], key: str) -> dict:
+        one = [{"type": "object", "properties": {"name": {"const": name}, key: schema},
+                "required": ["name", key], "additionalProperties": False}
+               for name, schema in tools]
+        return {"anyOf": one, "x-guidance": JSON_STYLE}
+
+
+class HermesParser(ToolParser):
+    name, marker = "hermes", "<tool_call>"
+    close = "</tool_call>"
+
+    def split(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
+        calls: list[ToolCall] = []
+        rest = region
+        while rest.lstrip().startswith(self.marker):
+            body = rest.lstrip()[len(self.marker):]
+            end = body.find(self.close)
+            if end < 0 and not final:
+                break
+            # A model may stop at end-of-sequence without the closing tag.
+            call = self._read(body[:end] if end >= 0 else body)
+            if call is None:
+                break
+            calls.append(call)
+            rest = body[end + len(self.close):] if end >= 0 else ""
+        return calls, (rest if rest.strip() else "")
+
+    def _read(self, body: str) -> ToolCall | None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        return _call(data.get("name"), data.get("arguments", data.get("parameters")))
+
+    def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
+        schema = json.dumps(self._object_schema(tools, "arguments"))
+        start = 'call ("\\n" call)*' if many else "call"
+        return (f"start: {start}\n"
+                f'call: "{self.marker}\\n" body "\\n{self.close}"\n'
+                f"body: %json {schema}\n")
+
+
+class Llama3Parser(ToolParser):
+    name, marker = "llama3", "<|python_tag|>"
+
+    def opens(self, text: str) -> tuple[int | None, int]:
+        # The calls are the whole answer: it begins with "{" or the python tag, or has none.
+        stripped = text.lstrip()
+        if stripped.startswith(("{", self.marker)):
+            return 0, 0
+        if not stripped or self.marker.startswith(stripped):
+            return None, len(text)
+        return None, 0
+
+    def split(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
+        rest = region.lstrip()
+        rest = rest[len(self.marker):] if rest.startswith(self.marker) else rest
+        calls: list[ToolCall] = []
+        decoder = json.JSONDecoder()
+        while rest.strip():
+            rest = rest.lstrip().removeprefix(";").lstrip()
+            try:
+                data, end = decoder.raw_decode(rest)
+            except ValueError:
+                break
+            call = (_call(data.get("name"), data.get("parameters", data.get("arguments")))
+                    if isinstance(data, dict) else None)
+            if call is None:
+                break
+            calls.append(call)
+            rest = rest[end:]
+        return calls, (rest if rest.strip() else "")
+
+    def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
+        schema = json.dumps(self._object_schema(tools, "parameters"))
+        start = 'body ("; " body)*' if many else "body"
+        return f"start: {start}\nbody: %json {schema}\n"
+
+
+class MistralParser(ToolParser):
+    name, marker = "mistral", "[TOOL_CALLS]"
+
+    def split(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
+        body = region.lstrip().removeprefix(self.marker).lstrip()
+        try:
+            data, end = json.JSONDecoder().raw_decode(body)
+        except ValueError:
+            return [], region
+        items = data if isinstance(data, list) else [data]
+        calls = [_call(i.get("name"), i.get("arguments", i.get("parameters")))
+                 if isinstance(i, dict) else None for i in items]
+        if not calls or None in calls:
+            return [], region
+        rest = body[end:]
+        return [c for c in calls if c is not None], (rest if rest.strip() else "")
+
+    def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
+        one = self._object_schema(tools, "arguments")
+        array = {"type": "array", "items": {"anyOf": one["anyOf"]}, "minItems": 1,
+                 "x-guidance": JSON_STYLE} | ({} if many else {"maxItems": 1})
+        return f'start: "{self.marker}" body\nbody: %json {json.dumps(array)}\n'
+
+
+class Qwen3CoderParser(HermesParser):
+    name = "qwen3-coder"
+    _function = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.S)
+    _parameter = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def _read(self, body: str) -> ToolCall | None:
+        found = self._function.fullmatch(body)
+        if found is None:
+            return None
+        arguments = {}
+        for key, value in self._parameter.findall(found.group(2)):
+            try:
+                arguments[key] = json.loads(value)
+            except ValueError:
+                arguments[key] = value  # text, as the format writes strings
+        return _call(found.group(1), arguments)
+
+    def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
+        raise ValueError("a forced call (tool_choice required or a named function) is not "
+                         "available in the qwen3-coder format")
+
+
+_BY_NAME: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesParser, Llama3Parser, MistralParser, Qwen3CoderParser)}
+
+
+def detect(template: str | None) -> str:
+    """The format a chat template teaches; hermes when it teaches none (this server's fallback
+    rendering, app/web/api/tools.py, uses it) or one this server does not know."""
+    if not template:
+        return "hermes"
+    if "<function=" in template:
+        return "qwen3-coder"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3"
+    return "hermes"
+
+
+def parser(name: str, template: str | None) -> ToolParser:
+    """The parser named by --tool-call-parser ("auto": the template's)."""
+    return _BY_NAME[detect(template) if name == "auto" else name]()
+
+
+class ToolStream:
+    """The model's output, piece by piece, as text and complete tool calls: text is released
+    as soon as it cannot begin a call; a call once it is complete; at the end, whatever did not
+    read as a call is text."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.calls: list[ToolCall] = []
+        self._pending = ""  # text not yet released, before any call
+        self._region: str | None = None  # from the calls' opening marker on
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Text to release now, and calls completed by this piece."""
+        if self._region is None:
+            self._pending += text
+            at, hold = self.parser.opens(self._pending)
+            if at is None:
+                cut = len(self._pending) - hold
+                out, self._pending = self._pending[:cut], self._pending[cut:]
+                return out, []
+            out, self._region, self._pending = self._pending[:at], self._pending[at:], ""
+            return out, self._take(final=False)
+        self._region += text
+        return "", self._take(final=False)
+
+    def finish(self, text: str = "") -> tuple[str, list[ToolCall]]:
+        """The last piece: text left (held back, or not readable as calls) and the last calls."""
+        out, calls = self.feed(text)
+        if self._region is None:
+            return out + self._pending, calls
+        calls += self._take(final=True)
+        rest, self._region = self._region, ""
+        return out + rest, calls
+
+    def _take(self, final: bool) -> list[ToolCall]:
+        assert self._region is not None
+        calls, self._region = self.parser.split(self._region, final)
+        self.calls += calls
+        return calls
+
+
+def parse(parser: ToolParser, text: str) -> tuple[str, list[ToolCall]]:
+    """A whole output: its text outside the calls, and the calls (as ToolStream reads it)."""
+    stream = ToolStream(parser)
+    return stream.finish(text)
