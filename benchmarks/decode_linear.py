@@ -6,8 +6,9 @@ repeat. Variants are interleaved round by round so machine noise hits both alike
 measurement behind DECODE_MATMUL_MAX_ROWS in engine/native_ops.py.
 
 --weights q4: the shipped 4-bit layers (and the 8-bit tied head) through the native quantized
-kernel against MLX's quantized_matmul (the modules' own call), and against the float32 kernel
-on the same model dequantized to float32 (DECODE_QUANTIZED_MAX_ROWS).
+kernel against MLX's quantized_matmul (the modules' own call), against the float32 kernel
+on the same model dequantized to float32 (DECODE_QUANTIZED_MAX_ROWS), and against itself with
+int8 activations (--activations int8).
 
     .venv/bin/python benchmarks/decode_linear.py [--rows 1 4 8 16 24 32] [--rounds 9]
     .venv/bin/python benchmarks/decode_linear.py --weights q4
@@ -62,6 +63,10 @@ def measure_quantized(layers, weights, rows: int, rounds: int, kernel,
             kernel(inputs[w.shape[1]], m.weight, m.scales, m.biases, m.group_size, m.bits)
             for m, w in zip(layers, weights, strict=True)]),
         "native f32": lambda: mx.eval([f32_kernel(inputs[w.shape[1]], w) for w in weights]),
+        "native q4, int8 activations": lambda: mx.eval([
+            kernel(inputs[w.shape[1]], m.weight, m.scales, m.biases, m.group_size, m.bits,
+                   int8_activations=True)
+            for m, w in zip(layers, weights, strict=True)]),
     }
     return timed_rounds(variants, rounds)
 
@@ -79,11 +84,13 @@ def main_quantized(args) -> int:
              f"head) once per round, backend {info['backend']}, native path "
              f"{native.decode_quantized_isa()}, threads {native.threads()}; "
              f"{args.rounds} interleaved rounds. The f32 column is the float32 kernel on the "
-             f"model dequantized to float32. The engine uses the q4 kernel up to "
+             f"model dequantized to float32; int8: the q4 kernel with --activations int8 "
+             f"({native.int8_activations_isa()} path). The engine uses the q4 kernel up to "
              f"{DECODE_QUANTIZED_MAX_ROWS} rows.", "",
              "| rows | MLX quantized_matmul (ms) | native q4 (ms) | native f32 (ms) "
-             "| MLX / q4, median | f32 / q4, median |",
-             "|---|---|---|---|---|---|"]
+             "| q4, int8 activations (ms) | MLX / q4, median | f32 / q4, median "
+             "| q4 / int8, median |",
+             "|---|---|---|---|---|---|---|---|"]
     for rows in args.rows:
         print(f"# {rows} rows...", file=sys.stderr, flush=True)
         t = measure_quantized(layers, weights, rows, args.rounds, kernel, f32_kernel)
@@ -92,9 +99,12 @@ def main_quantized(args) -> int:
         mlx_ratio = statistics.median(
             a / b for a, b in zip(t["MLX quantized_matmul"], q, strict=True))
         f32_ratio = statistics.median(a / b for a, b in zip(t["native f32"], q, strict=True))
+        int8 = t["native q4, int8 activations"]
+        int8_ratio = statistics.median(a / b for a, b in zip(q, int8, strict=True))
         lines.append(f"| {rows} | {med['MLX quantized_matmul'] * 1e3:.1f} | "
                      f"{med['native q4'] * 1e3:.1f} | {med['native f32'] * 1e3:.1f} | "
-                     f"{mlx_ratio:.2f}x | {f32_ratio:.2f}x |")
+                     f"{statistics.median(int8) * 1e3:.1f} | "
+                     f"{mlx_ratio:.2f}x | {f32_ratio:.2f}x | {int8_ratio:.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

@@ -9,7 +9,11 @@ step calls them: q/k/v and gate/up stacked), the head, attention with its KV wri
 norms and RoPE. Scheduling (the engine's own bookkeeping per step, outside the model) comes
 from the step records of an engine run. Medians of --rounds.
 
+The last line is the share of a step spent in Python outside evaluation: building the graph
+plus the engine's scheduling, over the step plus scheduling.
+
     .venv/bin/python benchmarks/step_profile.py [--weights q4] [--rows 1 4 8 16]
+        [--activations float32|int8]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from decode_linear import model_layers  # benchmarks/decode_linear.py
 # isort: on
 
 from engine import native
+from engine.config import ACTIVATIONS
 from engine.engine import Engine
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, pool_for
@@ -155,10 +160,12 @@ def weight_bytes(model) -> int:
                for k in ("weight", "scales", "biases") if getattr(m, k, None) is not None)
 
 
-def scheduling(weights: str, rows: list[int]) -> dict[int, float]:
+def scheduling(weights: str, rows: list[int], activations: str) -> dict[int, float]:
     """Per step, the engine's time outside the model (scheduler, bookkeeping, records), ms."""
     out = {}
-    eng = Engine(eb.engine_config(weights, rows)).start()
+    config = eb.engine_config(weights, rows)
+    config.activations = activations
+    eng = Engine(config).start()
     try:
         for n in rows:
             prompts = eb.make_prompts(eng.loaded.tokenizer, n)
@@ -176,20 +183,23 @@ def main() -> int:
     ap.add_argument("--weights", default="q4")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--activations", default="float32", choices=ACTIVATIONS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_profile.md"))
     args = ap.parse_args()
     loaded = load_model("embedded", args.weights)
     family = family_for(loaded.model)
-    runner = ModelRunner(loaded.model, pool_for(family, 512, 16), "auto", "auto", family)
+    runner = ModelRunner(loaded.model, pool_for(family, 512, 16), "auto", "auto", family,
+                         activations=args.activations)
     table = {}
     for n in args.rows:
         print(f"# {n} rows...", file=sys.stderr, flush=True)
         table[n] = profile(runner, family, n, args.rounds)
-    sched = scheduling(args.weights, args.rows)
+    sched = scheduling(args.weights, args.rows, args.activations)
     names = list(next(iter(table.values())))
     lines = [f"A decode step of {loaded.name} ({args.weights}), context {CONTEXT}, backend "
              f"{backend_info()['backend']}, native quantized path "
-             f"{native.decode_quantized_isa()}, {native.threads()} native threads; ms, medians "
+             f"{native.decode_quantized_isa()}, {args.activations} activations, "
+             f"{native.threads()} native threads; ms, medians "
              f"of {args.rounds}. The parts are timed alone (see the script's docstring).", "",
              "| ms | " + " | ".join(f"{n} rows" for n in args.rows) + " |",
              "|---|" + "---|" * len(args.rows)]
@@ -198,6 +208,10 @@ def main() -> int:
                      + " |")
     lines.append("| scheduling (engine, outside the model) | "
                  + " | ".join(f"{sched[n]:.1f}" for n in args.rows) + " |")
+    python = {n: (table[n]["graph building"] + sched[n]) / (table[n]["step"] + sched[n])
+              for n in args.rows}
+    lines.append("| Python share (graph building + scheduling) | "
+                 + " | ".join(f"{python[n]:.0%}" for n in args.rows) + " |")
     if 1 in table:
         mb = weight_bytes(loaded.model) / 1e6
         lin = table[1]["linear layers, alone op by op"] + table[1]["head, alone op by op"]
