@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from engine.choices import choice_params, submit_choices
 from engine.engine import EngineError
 from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
@@ -156,6 +157,9 @@ class RunService:
     def encode(self, prompt: str) -> list[int]:
         return self.engine.encode(prompt)
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(list(token_ids))
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Messages with plain-string content, rendered with the model's chat template."""
         return self.engine.encode_chat(messages)
@@ -186,29 +190,43 @@ class RunService:
         Raises engine.errors.RequestError (a ValueError) when the engine cannot serve the prompt
         (empty, token ids out of range, prompt plus max_tokens beyond the context window),
         QueueFullError when the queue is full, EngineError when the engine is not running."""
+        return self.start_choices(request, 1, id_prefix=id_prefix)[0]
+
+    def start_choices(self, request: RunRequest, n: int, *, id_prefix: str = "run") -> list[Run]:
+        """n choices of one prompt (engine/choices.py: they share its KV blocks), each a run of
+        its own, recorded with the parameters it ran with (a seeded request's choice i has
+        seed + i). Choice 0's id is the prefix and a random part; choice i's adds "-i".
+        Raises as start, before submitting any."""
         capacity = self.capacity
-        if capacity is not None and self.in_flight >= capacity:
+        if capacity is not None and self.in_flight + n > capacity:
             raise QueueFullError(
                 f"the server is busy: {self.in_flight} requests are running or waiting "
                 f"(at most {self.engine.config.max_num_seqs} run at once and "
-                f"{self.max_waiting} wait); retry shortly")
+                f"{self.max_waiting} wait)"
+                + (f"; {n} choices need {n} places" if n > 1 else "") + "; retry shortly")
         loop = asyncio.get_running_loop()
-        run_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
+        base = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
+        ids = [base] + [f"{base}-{i}" for i in range(1, n)]
         queued_at = time.time()
-        handle = self.engine.submit(request.prompt_ids, request.params, request_id=run_id,
-                                    loop=loop)
-        run = Run(run_id, request, queued_at, handle)
-        self.in_flight += 1
-        self._record("run_started", run_id, session_id=self.session_id, source=request.source,
-                     endpoint=request.endpoint, model=self.model_name,
-                     weights=self.engine.loaded.weights, kernel_policy=kernel_policy(self.engine),
-                     prompt_text=self._prompt_text(request), messages=request.messages,
-                     prompt_token_ids=list(request.prompt_ids),
-                     params=params_dict(request.params), queued_at=queued_at)
-        task = loop.create_task(self._pump(run, handle), name=f"pump-{run_id}")
-        self._pumps.add(task)
-        task.add_done_callback(self._pumps.discard)
-        return run
+        handles = submit_choices(self.engine, request.prompt_ids, request.params, n,
+                                 request_ids=ids, loop=loop)
+        prompt_text = self._prompt_text(request)
+        runs = []
+        for i, (run_id, handle) in enumerate(zip(ids, handles, strict=True)):
+            run = Run(run_id, request, queued_at, handle)
+            self.in_flight += 1
+            self._record("run_started", run_id, session_id=self.session_id,
+                         source=request.source, endpoint=request.endpoint,
+                         model=self.model_name, weights=self.engine.loaded.weights,
+                         kernel_policy=kernel_policy(self.engine), prompt_text=prompt_text,
+                         messages=request.messages, prompt_token_ids=list(request.prompt_ids),
+                         params=params_dict(choice_params(request.params, i)),
+                         queued_at=queued_at)
+            task = loop.create_task(self._pump(run, handle), name=f"pump-{run_id}")
+            self._pumps.add(task)
+            task.add_done_callback(self._pumps.discard)
+            runs.append(run)
+        return runs
 
     async def drain(self, timeout: float = 5.0) -> None:
         """Wait for the runs in flight to record their finish (at shutdown, after engine.stop)."""

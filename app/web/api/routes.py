@@ -57,7 +57,7 @@ from app.web.api.schemas import (
 )
 from engine.engine import EngineError
 from engine.errors import RequestError
-from engine.events import ErrorEvent, FinishEvent, TokenEvent
+from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("batchscope.api")
@@ -128,9 +128,15 @@ def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
 
 def _start(service: RunService, run_request: RunRequest, id_prefix: str,
            req: CompletionRequest | ChatCompletionRequest) -> Run:
-    """Submit, turning the engine's refusals into 4xx that name the parameter to change."""
+    return _start_choices(service, run_request, id_prefix, req, 1)[0]
+
+
+def _start_choices(service: RunService, run_request: RunRequest, id_prefix: str,
+                   req: CompletionRequest | ChatCompletionRequest, n: int) -> list[Run]:
+    """Submit n choices, turning the engine's refusals into 4xx that name the parameter to
+    change."""
     try:
-        return service.start(run_request, id_prefix=id_prefix)
+        return service.start_choices(run_request, n, id_prefix=id_prefix)
     except QueueFullError as e:
         raise APIError(429, str(e), None, "queue_full", "rate_limit_error",
                        headers={"Retry-After": str(e.retry_after)}) from None
@@ -163,8 +169,12 @@ async def _until_disconnected(request: Request) -> None:
 
 
 async def _collect(request: Request, run: Run) -> RunResult:
-    """Wait for the whole output, cancelling the run if the client leaves first."""
-    collect = asyncio.ensure_future(run.collect())
+    return (await _collect_all(request, [run]))[0]
+
+
+async def _collect_all(request: Request, runs: list[Run]) -> list[RunResult]:
+    """Wait for every run's whole output, cancelling them all if the client leaves first."""
+    collect = asyncio.ensure_future(asyncio.gather(*(run.collect() for run in runs)))
     gone = asyncio.ensure_future(_until_disconnected(request))
     try:
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -172,9 +182,19 @@ async def _collect(request: Request, run: Run) -> RunResult:
         gone.cancel()
         if not collect.done():
             collect.cancel()  # leaving run.events() cancels the request
+            for run in runs:  # also those whose collect had not started
+                run.cancel()
     if collect not in done:
         raise APIError(499, "client closed the request", None, "client_closed_request")
     return collect.result()
+
+
+def _best(results: list[RunResult], n: int) -> list[RunResult]:
+    """best_of: the n results with the highest cumulative logprob of their sampled tokens
+    (ties keep their order); all of them, in order, when there are n."""
+    if len(results) == n:
+        return results
+    return sorted(results, key=lambda r: -math.fsum(t.logprob for t in r.tokens))[:n]
 
 
 def _raise_for_failure(result: RunResult) -> None:
@@ -190,38 +210,42 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else -9999.0  # JSON has no -Infinity; OpenAI uses -9999
 
 
-def _usage(finish: FinishEvent) -> Usage:
-    return Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
-                 total_tokens=finish.prompt_tokens + finish.completion_tokens,
+def _usage(finishes: list[FinishEvent]) -> Usage:
+    """The prompt once (as the first choice computed it), the tokens of every choice made."""
+    first = finishes[0]
+    completion = sum(f.completion_tokens for f in finishes)
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
+                 total_tokens=first.prompt_tokens + completion,
                  prompt_tokens_details=PromptTokensDetails(
-                     cached_tokens=finish.cached_prompt_tokens))
+                     cached_tokens=first.cached_prompt_tokens))
 
 
 class _Shape:
-    """Builds one endpoint's response models for one run. They are sent without the keys left
-    unset (a chunk's usage, a delta's role: `_out`)."""
+    """Builds one endpoint's response models for the runs of one request (a choice each; the
+    first run's id is the response's). They are sent without the keys left unset (a chunk's
+    usage, a delta's role: `_out`)."""
 
     object_name = ""
     chunk_name = ""
     Response: type[Completion] | type[ChatCompletion]
     Chunk: type[CompletionChunk] | type[ChatCompletionChunk]
 
-    def __init__(self, service: RunService, run: Run, logprobs: bool, include_usage: bool,
-                 token_ids: bool = False):
+    def __init__(self, service: RunService, runs: list[Run], logprobs: bool,
+                 include_usage: bool, token_ids: bool = False):
         """token_ids: logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids),
         not by their text."""
-        self.service, self.run = service, run
+        self.service, self.id, self.choices = service, runs[0].id, len(runs)
         self.logprobs, self.include_usage = logprobs, include_usage
         self.token_ids = token_ids
-        self.created = int(run.created)
-        self._text_frame: tuple[bytes, bytes] | None = None  # see token_sse
+        self.created = int(runs[0].created)
+        self._text_frames: dict[int, tuple[bytes, bytes]] = {}  # per choice: see token_sse
 
     def token_name(self, token_id: int) -> str:
         """How logprobs name a token: its text, or "token_id:N"."""
         return f"token_id:{token_id}" if self.token_ids else self.service.token_text(token_id)
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.run.id, "object": obj, "created": self.created,
+        return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.service.model_name}
 
     def chunk(self, choice: BaseModel) -> BaseModel:
@@ -229,41 +253,44 @@ class _Shape:
         usage = {"usage": None} if self.include_usage else {}
         return self.Chunk(**self._head(self.chunk_name), choices=[choice], **usage)
 
-    def usage_chunk(self, finish: FinishEvent) -> BaseModel:
-        return self.Chunk(**self._head(self.chunk_name), choices=[], usage=_usage(finish))
+    def usage_chunk(self, finishes: list[FinishEvent]) -> BaseModel:
+        return self.Chunk(**self._head(self.chunk_name), choices=[], usage=_usage(finishes))
 
     def opening(self) -> list[BaseModel]:
         return []
 
-    def token_chunk(self, event: TokenEvent) -> BaseModel | None:
+    def token_chunk(self, event: TokenEvent, index: int) -> BaseModel | None:
         raise NotImplementedError
 
-    def token_sse(self, event: TokenEvent) -> bytes | None:
-        """`_sse(self.token_chunk(event))`, without building the models for every token.
+    def token_sse(self, event: TokenEvent, index: int) -> bytes | None:
+        """`_sse(self.token_chunk(event, index))`, without building the models for every token.
 
-        Without logprobs a token's chunk differs from the next only in its text, so the chunk
-        is serialized once with a marker for the text, and each token puts its own text, as
-        the models serialize a string, between the two halves."""
+        Without logprobs a token's chunk differs from the choice's next only in its text, so
+        the chunk is serialized once per choice with a marker for the text, and each token puts
+        its own text, as the models serialize a string, between the two halves."""
         if self.logprobs:
-            chunk = self.token_chunk(event)
+            chunk = self.token_chunk(event, index)
             return None if chunk is None else _sse(chunk)
         if not event.text:
             return None  # as token_chunk: nothing to say
-        if self._text_frame is None:
+        frame = self._text_frames.get(index)
+        if frame is None:
             marker = pydantic_core.to_json(f"text-{uuid.uuid4().hex}")
-            chunk = self.token_chunk(dataclasses.replace(event, text=marker[1:-1].decode()))
+            chunk = self.token_chunk(dataclasses.replace(event, text=marker[1:-1].decode()),
+                                     index)
             assert chunk is not None
             head, *tail = _sse(chunk).split(marker)
             if len(tail) != 1:  # the marker must stand for the text alone
                 raise AssertionError("the token chunk's text marker was not found once")
-            self._text_frame = (head, tail[0])
-        head, tail = self._text_frame
+            frame = self._text_frames[index] = (head, tail[0])
+        head, tail = frame
         return head + pydantic_core.to_json(event.text) + tail
 
-    def final_chunk(self, finish: FinishEvent) -> BaseModel:
+    def final_chunk(self, finish: FinishEvent, index: int) -> BaseModel:
         raise NotImplementedError
 
-    def response(self, result: RunResult) -> BaseModel:
+    def response(self, results: list[RunResult], usage: Usage) -> BaseModel:
+        """The choices' results in order (best_of: those kept); usage: of every choice made."""
         raise NotImplementedError
 
 
@@ -271,11 +298,13 @@ class _CompletionShape(_Shape):
     object_name = chunk_name = "text_completion"
     Response, Chunk = Completion, CompletionChunk
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, echo: str = "", **kwargs: Any):
+        """echo: the prompt's text, put before each choice's (empty: echo is off)."""
         super().__init__(*args, **kwargs)
-        self._offset = 0  # characters of completion text released so far
+        self.echo = echo
+        self._offsets = [0] * self.choices  # characters of each choice's text released so far
 
-    def _logprobs(self, events: list[TokenEvent]) -> CompletionLogprobs | None:
+    def _logprobs(self, events: list[TokenEvent], index: int) -> CompletionLogprobs | None:
         if not self.logprobs:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -290,28 +319,35 @@ class _CompletionShape(_Shape):
                 top.setdefault(self.token_name(t), _lp(lp))
             top.setdefault(text, _lp(e.logprob))
             tops.append(top)
-            offsets.append(self._offset)
-            self._offset += len(e.text)
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(e.text)
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops,
                                   text_offset=offsets)
 
-    def token_chunk(self, event: TokenEvent) -> BaseModel | None:
+    def opening(self) -> list[BaseModel]:
+        if not self.echo:
+            return []
+        return [self.chunk(CompletionChunkChoice(index=i, text=self.echo, logprobs=None,
+                                                 finish_reason=None))
+                for i in range(self.choices)]
+
+    def token_chunk(self, event: TokenEvent, index: int) -> BaseModel | None:
         if not event.text and not self.logprobs:
             return None  # text held back (stop string or partial character): nothing to say
-        return self.chunk(CompletionChunkChoice(index=0, text=event.text,
-                                                logprobs=self._logprobs([event]),
+        return self.chunk(CompletionChunkChoice(index=index, text=event.text,
+                                                logprobs=self._logprobs([event], index),
                                                 finish_reason=None))
 
-    def final_chunk(self, finish: FinishEvent) -> BaseModel:
-        return self.chunk(CompletionChunkChoice(index=0, text=finish.text_delta, logprobs=None,
-                                                finish_reason=finish.reason))
+    def final_chunk(self, finish: FinishEvent, index: int) -> BaseModel:
+        return self.chunk(CompletionChunkChoice(index=index, text=finish.text_delta,
+                                                logprobs=None, finish_reason=finish.reason))
 
-    def response(self, result: RunResult) -> BaseModel:
-        choice = CompletionChoice(index=0, text=result.finish.text,
-                                  logprobs=self._logprobs(result.tokens),
-                                  finish_reason=result.finish.reason)
-        return Completion(**self._head(self.object_name), choices=[choice],
-                          usage=_usage(result.finish))
+    def response(self, results: list[RunResult], usage: Usage) -> BaseModel:
+        choices = [CompletionChoice(index=i, text=self.echo + r.finish.text,
+                                    logprobs=self._logprobs(r.tokens, i),
+                                    finish_reason=r.finish.reason)
+                   for i, r in enumerate(results)]
+        return Completion(**self._head(self.object_name), choices=choices, usage=usage)
 
 
 class _ChatShape(_Shape):
@@ -333,26 +369,27 @@ class _ChatShape(_Shape):
         return ChatLogprobs(content=content, refusal=None)
 
     def opening(self) -> list[BaseModel]:
-        return [self.chunk(ChatChunkChoice(index=0, delta=Delta(role="assistant", content=""),
-                                           logprobs=None, finish_reason=None))]
+        return [self.chunk(ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""),
+                                           logprobs=None, finish_reason=None))
+                for i in range(self.choices)]
 
-    def token_chunk(self, event: TokenEvent) -> BaseModel | None:
+    def token_chunk(self, event: TokenEvent, index: int) -> BaseModel | None:
         if not event.text and not self.logprobs:
             return None
-        return self.chunk(ChatChunkChoice(index=0, delta=Delta(content=event.text),
+        return self.chunk(ChatChunkChoice(index=index, delta=Delta(content=event.text),
                                           logprobs=self._logprobs([event]), finish_reason=None))
 
-    def final_chunk(self, finish: FinishEvent) -> BaseModel:
+    def final_chunk(self, finish: FinishEvent, index: int) -> BaseModel:
         delta = Delta(content=finish.text_delta) if finish.text_delta else Delta()
-        return self.chunk(ChatChunkChoice(index=0, delta=delta, logprobs=None,
+        return self.chunk(ChatChunkChoice(index=index, delta=delta, logprobs=None,
                                           finish_reason=finish.reason))
 
-    def response(self, result: RunResult) -> BaseModel:
-        message = AssistantMessage(role="assistant", content=result.finish.text, refusal=None)
-        choice = ChatChoice(index=0, message=message, logprobs=self._logprobs(result.tokens),
-                            finish_reason=result.finish.reason)
-        return ChatCompletion(**self._head(self.object_name), choices=[choice],
-                              usage=_usage(result.finish))
+    def response(self, results: list[RunResult], usage: Usage) -> BaseModel:
+        choices = [ChatChoice(index=i, message=AssistantMessage(
+                       role="assistant", content=r.finish.text, refusal=None),
+                       logprobs=self._logprobs(r.tokens), finish_reason=r.finish.reason)
+                   for i, r in enumerate(results)]
+        return ChatCompletion(**self._head(self.object_name), choices=choices, usage=usage)
 
 
 def _out(model: BaseModel) -> bytes:
@@ -374,38 +411,71 @@ def _sse(model: BaseModel) -> bytes:
 _SSE_DATA, _SSE_END = b"data: ", b"\n\n"
 
 
-async def _stream(run: Run, shape: _Shape) -> AsyncIterator[bytes]:
-    """SSE events for one run. Leaving early (client gone) ends run.events(), which cancels."""
+async def _events(runs: list[Run]) -> AsyncIterator[tuple[int, Event]]:
+    """Each run's events with its choice index, as they come, until every run has finished.
+    Leaving early (client gone) cancels every run."""
+    if len(runs) == 1:  # no hand-over: run.events() cancels when left
+        async for event in runs[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    async def forward(index: int, run: Run) -> None:
+        async for event in run.events():
+            queue.put_nowait((index, event))
+
+    tasks = [asyncio.ensure_future(forward(i, run)) for i, run in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            index, event = await queue.get()
+            left -= isinstance(event, FinishEvent)
+            yield index, event
+    finally:
+        for task, run in zip(tasks, runs, strict=True):
+            if not task.done():
+                task.cancel()
+                run.cancel()  # also one whose forward had not started
+
+
+async def _stream(runs: list[Run], shape: _Shape) -> AsyncIterator[bytes]:
+    """SSE events for the runs of one request, each chunk naming its choice's index."""
     for chunk in shape.opening():
         yield _sse(chunk)
-    error: str | None = None
-    async for event in run.events():
+    errors: dict[int, str] = {}
+    finishes: list[FinishEvent] = []
+    async for index, event in _events(runs):
         if isinstance(event, TokenEvent):
-            data = shape.token_sse(event)
+            data = shape.token_sse(event, index)
             if data is not None:
                 yield data
         elif isinstance(event, ErrorEvent):
-            error = event.message
+            errors[index] = event.message
         elif isinstance(event, FinishEvent):
             if event.reason in ("error", "cancelled"):
-                message = error or event.error or f"request {event.reason}"
+                message = errors.get(index) or event.error or f"request {event.reason}"
                 yield _sse(error_model(f"the request ended early: {message}",
                                        "server_error", None, "engine_error"))
             else:
-                yield _sse(shape.final_chunk(event))
-                if shape.include_usage:
-                    yield _sse(shape.usage_chunk(event))
+                yield _sse(shape.final_chunk(event, index))
+                finishes.append(event)
+    if shape.include_usage and len(finishes) == len(runs):
+        finishes.sort(key=lambda f: f.request_id != runs[0].id)  # the first choice's prompt
+        yield _sse(shape.usage_chunk(finishes))
     yield _SSE_DATA + b"[DONE]" + _SSE_END
 
 
-async def _respond(request: Request, run: Run, shape: _Shape, stream: bool) -> Response:
+async def _respond(request: Request, runs: list[Run], shape: _Shape, stream: bool,
+                   n: int) -> Response:
+    """The n choices (best_of: the n best of the runs) as one response or one stream."""
     if stream:
         # sse-starlette: keep-alive pings while a request waits in the queue, client-disconnect
         # detection that cancels the generator, and a graceful end on server shutdown.
-        return EventSourceResponse(_stream(run, shape), sep="\n")
-    result = await _collect(request, run)
-    _raise_for_failure(result)
-    return _json(shape.response(result))
+        return EventSourceResponse(_stream(runs, shape), sep="\n")
+    results = await _collect_all(request, runs)
+    for result in results:
+        _raise_for_failure(result)
+    return _json(shape.response(_best(results, n), _usage([r.finish for r in results])))
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -420,13 +490,18 @@ async def completions(request: Request) -> Response:
     prompt_ids = (await _encode(service.encode, text, "prompt", len(text)) if text is not None
                   else req.prompt)
     cap = request.app.state.settings.max_tokens_limit or DEFAULT_COMPLETION_MAX_TOKENS
+    if req.echo and req.logprobs is not None:
+        raise bad("echo cannot be combined with logprobs: this server does not compute the "
+                  "prompt's logprobs", "echo")
     params = _params(req, req.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, cap),
                      req.logprobs or 0)
-    run = _start(service, RunRequest(prompt_ids, params, "/v1/completions", "api", text),
-                 "cmpl", req)
-    shape = _CompletionShape(service, run, req.logprobs is not None, req.include_usage,
-                             bool(req.return_tokens_as_token_ids))
-    return await _respond(request, run, shape, req.stream)
+    n = req.n or 1
+    runs = _start_choices(service, RunRequest(prompt_ids, params, "/v1/completions", "api",
+                                              text), "cmpl", req, req.best_of or n)
+    echo = "" if not req.echo else text if text is not None else service.decode(prompt_ids)
+    shape = _CompletionShape(service, runs[:n], req.logprobs is not None, req.include_usage,
+                             bool(req.return_tokens_as_token_ids), echo=echo)
+    return await _respond(request, runs, shape, req.stream, n)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -440,11 +515,12 @@ async def chat_completions(request: Request) -> Response:
         max_tokens = _default_max_tokens(service, len(prompt_ids), "messages",
                                          request.app.state.settings.max_tokens_limit)
     params = _params(req, max_tokens, req.top_logprobs or 0)
-    run = _start(service, RunRequest(prompt_ids, params, "/v1/chat/completions", "api",
-                                     None, messages), "chatcmpl", req)
-    shape = _ChatShape(service, run, bool(req.logprobs), req.include_usage,
+    n = req.n or 1
+    runs = _start_choices(service, RunRequest(prompt_ids, params, "/v1/chat/completions",
+                                              "api", None, messages), "chatcmpl", req, n)
+    shape = _ChatShape(service, runs, bool(req.logprobs), req.include_usage,
                        bool(req.return_tokens_as_token_ids))
-    return await _respond(request, run, shape, req.stream)
+    return await _respond(request, runs, shape, req.stream, n)
 
 
 def _model_card(request: Request) -> ModelCard:

@@ -50,6 +50,7 @@ MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MIN_TEMPERATURE = 1e-5  # below this, dividing the logits overflows: treat as greedy
 MAX_TEMPERATURE = 2.0
+MAX_CHOICES = 16  # n and best_of: choices of one request (they share its KV blocks)
 SERVER = "x-server"  # a schema marker: this server's value goes here (openapi.py)
 
 
@@ -194,8 +195,9 @@ class _Generation(BaseModel):
     seed: Int | None = None
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)] | None = Field(
         (), description=f"up to {MAX_STOP} strings; generation stops before the first one")
-    n: Annotated[Any, Neutral(1, says="must be 1: this server returns one choice per request, "
-                                      "got {value}", code="unsupported_value")] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), INT] | None = Field(
+        1, description=f"choices to generate, up to {MAX_CHOICES}; they share the prompt's KV "
+                       "blocks")
     ignore_eos: bool | None = Field(False, description="extension: keep generating past "
                                                        "end-of-sequence")
     speculative: bool | None = Field(True, description="extension: false keeps this request "
@@ -328,11 +330,16 @@ class _Generation(BaseModel):
             structured=self.structured)
 
 
+# The prompt's logprobs are not computed (only sampled rows' logits are): echo refuses logprobs.
+_ECHO_WITHOUT_LOGPROBS = {"if": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+                          "then": {"properties": {"logprobs": {"type": "null"}}}}
+
+
 class CompletionRequest(_Generation):
     """POST /v1/completions."""
 
     model_config = ConfigDict(json_schema_extra=_needs(("stream_options", {"type": "object"},
-                                                        "stream")))
+                                                        "stream")) | _ECHO_WITHOUT_LOGPROBS)
 
     prompt: (NonBlank | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[NonBlank], Field(min_length=1, max_length=1)]
@@ -342,7 +349,25 @@ class CompletionRequest(_Generation):
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), INT] | None = Field(
         None, description="the sampled token's logprob and this many alternatives'")
 
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES), INT] | None = Field(
+        None, description="generate this many choices (at least n) and return the n with the "
+                          "highest cumulative logprob; with stream only when equal to n")
+    echo: bool | None = Field(False, description="each choice's text starts with the prompt's; "
+                                                 "not with logprobs")
+
     prompt_param: ClassVar[str] = "prompt"
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if best_of is not None and best_of < n:
+            raise PydanticCustomError("invalid_value", "must be at least n ({n}), got {value}",
+                                      {"n": n, "value": best_of})
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise PydanticCustomError("invalid_value", "cannot be streamed when greater than n: "
+                                      "the choices returned are known only at the end")
+        return best_of
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -417,7 +442,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    index: Literal[0]
+    index: Annotated[int, Field(ge=0, lt=MAX_CHOICES)]
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
@@ -432,7 +457,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
-    choices: Annotated[list[CompletionChoice], Field(min_length=1, max_length=1)]
+    choices: Annotated[list[CompletionChoice], Field(min_length=1, max_length=MAX_CHOICES)]
     usage: Usage
 
 
@@ -469,14 +494,14 @@ class Delta(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    index: Literal[0]
+    index: Annotated[int, Field(ge=0, lt=MAX_CHOICES)]
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
 class ChatChunkChoice(BaseModel):
-    index: Literal[0]
+    index: Annotated[int, Field(ge=0, lt=MAX_CHOICES)]
     delta: Delta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
@@ -484,7 +509,7 @@ class ChatChunkChoice(BaseModel):
 
 class ChatCompletion(Completion):
     object: Literal["chat.completion"]
-    choices: Annotated[list[ChatChoice], Field(min_length=1, max_length=1)]
+    choices: Annotated[list[ChatChoice], Field(min_length=1, max_length=MAX_CHOICES)]
 
 
 class ChatCompletionChunk(CompletionChunk):

@@ -124,7 +124,7 @@ def test_models_list(client):
 def test_errors_raise_the_clients_exceptions(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=2, n=2)
+                                       max_tokens=2, n=17)
     assert info.value.status_code == 400
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as info:

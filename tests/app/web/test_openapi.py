@@ -87,7 +87,7 @@ def test_request_schemas_refuse_what_the_server_refuses(client, path):
     """The strictness the document claims: unknown fields and wrong types are a 400."""
     base = {"prompt": "hi"} if path == "/v1/completions" else {
         "messages": [{"role": "user", "content": "hi"}]}
-    for extra in ({"surprise": 1}, {"max_tokens": 9}, {"n": 2}, {"stop": ["a"] * 5},
+    for extra in ({"surprise": 1}, {"max_tokens": 9}, {"n": 17}, {"stop": ["a"] * 5},
                   {"temperature": True}, {"speculative": "no"}):
         assert client.post(path, json=base | extra).status_code == 400, extra
     assert client.post(path, json=base | {"max_tokens": 8, "user": "x"}).status_code == 200
