@@ -55,6 +55,8 @@ from app.web.api.schemas import (
     error_body,
     error_model,
 )
+from app.web.api.tool_output import ToolOutput
+from app.web.api.tool_output import plan as tool_plan
 from engine.engine import EngineError
 from engine.errors import RequestError
 from engine.events import ErrorEvent, Event, FinishEvent, TokenEvent
@@ -289,6 +291,10 @@ class _Shape:
     def final_chunk(self, finish: FinishEvent, index: int) -> BaseModel:
         raise NotImplementedError
 
+    def final_sse(self, finish: FinishEvent, index: int) -> bytes:
+        """The choice's last events (a chat with tools may have calls left to send)."""
+        return _sse(self.final_chunk(finish, index))
+
     def response(self, results: list[RunResult], usage: Usage) -> BaseModel:
         """The choices' results in order (best_of: those kept); usage: of every choice made."""
         raise NotImplementedError
@@ -355,6 +361,29 @@ class _ChatShape(_Shape):
     chunk_name = "chat.completion.chunk"
     Response, Chunk = ChatCompletion, ChatCompletionChunk
 
+    def __init__(self, *args: Any, tools: ToolOutput | None = None, **kwargs: Any):
+        """tools: the answer is read for tool calls (app/web/api/tool_output.py)."""
+        super().__init__(*args, **kwargs)
+        self.tools = tools
+
+    def _deltas_sse(self, index: int, deltas: list[Delta], reason: str | None = None) -> bytes:
+        out = [ChatChunkChoice(index=index, delta=d, logprobs=None, finish_reason=None)
+               for d in deltas]
+        if reason is not None:
+            out.append(ChatChunkChoice(index=index, delta=Delta(), logprobs=None,
+                                       finish_reason=reason))
+        return b"".join(_sse(self.chunk(choice)) for choice in out)
+
+    def token_sse(self, event: TokenEvent, index: int) -> bytes | None:
+        if self.tools is None:
+            return super().token_sse(event, index)
+        return self._deltas_sse(index, self.tools.feed(index, event.text)) or None
+
+    def final_sse(self, finish: FinishEvent, index: int) -> bytes:
+        if self.tools is None:
+            return super().final_sse(finish, index)
+        return self._deltas_sse(index, *self.tools.finish(index, finish))
+
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self.token_name(token_id), "logprob": _lp(logprob),
                 "bytes": list(self.service.token_bytes(token_id))}
@@ -384,11 +413,17 @@ class _ChatShape(_Shape):
         return self.chunk(ChatChunkChoice(index=index, delta=delta, logprobs=None,
                                           finish_reason=finish.reason))
 
+    def _message(self, finish: FinishEvent) -> tuple[AssistantMessage, str]:
+        if self.tools is not None:
+            return self.tools.message(finish)
+        return (AssistantMessage(role="assistant", content=finish.text, refusal=None),
+                finish.reason)
+
     def response(self, results: list[RunResult], usage: Usage) -> BaseModel:
-        choices = [ChatChoice(index=i, message=AssistantMessage(
-                       role="assistant", content=r.finish.text, refusal=None),
-                       logprobs=self._logprobs(r.tokens), finish_reason=r.finish.reason)
-                   for i, r in enumerate(results)]
+        choices = [ChatChoice(index=i, message=message, logprobs=self._logprobs(r.tokens),
+                              finish_reason=reason)
+                   for i, r in enumerate(results)
+                   for message, reason in [self._message(r.finish)]]
         return ChatCompletion(**self._head(self.object_name), choices=choices, usage=usage)
 
 
@@ -457,7 +492,7 @@ async def _stream(runs: list[Run], shape: _Shape) -> AsyncIterator[bytes]:
                 yield _sse(error_model(f"the request ended early: {message}",
                                        "server_error", None, "engine_error"))
             else:
-                yield _sse(shape.final_chunk(event, index))
+                yield shape.final_sse(event, index)
                 finishes.append(event)
     if shape.include_usage and len(finishes) == len(runs):
         finishes.sort(key=lambda f: f.request_id != runs[0].id)  # the first choice's prompt
@@ -507,19 +542,24 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     service = _service(request)
     req = await read_request(request, ChatCompletionRequest)
-    messages = req.chat()
-    prompt_ids = await _encode(service.encode_chat, messages, "messages",
+    tools = req.tool_request
+    if tools is not None and req.logprobs:
+        raise bad("logprobs cannot be combined with tools: the answer's text is read into "
+                  "tool calls", "logprobs")
+    plan = tool_plan(service, request.app.state.settings.tool_call_parser, tools, req.chat())
+    messages = plan.messages
+    prompt_ids = await _encode(plan.encode, messages, "messages",
                                sum(len(m["content"]) for m in messages))
     max_tokens = req.max_new_tokens
     if max_tokens is None:
         max_tokens = _default_max_tokens(service, len(prompt_ids), "messages",
                                          request.app.state.settings.max_tokens_limit)
-    params = _params(req, max_tokens, req.top_logprobs or 0)
+    params = plan.sampling(_params(req, max_tokens, req.top_logprobs or 0))
     n = req.n or 1
     runs = _start_choices(service, RunRequest(prompt_ids, params, "/v1/chat/completions",
                                               "api", None, messages), "chatcmpl", req, n)
     shape = _ChatShape(service, runs, bool(req.logprobs), req.include_usage,
-                       bool(req.return_tokens_as_token_ids))
+                       bool(req.return_tokens_as_token_ids), tools=plan.output(n))
     return await _respond(request, runs, shape, req.stream, n)
 
 

@@ -42,6 +42,7 @@ from app.web.api.structured import (
     TextFormat,
     response_format_spec,
 )
+from app.web.api.tools import MESSAGE_RULES, MessageToolCall, ToolCallDelta, ToolFields, tool_field
 from engine.sampling import SamplingParams, StructuredOutput
 
 MAX_STOP = 4
@@ -150,15 +151,16 @@ _TEXT_PARTS = TypeAdapter(list[TextPart])
 
 
 class ChatMessage(BaseModel):
-    """Text, or text parts; an assistant's content may be null or left out."""
+    """Text, or text parts; an assistant's content may be null or left out (its tool_calls
+    then say what it did); a tool message answers the call tool_call_id names."""
 
-    model_config = ConfigDict(strict=True, json_schema_extra={  # other keys: ignored
-        "if": {"required": ["role"], "properties": {"role": {"enum": ["system", "user"]}}},
-        "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-    })
+    model_config = ConfigDict(strict=True, json_schema_extra=MESSAGE_RULES)  # others: ignored
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(None, validate_default=True)
+    tool_calls: list[MessageToolCall] | None = Field(None, description="an assistant's calls")
+    tool_call_id: NonEmpty | None = Field(None, description="a tool message's call",
+                                          validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -173,6 +175,11 @@ class ChatMessage(BaseModel):
             raise PydanticCustomError("invalid_type", "must be a string or a list of text "
                                       "parts, got {value}", {"value": shown(content)})
         return "" if content is None and role == "assistant" else content
+
+    @field_validator("tool_calls", "tool_call_id")
+    @classmethod
+    def _in_their_role(cls, value: Any, info: ValidationInfo) -> Any:
+        return tool_field(info.field_name, value, info.data.get("role"))
 
 
 class _Generation(BaseModel):
@@ -390,8 +397,8 @@ def _prompt_error(value: Any) -> PydanticCustomError:
                                "a list of one of these, got {value}", {"value": shown(value)})
 
 
-class ChatCompletionRequest(_Generation):
-    """POST /v1/chat/completions."""
+class ChatCompletionRequest(ToolFields, _Generation):
+    """POST /v1/chat/completions (its tools: ToolFields)."""
 
     model_config = ConfigDict(json_schema_extra=_needs(
         ("stream_options", {"type": "object"}, "stream"),
@@ -415,8 +422,9 @@ class ChatCompletionRequest(_Generation):
         return top
 
     def chat(self) -> list[dict]:
-        """The messages as the tokenizer's chat template takes them: {role, content: str}."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        """The messages as the tokenizer's chat template takes them: {role, content: str},
+        and their tool fields if any."""
+        return [m.model_dump(exclude_none=True) | {"content": m.content} for m in self.messages]
 
 
 # ---- responses (what routes.py sends; keys left out of an answer are not required) ----------
@@ -484,27 +492,32 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls")
     refusal: None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="its calls, if any")
 
 
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: Annotated[int, Field(ge=0, lt=MAX_CHOICES)]
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatChunkChoice(BaseModel):
     index: Annotated[int, Field(ge=0, lt=MAX_CHOICES)]
     delta: Delta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletion(Completion):

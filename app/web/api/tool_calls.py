@@ -93,25 +93,29 @@ class HermesParser(ToolParser):
         rest = region
         while rest.lstrip().startswith(self.marker):
             body = rest.lstrip()[len(self.marker):]
-            end = body.find(self.close)
-            if end < 0 and not final:
+            read = self._read(body)  # the call, and where it ends in body
+            if read is None:
+                break  # incomplete (wait), or not a call (text)
+            after = body[read[1]:].lstrip()
+            if after.startswith(self.close):
+                rest = after[len(self.close):]
+            elif final and not after:
+                rest = ""  # a model may stop at end-of-sequence without the closing tag
+            else:
                 break
-            # A model may stop at end-of-sequence without the closing tag.
-            call = self._read(body[:end] if end >= 0 else body)
-            if call is None:
-                break
-            calls.append(call)
-            rest = body[end + len(self.close):] if end >= 0 else ""
+            calls.append(read[0])
         return calls, (rest if rest.strip() else "")
 
-    def _read(self, body: str) -> ToolCall | None:
+    def _read(self, body: str) -> tuple[ToolCall, int] | None:
+        start = len(body) - len(body.lstrip())
         try:
-            data = json.loads(body)
+            data, end = json.JSONDecoder().raw_decode(body, start)
         except ValueError:
             return None
         if not isinstance(data, dict):
             return None
-        return _call(data.get("name"), data.get("arguments", data.get("parameters")))
+        call = _call(data.get("name"), data.get("arguments", data.get("parameters")))
+        return None if call is None else (call, end)
 
     def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
         schema = json.dumps(self._object_schema(tools, "arguments"))
@@ -184,11 +188,11 @@ class MistralParser(ToolParser):
 
 class Qwen3CoderParser(HermesParser):
     name = "qwen3-coder"
-    _function = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.S)
+    _function = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>", re.S)
     _parameter = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
 
-    def _read(self, body: str) -> ToolCall | None:
-        found = self._function.fullmatch(body)
+    def _read(self, body: str) -> tuple[ToolCall, int] | None:
+        found = self._function.match(body)
         if found is None:
             return None
         arguments = {}
@@ -197,7 +201,8 @@ class Qwen3CoderParser(HermesParser):
                 arguments[key] = json.loads(value)
             except ValueError:
                 arguments[key] = value  # text, as the format writes strings
-        return _call(found.group(1), arguments)
+        call = _call(found.group(1), arguments)
+        return None if call is None else (call, found.end())
 
     def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
         raise ValueError("a forced call (tool_choice required or a named function) is not "

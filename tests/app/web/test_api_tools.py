@@ -1,0 +1,356 @@
+"""Tool calls: the parsers on fixed texts (every format, whole and streamed), the rendering of
+tools and tool history, and /v1/chat/completions with tools driven by the official `openai`
+client: forced calls (required, named) are well-formed even from the tiny model's random
+weights, `auto` parses a scripted output, bad input is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
+
+import openai
+import pytest
+from api_helpers import FakeRecorder, assert_error
+from live_server import serving
+from starlette.testclient import TestClient
+
+from app.settings import Settings
+from app.web.api.tool_calls import PARSERS, ToolStream, detect, parse, parser
+from app.web.api.tools import Tools, encode, fallback_messages, rendered
+from app.web.app import create_app
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.testing import FixedTextTokenizer, tiny_model
+
+TIMEOUT = 30.0
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+USER = [{"role": "user", "content": "weather in Paris?"}]
+
+
+# ---- the parsers, on fixed texts ---------------------------------------------------------------
+CASES = [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+     "Sure.\n", [("f", {"x": 1}), ("g", {})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": [1, "</tool_call>"]}}',  # unclosed
+     "", [("f", {"x": [1, "</tool_call>"]})]),
+    ("llama3", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; '
+               '{"name": "g", "parameters": {"y": "z"}}', "", [("f", {"x": 1}), ("g", {"y": "z"})]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, '
+                '{"name": "g", "arguments": {}}]', "", [("f", {"x": 1}), ("g", {})]),
+    ("qwen3-coder", "Let me check.\n<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n"
+                    "<parameter=s>\ntwo words\n</parameter>\n</function>\n</tool_call>",
+     "Let me check.\n", [("f", {"x": 1, "s": "two words"})]),
+]
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"), CASES)
+def test_each_format_parses_whole_and_streamed_alike(name, text, content, calls):
+    text_out, found = parse(parser(name, None), text)
+    assert (text_out, _calls(found)) == (content, calls)
+    assert all(c.id.startswith("call_") for c in found)
+    stream = ToolStream(parser(name, None))
+    pieces = [stream.feed(ch) for ch in text] + [stream.finish()]
+    assert "".join(p[0] for p in pieces) == content  # never the raw tags
+    assert _calls(c for p in pieces for c in p[1]) == calls
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("hermes", "no call here, just <tool"),
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>'),
+    ("llama3", "{this is not a call"),
+    ("llama3", '{"answer": 42}'),
+    ("mistral", "[TOOL_CALLS] broken"),
+    ("qwen3-coder", "<tool_call>\n<function=f>\n</tool_call>"),
+])
+def test_what_is_not_a_call_stays_the_models_text(name, text):
+    assert parse(parser(name, None), text) == (text, [])
+
+
+def test_text_before_a_call_is_released_as_it_comes():
+    stream = ToolStream(parser("hermes", None))
+    assert stream.feed("Hello <tool") == ("Hello ", [])  # "<tool" may open a call: held
+    assert stream.feed("box> there") == ("<toolbox> there", [])
+    assert stream.feed(" <tool_call>\n") == (" ", [])
+    assert stream.feed('{"name": "f", "arguments": {}}\n</tool_call>')[1][0].name == "f"
+
+
+@pytest.mark.parametrize(("template", "name"), [
+    (None, "hermes"),
+    ("{{ messages }}", "hermes"),
+    ("{% for tool in tools %}<tool_call>{{ tool_calls }}", "hermes"),
+    ("<tool_call>\n<function={{ name }}>", "qwen3-coder"),
+    ("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]", "mistral"),
+    ("<|start_header_id|>ipython<|end_header_id|><|python_tag|>", "llama3"),
+])
+def test_the_format_is_picked_from_the_template(template, name):
+    assert detect(template) == name
+    assert parser("auto", template).name == name
+    assert parser("mistral", template).name == "mistral"  # the flag wins
+    assert set(PARSERS) == {"auto", "hermes", "llama3", "mistral", "qwen3-coder"}
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
+def test_each_formats_forced_grammar_compiles(name):
+    from llguidance import LLMatcher, grammar_from
+
+    tools = Tools((("get_weather", None, WEATHER), ("get_time", None, TIME)), "required")
+    grammar = tools.grammar(parser(name, None))
+    assert grammar is not None and grammar.kind == "grammar"
+    assert LLMatcher.validate_grammar(grammar_from("lark", grammar.spec)) == ""
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+HISTORY = USER + [
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "15C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+]
+
+
+def test_the_fallback_puts_the_tools_in_the_system_prompt_and_history_in_text():
+    tools = Tools((("get_weather", "forecast", WEATHER),), "auto")
+    out = fallback_messages([{"role": "system", "content": "Be brief."}, *HISTORY], tools)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    system = out[0]["content"]
+    assert system.startswith("Be brief.\n\n# Tools") and "<tool_call>" in system
+    assert json.dumps(tools.openai()[0]) in system
+    assert out[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": '
+                                 '{"city": "Paris", "days": 1}}\n</tool_call>')
+    assert out[3]["content"] == ("<tool_response>\n15C\n</tool_response>\n"
+                                 "<tool_response>\nrain\n</tool_response>")
+    assert all(set(m) == {"role", "content"} for m in out)
+
+
+class TemplateTokenizer:
+    """A tokenizer whose chat template speaks of tools: it records what it was given."""
+
+    chat_template = "{% for tool in tools %}{{ tool }}{% endfor %}{{ message.tool_calls }}"
+
+    def __init__(self) -> None:
+        self.given: dict = {}
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        self.given = {"messages": messages, "tools": tools}
+        return [1, 2, 3]
+
+
+def test_a_template_with_tools_gets_them_and_the_history_as_it_expects():
+    tokenizer = TemplateTokenizer()
+    service = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer))
+    tools = Tools((("get_weather", None, WEATHER),), "auto")
+    messages = rendered(tokenizer, HISTORY, tools)
+    assert encode(service, tools, messages) == [1, 2, 3]
+    assert tokenizer.given["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER}}]
+    given = tokenizer.given["messages"]
+    assert given[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 1}
+    assert given[2] == {"role": "tool", "tool_call_id": "call_1", "content": "15C"}
+
+
+# ---- the API, with the official client ---------------------------------------------------------
+@dataclass
+class Live:
+    url: str
+    app: object
+    recorder: FakeRecorder
+
+    def idle(self) -> bool:
+        engine, runs = self.app.state.engine, self.app.state.runs
+        return (runs.in_flight == 0 and not engine.scheduler.has_work()
+                and engine.block_manager.num_used_blocks == 0)
+
+
+def _app(recorder: FakeRecorder, loader=None):
+    # The fallback's system prompt is long in bytes: a longer context than the tiny default.
+    loader = loader or partial(tiny_model, max_position_embeddings=4096)
+    return create_app(Settings(engine=EngineConfig(num_kv_blocks=512)),
+                      engine_factory=lambda config: Engine(config, loader=loader),
+                      recorder_factory=lambda s: recorder)
+
+
+def _saying(text: str):
+    """The tiny model (long context), every output token of which reads as `text`."""
+
+    def load(*args, **kwargs):
+        loaded = tiny_model(max_position_embeddings=4096)
+        loaded.tokenizer = FixedTextTokenizer(text)
+        return loaded
+
+    return load
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    recorder = FakeRecorder()
+    app = _app(recorder)
+    with serving(app, TIMEOUT) as url:
+        live = Live(url, app, recorder)
+        yield live
+        assert live.idle()  # every run finished, every KV block back in the pool
+
+
+@pytest.fixture(scope="module")
+def client(live) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0,
+                       timeout=TIMEOUT) as c:
+        yield c
+
+
+def _valid(name: str, arguments: str) -> None:
+    """The arguments follow the tool's schema (WEATHER or TIME)."""
+    args = json.loads(arguments)
+    if name == "get_weather":
+        assert set(args) == {"city", "days"}, args
+        assert isinstance(args["city"], str) and len(args["city"]) <= 8, args
+        assert type(args["days"]) is int and 1 <= args["days"] <= 7, args
+    else:
+        assert args in ({"zone": "UTC"}, {"zone": "CET"}), args
+
+
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_call_is_well_formed(client, live, choice):
+    out = client.chat.completions.create(model="tiny-llama", messages=USER, tools=TOOLS,
+                                         tool_choice=choice, parallel_tool_calls=False,
+                                         max_tokens=120, temperature=0)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    if choice == NAMED:
+        assert call.function.name == "get_time"
+    _valid(call.function.name, call.function.arguments)
+    # The template's messages: the tools in the fallback's system prompt.
+    started = next(s for s in live.recorder.started if s["run_id"] == out.id)
+    assert started["messages"][0]["role"] == "system"
+    assert '"name": "get_time"' in started["messages"][0]["content"]
+
+
+def test_required_with_parallel_calls_makes_one_or_more(client):
+    out = client.chat.completions.create(model="tiny-llama", messages=USER, tools=TOOLS,
+                                         tool_choice="required", max_tokens=300,
+                                         temperature=1.0, seed=3)
+    choice = out.choices[0]
+    if choice.finish_reason == "tool_calls":
+        assert len(choice.message.tool_calls) >= 1
+        for call in choice.message.tool_calls:
+            _valid(call.function.name, call.function.arguments)
+    else:  # random weights may write calls until max_tokens: the complete ones are kept
+        assert choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_streamed_forced_call_reassembles_into_valid_arguments(client, choice):
+    stream = client.chat.completions.create(model="tiny-llama", messages=USER, tools=TOOLS,
+                                            tool_choice=choice, parallel_tool_calls=False,
+                                            max_tokens=120, temperature=0, stream=True)
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not "".join(d.content or "" for d in deltas)  # never the raw tag text
+    calls = [t for d in deltas for t in d.tool_calls or ()]
+    first = calls[0]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name in SCHEMAS
+    assert all(t.index == 0 and t.id is None for t in calls[1:])
+    arguments = "".join(t.function.arguments or "" for t in calls)
+    _valid(first.function.name, arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_history_with_tool_results_renders(client, live):
+    out = client.chat.completions.create(model="tiny-llama", messages=HISTORY, tools=TOOLS,
+                                         max_tokens=4, temperature=0)
+    started = next(s for s in live.recorder.started if s["run_id"] == out.id)
+    texts = [m["content"] for m in started["messages"]]
+    assert any("<tool_response>\n15C\n</tool_response>" in t for t in texts)
+    assert any('"arguments": {"city": "Paris", "days": 1}' in t for t in texts)
+
+
+def test_auto_parses_a_scripted_call_whole_and_streamed():
+    said = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    recorder = FakeRecorder()
+    with (TestClient(_app(recorder, _saying(said))) as http,
+          openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
+                        max_retries=0) as scripted):
+        # Each token reads as the whole call: the stop string ends the output after one.
+        ask = {"model": "tiny-llama", "messages": USER, "tools": TOOLS, "max_tokens": 3,
+               "stop": ["</tool_call>"]}
+        out = scripted.chat.completions.create(**ask)
+        call = out.choices[0].message.tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_time", {"zone": "UTC"})
+        assert out.choices[0].finish_reason == "tool_calls"
+        chunks = list(scripted.chat.completions.create(**ask, stream=True))
+        calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+        assert calls[0].function.name == "get_time"
+        assert json.loads("".join(t.function.arguments or "" for t in calls)) == {"zone": "UTC"}
+        # Without tools the same text is only text.
+        plain = scripted.chat.completions.create(**(ask | {"tools": openai.NOT_GIVEN}))
+        assert plain.choices[0].message.content == said[:-len("</tool_call>")]
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+BAD = [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [], "tool_choice": NAMED}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "logprobs": True}, "logprobs"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": [{"role": "tool", "content": "15C"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}]}]},
+     "messages[0].tool_calls[0].function"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), BAD)
+def test_bad_tools_are_400s_naming_the_field_and_nothing_runs(live, change, param):
+    import httpx
+
+    started = len(live.recorder.started)
+    body = {"model": "tiny-llama", "messages": USER, "max_tokens": 4} | change
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert_error(r, 400, param)
+    assert len(live.recorder.started) == started and live.idle()
+
+
+def test_tool_choice_none_is_plain_text(client, live):
+    out = client.chat.completions.create(model="tiny-llama", messages=USER, tools=TOOLS,
+                                         tool_choice="none", max_tokens=4, temperature=0)
+    started = next(s for s in live.recorder.started if s["run_id"] == out.id)
+    assert started["messages"] == USER  # no tools rendered
+    assert out.choices[0].message.tool_calls is None
