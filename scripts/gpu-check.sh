@@ -121,6 +121,7 @@ skip_step() {  # NAME LIMIT_S: not run (the install failed)
 }
 
 install() {
+    set -euo pipefail  # a function run by `bash -c` does not inherit this shell's options
     if [ "$MODE" = gpu ]; then
         if ! command -v nvidia-smi >/dev/null; then
             echo "no GPU here: nvidia-smi not found (install the NVIDIA driver, or run --cpu)"
