@@ -15,9 +15,11 @@ tool_calls; otherwise they are written into the message's text, each on a line o
     [tool_use id=ID name=NAME] {"json": "input"}
     [tool_result id=ID] the result's text          ([tool_result id=ID error] when is_error)
 
-Defining tools (`tools`, `tool_choice`) and `thinking` are refused: the engine makes no tool
-calls. A final assistant message (a prefill to continue) is refused too: the chat template
-opens a new assistant turn, so it would not be continued.
+With `tools` (app/web/api/messages_tools.py) the history is always OpenAI-style, rendered as
+chat completions render it (app/web/api/tools.py: the template's tools, or the fallback), and
+the answer is read into `tool_use` blocks. `thinking` is refused, and so is a final assistant
+message (a prefill to continue): the chat template opens a new assistant turn, so it would
+not be continued.
 """
 
 from __future__ import annotations
@@ -43,6 +45,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.runs import Run, RunRequest, RunService
+from app.web.api.messages_tools import (
+    AnthropicTool,
+    AnthropicToolChoice,
+    AnthropicToolUseContent,
+    InputJsonDelta,
+    anthropic_tools,
+    check_choice,
+    check_tools,
+    content,
+    tool_use,
+)
 from app.web.api.params import APIError, read_request
 from app.web.api.routes import _collect, _encode, _params, _raise_for_failure, _start
 from app.web.api.schemas import (
@@ -57,6 +70,9 @@ from app.web.api.schemas import (
     NonEmpty,
     shown,
 )
+from app.web.api.tool_calls import ToolParser, ToolStream
+from app.web.api.tool_output import plan as tool_plan
+from app.web.api.tools import speaks_tools
 from engine.events import ErrorEvent, FinishEvent, TokenEvent
 from engine.sampling import SamplingParams
 
@@ -178,10 +194,10 @@ class MessagesRequest(BaseModel):
     top_k: Annotated[int, Field(ge=0), INT] = Field(0, description="0: all tokens")
     stream: bool = False
     metadata: Ignored = None
+    tools: list[AnthropicTool] | None = Field(None, description="tools the model may call")
+    tool_choice: AnthropicToolChoice | None = Field(None, description="auto (default), any, "
+                                                    "tool (with name) or none")
     # Anthropic's parameters this server cannot honour: refused with their name.
-    tools: Annotated[Any, Neutral(says="is not supported: this server makes no tool calls")] = None
-    tool_choice: Annotated[Any, Neutral(says="is not supported: this server makes no tool "
-                                             "calls")] = None
     thinking: Annotated[Any, Neutral(says="is not supported by this server")] = None
 
     prompt_param: ClassVar[str] = "messages"  # for routes._start's errors
@@ -196,6 +212,21 @@ class MessagesRequest(BaseModel):
                                       "serves {served}", {"model": shown(model),
                                                           "served": shown(served)})
         return model
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct(cls, tools: list[AnthropicTool] | None) -> list[AnthropicTool] | None:
+        return check_tools(tools)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choosable(cls, choice: Any, info: ValidationInfo) -> Any:
+        return check_choice(choice, info.data.get("tools"))
+
+    @property
+    def structured_param(self) -> str:
+        """A forced call's grammar is the tools' (what a compile error names)."""
+        return "tools"
 
     @field_validator("messages")
     @classmethod
@@ -215,8 +246,7 @@ class MessagesRequest(BaseModel):
 # ---- the conversation as the chat template's messages -----------------------------------------
 def _speaks_tools(service: RunService) -> bool:
     """Whether the model's chat template renders OpenAI-style tool calls."""
-    template = getattr(service.engine.tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tool_calls" in template
+    return speaks_tools(getattr(service.engine.tokenizer, "chat_template", None))
 
 
 def _tool_line(block: AnthropicToolUseBlock | AnthropicToolResultBlock) -> str:
@@ -275,7 +305,7 @@ def chat_messages(req: MessagesRequest, speaks_tools: bool) -> list[dict]:
 
 
 # ---- responses ---------------------------------------------------------------------------------
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class AnthropicTextContent(BaseModel):
@@ -293,7 +323,7 @@ class AnthropicMessage(BaseModel):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[AnthropicTextContent]
+    content: list[AnthropicTextContent | AnthropicToolUseContent]
     stop_reason: StopReason | None = Field(description="null only in message_start")
     stop_sequence: str | None
     usage: AnthropicUsage
@@ -310,8 +340,8 @@ class MessageStartEvent(_Event):
 
 class ContentBlockStartEvent(_Event):
     type: Literal["content_block_start"]
-    index: Literal[0]
-    content_block: AnthropicTextContent
+    index: int = Field(ge=0)
+    content_block: AnthropicTextContent | AnthropicToolUseContent
 
 
 class PingEvent(_Event):
@@ -325,13 +355,13 @@ class TextDelta(BaseModel):
 
 class ContentBlockDeltaEvent(_Event):
     type: Literal["content_block_delta"]
-    index: Literal[0]
-    delta: TextDelta
+    index: int = Field(ge=0)
+    delta: TextDelta | InputJsonDelta
 
 
 class ContentBlockStopEvent(_Event):
     type: Literal["content_block_stop"]
-    index: Literal[0]
+    index: int = Field(ge=0)
 
 
 class MessageDeltaBody(BaseModel):
@@ -399,7 +429,8 @@ def _stop(service: RunService, finish: FinishEvent,
     return "end_turn", None
 
 
-def _message(service: RunService, run: Run, content: list[AnthropicTextContent],
+def _message(service: RunService, run: Run,
+             content: list[AnthropicTextContent | AnthropicToolUseContent],
              stop: tuple[StopReason | None, str | None], usage: AnthropicUsage) -> AnthropicMessage:
     return AnthropicMessage(id=run.id, type="message", role="assistant",
                             model=service.model_name, content=content, stop_reason=stop[0],
@@ -412,20 +443,80 @@ def _sse(event: _Event) -> bytes:
     return f"event: {event.type}\ndata: {data}\n\n".encode()
 
 
-async def _stream(service: RunService, run: Run, n_prompt: int,
-                  stops: list[str]) -> AsyncIterator[bytes]:
+class _Blocks:
+    """The content blocks of a streamed answer. Without tools: one text block, opened at once.
+    With tools: a text block opened when text comes, and a tool_use block per complete call
+    (its input in one input_json_delta), each closing the block before it."""
+
+    def __init__(self, parser: ToolParser | None):
+        self.tools = None if parser is None else ToolStream(parser)
+        self.index, self.open, self.calls = 0, False, 0
+
+    def opening(self) -> list[_Event]:
+        return [] if self.tools is not None else self._text("", force=True)
+
+    def feed(self, text: str, last: bool = False) -> list[_Event]:
+        if self.tools is None:
+            out = self._text(text)
+        else:
+            text, calls = self.tools.finish(text) if last else self.tools.feed(text)
+            out = self._text(text) + self._calls(calls)
+        return out + (self._close() if last else [])
+
+    def _text(self, text: str, force: bool = False) -> list[_Event]:
+        out: list[_Event] = []
+        if (text or force) and not self.open:
+            self.open = True
+            out.append(ContentBlockStartEvent(type="content_block_start", index=self.index,
+                                              content_block=AnthropicTextContent(type="text",
+                                                                                 text="")))
+        if text:
+            out.append(ContentBlockDeltaEvent(type="content_block_delta", index=self.index,
+                                              delta=TextDelta(type="text_delta", text=text)))
+        return out
+
+    def _close(self) -> list[_Event]:
+        if not self.open:
+            return []
+        self.open, self.index = False, self.index + 1
+        return [ContentBlockStopEvent(type="content_block_stop", index=self.index - 1)]
+
+    def _calls(self, calls: list) -> list[_Event]:
+        out: list[_Event] = []
+        for call in calls:
+            out += self._close()
+            out += [ContentBlockStartEvent(type="content_block_start", index=self.index,
+                                           content_block=tool_use(call, streamed=True)),
+                    ContentBlockDeltaEvent(type="content_block_delta", index=self.index,
+                                           delta=InputJsonDelta(type="input_json_delta",
+                                                                partial_json=call.arguments)),
+                    ContentBlockStopEvent(type="content_block_stop", index=self.index)]
+            self.index += 1
+        self.calls += len(calls)
+        return out
+
+
+def _stop_reason(stop: tuple[StopReason, str | None], calls: int) -> tuple[StopReason,
+                                                                            str | None]:
+    """A model that made calls and stopped by itself stops for tool_use."""
+    return ("tool_use", None) if calls and stop[0] == "end_turn" else stop
+
+
+async def _stream(service: RunService, run: Run, n_prompt: int, stops: list[str],
+                  parser: ToolParser | None) -> AsyncIterator[bytes]:
     """Anthropic's event sequence for one run. Leaving early (client gone) ends run.events(),
     which cancels the request."""
     yield _sse(MessageStartEvent(type="message_start", message=_message(
         service, run, [], (None, None), AnthropicUsage(input_tokens=n_prompt, output_tokens=0))))
-    yield _sse(ContentBlockStartEvent(type="content_block_start", index=0,
-                                      content_block=AnthropicTextContent(type="text", text="")))
+    blocks = _Blocks(parser)
+    for block in blocks.opening():
+        yield _sse(block)
     yield _sse(PingEvent(type="ping"))
     error: str | None = None
     async for event in run.events():
         if isinstance(event, TokenEvent) and event.text:
-            yield _sse(ContentBlockDeltaEvent(type="content_block_delta", index=0,
-                                              delta=TextDelta(type="text_delta", text=event.text)))
+            for block in blocks.feed(event.text):
+                yield _sse(block)
         elif isinstance(event, ErrorEvent):
             error = event.message
         elif isinstance(event, FinishEvent):
@@ -433,11 +524,9 @@ async def _stream(service: RunService, run: Run, n_prompt: int,
                 message = error or event.error or f"request {event.reason}"
                 yield _sse(_error(f"the request ended early: {message}", 500))
                 return
-            if event.text_delta:
-                yield _sse(ContentBlockDeltaEvent(type="content_block_delta", index=0, delta=(
-                    TextDelta(type="text_delta", text=event.text_delta))))
-            yield _sse(ContentBlockStopEvent(type="content_block_stop", index=0))
-            reason, sequence = _stop(service, event, stops)
+            for block in blocks.feed(event.text_delta, last=True):
+                yield _sse(block)
+            reason, sequence = _stop_reason(_stop(service, event, stops), blocks.calls)
             yield _sse(MessageDeltaEvent(
                 type="message_delta",
                 delta=MessageDeltaBody(stop_reason=reason, stop_sequence=sequence),
@@ -457,21 +546,25 @@ async def create_message(request: Request) -> Response:
 async def _create_message(request: Request) -> Response:
     service: RunService = request.app.state.runs
     req = await read_request(request, MessagesRequest)
+    tools = anthropic_tools(req.tools, req.tool_choice)
     blocks = any(not isinstance(m.content, str) for m in req.messages)
-    chat = chat_messages(req, blocks and _speaks_tools(service))
-    prompt_ids = await _encode(service.encode_chat, chat, "messages",
-                               sum(len(m["content"]) for m in chat))
-    params = _params(req, req.max_tokens, 0)
-    run = _start(service, RunRequest(prompt_ids, params, ENDPOINT, "api", None, chat), "msg",
-                 req)
+    chat = chat_messages(req, tools is not None or (blocks and _speaks_tools(service)))
+    plan = tool_plan(service, request.app.state.settings.tool_call_parser, tools, chat)
+    prompt_ids = await _encode(plan.encode, plan.messages, "messages",
+                               sum(len(m["content"]) for m in plan.messages))
+    params = plan.sampling(_params(req, req.max_tokens, 0))
+    run = _start(service, RunRequest(prompt_ids, params, ENDPOINT, "api", None, plan.messages),
+                 "msg", req)
     if req.stream:
-        return EventSourceResponse(_stream(service, run, len(prompt_ids), req.stop_sequences),
-                                   sep="\n")
+        return EventSourceResponse(_stream(service, run, len(prompt_ids), req.stop_sequences,
+                                           plan.parser), sep="\n")
     result = await _collect(request, run)
     _raise_for_failure(result)
     finish = result.finish
-    text = [AnthropicTextContent(type="text", text=finish.text)]
-    message = _message(service, run, text, _stop(service, finish, req.stop_sequences),
+    text, uses = (finish.text, []) if plan.parser is None else content(plan.parser, finish.text)
+    kept = [AnthropicTextContent(type="text", text=text)] if text or not uses else []
+    stop = _stop_reason(_stop(service, finish, req.stop_sequences), len(uses))
+    message = _message(service, run, [*kept, *uses], stop,
                        AnthropicUsage(input_tokens=finish.prompt_tokens,
                                       output_tokens=finish.completion_tokens))
     return Response(message.model_dump_json(), media_type="application/json")

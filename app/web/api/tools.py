@@ -105,6 +105,12 @@ MESSAGE_RULES = {"allOf": [
 ]}
 
 
+def distinct(names: list[str]) -> None:
+    """Tools' names are their calls' names: each may be given once."""
+    if len(set(names)) != len(names):
+        raise PydanticCustomError("invalid_value", "names a function twice")
+
+
 def tool_field(name: str, value: Any, role: str | None) -> Any:
     """A message's tool_calls or tool_call_id, checked against its role (MESSAGE_RULES)."""
     if name == "tool_calls":
@@ -132,9 +138,7 @@ class ToolFields(BaseModel):
     @field_validator("tools")
     @classmethod
     def _distinct(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
-        names = [t.function.name for t in tools or ()]
-        if len(set(names)) != len(names):
-            raise PydanticCustomError("invalid_value", "names a function twice")
+        distinct([t.function.name for t in tools or ()])
         return tools
 
     @field_validator("tool_choice")

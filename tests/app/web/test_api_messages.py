@@ -252,7 +252,7 @@ BASE = {"model": MODEL, "max_tokens": 4, "messages": USER}
     ({"max_tokens": None}, ["max_tokens", "required"]),
     ({"messages": [{"role": "system", "content": "x"}]}, ["messages[0].role"]),
     ({"messages": []}, ["messages"]),
-    ({"tools": [{"name": "get", "input_schema": {"type": "object"}}]}, ["tools"]),
+    ({"tools": [{"name": "get"}]}, ["tools[0].input_schema"]),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, ["thinking"]),
     ({"surprise": 1}, ["surprise"]),
     ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, ["messages[0].content[0]"]),

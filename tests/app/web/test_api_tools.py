@@ -1,7 +1,8 @@
 """Tool calls: the parsers on fixed texts (every format, whole and streamed), the rendering of
 tools and tool history, and /v1/chat/completions with tools driven by the official `openai`
 client: forced calls (required, named) are well-formed even from the tiny model's random
-weights, `auto` parses a scripted output, bad input is a 400 naming the field."""
+weights, `auto` parses a scripted output, bad input is a 400 naming the field; and the
+Messages API's tool_use blocks with the official `anthropic` client."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
 
+import anthropic
 import openai
 import pytest
 from api_helpers import FakeRecorder, assert_error
@@ -354,3 +356,66 @@ def test_tool_choice_none_is_plain_text(client, live):
     started = next(s for s in live.recorder.started if s["run_id"] == out.id)
     assert started["messages"] == USER  # no tools rendered
     assert out.choices[0].message.tool_calls is None
+
+
+# ---- the Messages API, with the official anthropic client -------------------------------------
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": "a tool",
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def claude(live) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0,
+                             timeout=TIMEOUT) as c:
+        yield c
+
+
+@pytest.mark.parametrize("choice", [{"type": "any", "disable_parallel_tool_use": True},
+                                    {"type": "tool", "name": "get_time"}])
+def test_a_message_makes_a_tool_use(claude, live, choice):
+    out = claude.messages.create(model="tiny-llama", max_tokens=120, messages=USER,
+                                 tools=ANTHROPIC_TOOLS, tool_choice=choice,
+                                 extra_body={"temperature": 0})
+    assert out.stop_reason == "tool_use"
+    assert [b.type for b in out.content] == ["tool_use"]
+    use = out.content[0]
+    if choice["type"] == "tool":
+        assert use.name == "get_time"
+    _valid(use.name, json.dumps(use.input))
+    started = next(s for s in live.recorder.started if s["run_id"] == out.id)
+    assert "# Tools" in started["messages"][0]["content"]
+
+
+def test_a_streamed_message_sends_tool_use_blocks_and_input_json(claude):
+    with claude.messages.stream(model="tiny-llama", max_tokens=120, messages=USER,
+                                tools=ANTHROPIC_TOOLS,
+                                tool_choice={"type": "tool", "name": "get_weather"},
+                                extra_body={"temperature": 0}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in events]
+    assert ("content_block_delta", "input_json_delta") in kinds
+    assert ("content_block_delta", "text_delta") not in kinds  # never the raw tags
+    assert final.stop_reason == "tool_use" and final.content[0].type == "tool_use"
+    _valid("get_weather", json.dumps(final.content[0].input))
+
+
+def test_a_tool_result_conversation_renders_and_bad_choices_are_400s(claude, live):
+    history = USER + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_time",
+                                           "input": {"zone": "UTC"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "12:00"}]}]
+    out = claude.messages.create(model="tiny-llama", max_tokens=3, messages=history,
+                                 tools=ANTHROPIC_TOOLS)
+    started = next(s for s in live.recorder.started if s["run_id"] == out.id)
+    texts = [m["content"] for m in started["messages"]]
+    assert "<tool_response>\n12:00\n</tool_response>" in texts
+    assert any('{"name": "get_time", "arguments": {"zone": "UTC"}}' in t for t in texts)
+    for choice in ({"type": "tool", "name": "nope"}, {"type": "tool"}):
+        with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+            claude.messages.create(model="tiny-llama", max_tokens=3, messages=USER,
+                                   tools=ANTHROPIC_TOOLS, tool_choice=choice)
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        claude.messages.create(model="tiny-llama", max_tokens=3, messages=USER,
+                               tool_choice={"type": "any"})
