@@ -118,12 +118,16 @@ def backend_info() -> dict:
     """Describe where MLX runs: backend ("metal", "cuda" or "cpu"), versions and BLAS."""
     import mlx.core as mx
 
-    if mx.metal.is_available():
+    # Where the engine's arrays go (the default device), not merely what is installed: with
+    # the CPU as default on a GPU machine, the engine runs, and picks its settings, as on a CPU.
+    cuda = getattr(mx, "cuda", None)
+    is_available = getattr(cuda, "is_available", None)
+    if mx.default_device() == mx.cpu:
+        backend = "cpu"
+    elif mx.metal.is_available():
         backend = "metal"
     else:
-        cuda = getattr(mx, "cuda", None)
-        is_available = getattr(cuda, "is_available", None)
-        backend = "cuda" if is_available is not None and is_available() else "cpu"
+        backend = "cuda" if is_available is not None and is_available() else "gpu"
 
     return {
         "backend": backend,

@@ -467,3 +467,17 @@ def test_auto_on_the_cpu_keeps_a_folder_the_native_kernel_takes(tiny_q4_folder, 
 def test_available_memory_is_a_plausible_number():
     free = platform.available_memory()
     assert free is None or 2**26 < free < 2**50
+
+
+def test_backend_is_the_default_device_not_what_is_installed(monkeypatch):
+    """With the CPU as MLX's default device, the engine runs (and picks settings) as on a CPU,
+    whatever GPU backend the machine also has (here a Metal one, as if installed)."""
+    from engine.platform import backend_info
+
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    previous = mx.default_device()
+    try:
+        mx.set_default_device(mx.cpu)
+        assert backend_info()["backend"] == "cpu"
+    finally:
+        mx.set_default_device(previous)
