@@ -156,8 +156,8 @@ class NativeOps:
                         "take the BLAS, kernel path gemm, unless --batch-invariant)")
             return (f"MLX (the native kernels take float32 or affine 4/8-bit, weights are "
                     f"{weights})")
-        if self.fused_attention:
-            return "MLX"
+        if self.fused_attention:  # a GPU: the kernel each call takes is MLX's choice
+            return "MLX (each call's kernel chosen by MLX)"
         why = native.why_not() if setting == NativeSetting.AUTO else None
         return "MLX" + (f" (native kernel {why})" if why else "")
 
