@@ -419,3 +419,35 @@ def test_a_tool_result_conversation_renders_and_bad_choices_are_400s(claude, liv
     with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
         claude.messages.create(model="tiny-llama", max_tokens=3, messages=USER,
                                tool_choice={"type": "any"})
+
+
+# ---- the embedded model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def embedded() -> Iterator[openai.OpenAI]:
+    app = create_app(Settings(engine=EngineConfig(num_kv_blocks=256)),
+                     engine_factory=lambda config: Engine(config))
+    with serving(app, 120) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="x",
+                                                 max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_embedded_model_calls_a_named_tool(embedded, stream):
+    served = embedded.models.list().data[0].id
+    ask = {"model": served, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+           "tools": TOOLS, "tool_choice": {"type": "function", "function": {
+               "name": "get_weather"}}, "temperature": 0, "max_tokens": 100}
+    if not stream:
+        out = embedded.chat.completions.create(**ask)
+        assert out.choices[0].finish_reason == "tool_calls"
+        call = out.choices[0].message.tool_calls[0].function
+        name, arguments = call.name, call.arguments
+    else:
+        chunks = list(embedded.chat.completions.create(**ask, stream=True))
+        calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+        name = calls[0].function.name
+        arguments = "".join(t.function.arguments or "" for t in calls)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert name == "get_weather"
+    _valid(name, arguments)
