@@ -181,8 +181,11 @@ def batched_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[int, float]:
     return rates
 
 
-def engine_decode(weights: str, repeats: int) -> dict[int, list[float]]:
-    eng = Engine(eb.engine_config(weights, list(SEQUENCES))).start()
+def engine_decode(weights: str, repeats: int,
+                  activations: str = "float32") -> dict[int, list[float]]:
+    config = eb.engine_config(weights, list(SEQUENCES))
+    config.activations = activations
+    eng = Engine(config).start()
     try:
         tokenizer = eng.loaded.tokenizer
         eb.run_engine(eng, eb.make_prompts(tokenizer, 2), 4)  # warm-up
@@ -191,7 +194,7 @@ def engine_decode(weights: str, repeats: int) -> dict[int, list[float]]:
             prompts = eb.make_prompts(tokenizer, n)
             out[n] = [eb.rates(eb.measure(lambda p, k: eb.run_engine(eng, p, k), prompts, 32))
                       ["decode_tps"] for _ in range(repeats)]
-            log(f"decode: batchscope {weights}, {n} sequences: "
+            log(f"decode: batchscope {weights}, {activations} activations, {n} sequences: "
                 f"{', '.join(f'{r:.1f}' for r in out[n])} tok/s")
         return {"rates": out, "row_kernels": eng.row_kernels}
     finally:
@@ -203,6 +206,7 @@ def section_decode(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dic
     log("decode: llama-batched-bench...")
     first = batched_bench(bin_dir, gguf, threads)
     engines = {w: engine_decode(w, repeats) for w in ("q4", "f32")}
+    engines["q4_int8"] = engine_decode("q4", repeats, "int8")
     log("decode: llama-batched-bench again...")
     second = batched_bench(bin_dir, gguf, threads)
     rows = []
@@ -212,8 +216,10 @@ def section_decode(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dic
         peer = max(first[n], second[n])
         q4 = sorted(engines["q4"]["rates"][n])[len(engines["q4"]["rates"][n]) // 2]
         f32 = sorted(engines["f32"]["rates"][n])[len(engines["f32"]["rates"][n]) // 2]
+        int8 = sorted(engines["q4_int8"]["rates"][n])[len(engines["q4_int8"]["rates"][n]) // 2]
         rows.append({"sequences": n, "llama_cpp": peer, "llama_cpp_runs": [first[n], second[n]],
-                     "q4": q4, "f32": f32, "ratio": q4 / peer, "goal": DECODE_GOAL[n],
+                     "q4": q4, "f32": f32, "q4_int8": int8, "ratio": q4 / peer,
+                     "int8_ratio": int8 / peer, "goal": DECODE_GOAL[n],
                      "goal_met": q4 / peer >= DECODE_GOAL[n]})
     return {"rows": rows, "engines": engines, "repeats": repeats,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -287,11 +293,15 @@ def render(data: dict) -> str:
                   "prompts of 20-120 tokens, decode from the extra time of a 33-token call, "
                   f"median of {d['repeats']}. Row kernels at q4: {kernels}.", "",
                   "| sequences | llama.cpp | batchscope q4 | batchscope f32 | q4 / llama.cpp "
-                  "| goal |", "|---|---|---|---|---|---|"]
+                  "| goal | batchscope q4, int8 activations | int8 / llama.cpp |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in d["rows"]:
+            # int8: --activations int8 (llama.cpp's own 8-bit activations), runs before it
+            int8 = (f"{r['q4_int8']:.1f} | {r['int8_ratio']:.2f}x" if "q4_int8" in r
+                    else "not measured | -")
             lines.append(f"| {r['sequences']} | {r['llama_cpp']:.1f} | {r['q4']:.1f} | "
                          f"{r['f32']:.1f} | {r['ratio']:.2f}x | >= {r['goal']:.1f}x: "
-                         f"{'met' if r['goal_met'] else 'not met'} |")
+                         f"{'met' if r['goal_met'] else 'not met'} | {int8} |")
         lines.append("")
     if "serve" in data:
         s = data["serve"]
