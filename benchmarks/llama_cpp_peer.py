@@ -52,7 +52,7 @@ from engine.platform import backend_info, blas_name
 
 SEQUENCES = (1, 4, 8, 16)
 # Goals of the 4-bit kernel work: engine decode at q4 / llama-batched-bench's S_TG.
-DECODE_GOAL = {1: 0.8, 4: 1.0, 8: 1.0, 16: 1.0}
+DECODE_GOAL = {1: 1.0, 4: 1.3, 8: 1.3, 16: 1.3}  # the open goal: ahead at every batch size
 SERVE_STREAMS = 8
 BENCH_SERVE = ["--num-prompts", "32", "--max-concurrency", str(SERVE_STREAMS), "--seed", "0",
                "--ignore-eos", "on"]
