@@ -68,6 +68,7 @@ from app.web.api.schemas import (
     MaxTokens,
     Neutral,
     NonEmpty,
+    served_model,
     shown,
 )
 from app.web.api.tool_calls import ToolParser, ToolStream
@@ -206,12 +207,7 @@ class MessagesRequest(BaseModel):
     @field_validator("model")
     @classmethod
     def _served(cls, model: str, info: ValidationInfo) -> str:
-        served = (info.context or {}).get("model")
-        if served is not None and model != served:
-            raise PydanticCustomError("model_not_found", "{model} does not exist; this server "
-                                      "serves {served}", {"model": shown(model),
-                                                          "served": shown(served)})
-        return model
+        return served_model(model, info)
 
     @field_validator("tools")
     @classmethod

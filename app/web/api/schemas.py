@@ -61,6 +61,17 @@ def shown(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def served_model(model: str | None, info: ValidationInfo) -> str | None:
+    """A request's `model` check: it must be the model this server serves (the validation
+    context's), when both are named."""
+    served = (info.context or {}).get("model")
+    if model is not None and served is not None and model != served:
+        raise PydanticCustomError("model_not_found", "{model} does not exist; this server "
+                                  "serves {served}", {"model": shown(model),
+                                                      "served": shown(served)})
+    return model
+
+
 # ---- value types -----------------------------------------------------------------------------
 def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
@@ -258,12 +269,7 @@ class _Generation(BaseModel):
     @field_validator("model")
     @classmethod
     def _served(cls, model: str | None, info: ValidationInfo) -> str | None:
-        served = (info.context or {}).get("model")
-        if model is not None and served is not None and model != served:
-            raise PydanticCustomError("model_not_found", "{model} does not exist; this server "
-                                      "serves {served}", {"model": shown(model),
-                                                          "served": shown(served)})
-        return model
+        return served_model(model, info)
 
     @field_validator("stream_options")
     @classmethod

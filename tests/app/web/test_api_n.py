@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from api_helpers import FakeRecorder
 from live_server import serving
 
 from app.settings import Settings
@@ -25,29 +26,9 @@ PROMPT = "a shared prompt, long enough to fill some blocks"
 MESSAGES = [{"role": "user", "content": PROMPT}]
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.started: list[dict] = []
-
-    def start_session(self, *args, **kwargs) -> int:
-        return 1
-
-    def run_started(self, run_id, **kwargs) -> None:
-        self.started.append({"run_id": run_id, **kwargs})
-
-    def token(self, event) -> None:
-        pass
-
-    def run_finished(self, event) -> None:
-        pass
-
-    def step(self, session_id, record) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def live() -> Iterator[SimpleNamespace]:
-    recorder = Recorder()
+    recorder = FakeRecorder()
     engines: list[Engine] = []
 
     def engine_factory(config: EngineConfig) -> Engine:

@@ -10,38 +10,17 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from api_helpers import FakeRecorder
 from live_server import serving
 
 from app.settings import Settings
 from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.events import FinishEvent
 from engine.testing import tiny_model
 
 MODEL = "tiny-llama"
 TIMEOUT = 20.0
-
-
-class FakeRecorder:
-    def __init__(self) -> None:
-        self.started: list[dict] = []
-        self.finished: list[FinishEvent] = []
-
-    def start_session(self, model, weights, kernel_policy, config) -> int:
-        return 1
-
-    def run_started(self, run_id, **kwargs) -> None:
-        self.started.append({"run_id": run_id, **kwargs})
-
-    def token(self, event) -> None:
-        pass
-
-    def run_finished(self, event) -> None:
-        self.finished.append(event)
-
-    def step(self, session_id, record) -> None:
-        pass
 
 
 @dataclass
