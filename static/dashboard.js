@@ -27,7 +27,7 @@
     $("sum-waiting").textContent = state.waiting;
     $("sum-kv").textContent = Math.round(100 * state.kv.used / state.kv.num_blocks) + "%";
     const last = steps[steps.length - 1];
-    $("sum-tps").textContent = (last ? last.tokens_per_s : 0).toFixed(1);
+    $("sum-tps").textContent = state.tokens_per_s.toFixed(1); // now: 0 once idle
     $("sum-spec").textContent = SPEC.enabled ? (lastSpec() || "on") : "not configured";
     $("sum-accept").textContent = pct(last ? last.acceptance_rolling : null);
   }
@@ -189,7 +189,9 @@
     return [1, 2, 5, 10].map((m) => m * p).find((m) => m >= v);
   }
 
-  // series: [{label, color, value(step)}]; kind: "line" | "bars" (stacked) | "area" (stacked)
+  // series: [{label, color, value(step), now}]; kind: "line" | "bars" (stacked) | "area"
+  // (stacked). A series with `now` shows that value in its legend (what the engine holds or
+  // does now, as the rest of the page says) instead of the last step's.
   function chart(id, series, kind, fixedMax) {
     const box = $(id);
     const svg = box.querySelector("svg");
@@ -238,9 +240,11 @@
     svg.innerHTML = out;
     svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
     const last = steps[steps.length - 1];
+    const shown = (se) => ("now" in se ? se.now : last ? se.value(last) : null);
     box.querySelector(".legend").innerHTML = series.map((se) =>
       `<span><i style="background:${se.color}"></i>${se.label}` +
-      `${last ? " " + (+se.value(last).toFixed(1)) : ""}</span>`).join("");
+      `${shown(se) === null ? "" : " " + (+shown(se).toFixed(1))}</span>`).join("") +
+      (series.some((se) => "now" in se) ? '<span class="muted">(now)</span>' : "");
   }
 
   const style = getComputedStyle($("dashboard"));
@@ -256,12 +260,14 @@
       {label: "verify", color: css("--verify"), value: (s) => s.verify_rows},
     ], "bars");
     chart("chart-kv", [
-      {label: "used", color: css("--used"), value: (s) => s.kv_blocks_used},
-      {label: "cached", color: css("--cached"), value: (s) => s.kv_blocks_cached},
-      {label: "free", color: css("--free"), value: (s) => s.kv_blocks_free},
+      {label: "used", color: css("--used"), value: (s) => s.kv_blocks_used, now: state.kv.used},
+      {label: "cached", color: css("--cached"), value: (s) => s.kv_blocks_cached,
+       now: state.kv.cached},
+      {label: "free", color: css("--free"), value: (s) => s.kv_blocks_free, now: state.kv.free},
     ], "area", state.kv.num_blocks);
     chart("chart-tokens", [
-      {label: "tok/s", color: css("--decode"), value: (s) => s.tokens_per_s},
+      {label: "tok/s", color: css("--decode"), value: (s) => s.tokens_per_s,
+       now: state.tokens_per_s},
     ], "line");
     renderAcceptance();
   }

@@ -29,6 +29,7 @@ _NOT_CHARTED = ("scheduler_time", "prefix_cache_queries", "prefix_cache_hits",
                 *STATE_POOL_FIELDS)
 STEP_FIELDS = tuple(c for c in STEP_COLUMNS if c == field_name(c) and c not in _NOT_CHARTED)
 ACCEPTANCE_STEPS = 50  # steps the rolling acceptance rate covers
+RATE_WINDOW_S = 1.0  # seconds the decode rate covers
 
 
 def decode_tokens(record: StepRecord) -> int:
@@ -41,20 +42,38 @@ def decode_tokens(record: StepRecord) -> int:
 class RollingRate:
     """Decode tokens per second of wall time over the steps that ended in the last `window_s`."""
 
-    def __init__(self, window_s: float = 1.0):
+    def __init__(self, window_s: float = RATE_WINDOW_S):
         self.window_s = window_s
         self._steps: deque[tuple[float, float, int]] = deque()  # (start, end, decode tokens)
         self._rows = 0
 
     def add(self, record: StepRecord) -> float:
+        """The rate as the step ends."""
         end = record.started_at + record.wall_time
         tokens = decode_tokens(record)
         self._steps.append((record.started_at, end, tokens))
         self._rows += tokens
-        while self._steps[0][1] <= end - self.window_s:
+        return self.at(end)
+
+    def at(self, now: float) -> float:
+        """The rate at `now` (not before the last step added): the steps that ended in the
+        window before it, so an engine that stopped stepping decays to 0."""
+        while self._steps and self._steps[0][1] <= now - self.window_s:
             self._rows -= self._steps.popleft()[2]
-        span = end - self._steps[0][0]  # from the first step's start: the gaps count too
+        if not self._steps:
+            return 0.0
+        span = now - self._steps[0][0]  # from the first step's start: the gaps count too
         return self._rows / span if span > 0 else 0.0
+
+
+def decode_rate(records: list[StepRecord], now: float, window_s: float = RATE_WINDOW_S) -> float:
+    """Decode tokens per second now, over the steps (in step order) that ended in the last
+    `window_s`: what the dashboard's summary shows, 0 once no step ran in the window."""
+    rate = RollingRate(window_s)
+    for record in records:
+        if record.started_at + record.wall_time > now - window_s:
+            rate.add(record)
+    return rate.at(now)
 
 
 class RollingAcceptance:
@@ -95,7 +114,8 @@ def compact_step(record: StepRecord, rolling: Rolling) -> dict[str, Any]:
     return out
 
 
-def compact_steps(records: list[StepRecord], window_s: float = 1.0) -> list[dict[str, Any]]:
+def compact_steps(records: list[StepRecord],
+                  window_s: float = RATE_WINDOW_S) -> list[dict[str, Any]]:
     rolling = Rolling(RollingRate(window_s))
     return [compact_step(r, rolling) for r in records]
 
@@ -134,7 +154,7 @@ class FeedClient:
 class StepFeed:
     """Fans engine steps out to asyncio clients. Create and use it on the event loop."""
 
-    def __init__(self, engine: Any, *, max_steps: int = 1000, rate_window_s: float = 1.0):
+    def __init__(self, engine: Any, *, max_steps: int = 1000, rate_window_s: float = RATE_WINDOW_S):
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._max_steps = max_steps

@@ -262,6 +262,8 @@ class EngineState(Record):
     running: int = Field(ge=0)
     waiting: int = Field(ge=0)
     idle: bool
+    tokens_per_s: float = Field(ge=0, description="decode tokens per second over the last "
+                                                  "second, now: 0 once no step ran in it")
     batch: dict[str, Any] | None = Field(description="the latest step's batch")
     kv: dict[str, Any] = Field(description="every KV block: free, cached or its holders")
     state_pool: StatePool | None = Field(description="the recurrent-state pool (null: the "

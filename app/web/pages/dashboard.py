@@ -23,7 +23,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.web.api.routes import error_body
-from app.web.feeds import ACCEPTANCE_STEPS, FeedClient, compact_steps, feed_for
+from app.web.feeds import (
+    ACCEPTANCE_STEPS,
+    RATE_WINDOW_S,
+    FeedClient,
+    compact_steps,
+    decode_rate,
+    feed_for,
+)
 from app.web.render import page_response, view_routes
 from app.web.views import (
     Dashboard,
@@ -39,6 +46,7 @@ CHART_STEPS = 300  # steps the charts and the kernel-path strip show
 EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
 FRAMES_PER_S = 10  # the most updates a client gets; steps in between ride in the next frame
 PING_S = 15  # SSE keep-alive comment while the engine is idle
+IDLE_FRAME_S = RATE_WINDOW_S + 0.1  # after the last step: the frame that shows it idle
 MAX_STEPS_PAGE = 2048  # most records one /steps.json answer holds
 
 # ---- the state -------------------------------------------------------------------------------
@@ -140,6 +148,15 @@ def state_pool(engine: Any) -> dict[str, int] | None:
     return {name.removeprefix("state_"): usage[name] for name in STATE_POOL_FIELDS}
 
 
+def _steps_since(engine: Any, since: float) -> list:
+    """The recent steps that ended after `since` (epoch seconds), in step order."""
+    records = engine.steps.recent()
+    first = len(records)
+    while first and records[first - 1].started_at + records[first - 1].wall_time > since:
+        first -= 1
+    return records[first:]
+
+
 def dashboard_state(engine: Any) -> dict[str, Any]:
     """What the engine is doing now: live queue lengths, the latest step's batch, the KV map,
     the recurrent-state pool and the expert load (None for models without them)."""
@@ -160,8 +177,12 @@ def dashboard_state(engine: Any) -> dict[str, Any]:
                               "accepted": e.accepted} for e in record.entries]}
     scheduler = engine.scheduler
     running, waiting = len(scheduler.running), len(scheduler.waiting)
-    return {"time": time.time(), "step": engine.step_count, "running": running,
-            "waiting": waiting, "idle": running == 0 and waiting == 0, "batch": batch,
+    now = time.time()
+    # The rate now, not the last step's: it falls to 0 once no step ran in the window.
+    rate = decode_rate(_steps_since(engine, now - RATE_WINDOW_S), now)
+    return {"time": now, "step": engine.step_count, "running": running,
+            "waiting": waiting, "idle": running == 0 and waiting == 0,
+            "tokens_per_s": round(rate, 2), "batch": batch,
             "kv": kv_map(engine), "state_pool": state_pool(engine),
             "experts": expert_load(engine)}
 
@@ -245,12 +266,15 @@ async def steps_json(request: Request) -> Response:
         steps=[StepSummary(**r.to_dict()) for r in page]).model_dump(mode="json"))
 
 
-def _frame(engine: Any, client: FeedClient) -> ServerSentEvent:
+def _frame(engine: Any, client: FeedClient) -> tuple[ServerSentEvent, bool]:
+    """The frame, and whether it shows the engine settled (idle, its decode rate 0)."""
     steps = client.take()
-    data = {"steps": steps, "dropped": client.dropped, "state": dashboard_state(engine)}
+    state = dashboard_state(engine)
+    data = {"steps": steps, "dropped": client.dropped, "state": state}
     # The id is the last step sent: a reconnecting EventSource resumes from it.
-    return ServerSentEvent(json.dumps(data, separators=(",", ":")), event="frame",
-                           id=str(client.last_step))
+    event = ServerSentEvent(json.dumps(data, separators=(",", ":")), event="frame",
+                            id=str(client.last_step))
+    return event, state["idle"] and state["tokens_per_s"] == 0
 
 
 async def _frames(request: Request, since: int | None):
@@ -260,14 +284,21 @@ async def _frames(request: Request, since: int | None):
     loop = asyncio.get_running_loop()
     interval = 1.0 / FRAMES_PER_S
     try:
-        yield _frame(engine, client)  # the current state at once (with any backlog)
+        frame, settled = _frame(engine, client)  # the current state at once (and backlog)
+        yield frame
         sent_at = loop.time()
         while True:
-            await client.wait()  # idle engine: nothing runs here until the next step
+            # Settled: nothing runs here until the next step. Else, once no step came for a
+            # rate window, one more frame shows the idle values (the rate fallen to 0).
+            try:
+                await asyncio.wait_for(client.wait(), None if settled else IDLE_FRAME_S)
+            except TimeoutError:
+                pass
             delay = sent_at + interval - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)  # steps arriving meanwhile join this frame
-            yield _frame(engine, client)
+            frame, settled = _frame(engine, client)
+            yield frame
             sent_at = loop.time()
     finally:
         feed.disconnect(client)

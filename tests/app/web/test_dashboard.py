@@ -22,7 +22,15 @@ from speculation import SPEC, ScriptedDrafts
 
 from app.settings import Settings
 from app.web.app import create_app
-from app.web.feeds import ACCEPTANCE_STEPS, FeedClient, RollingRate, StepFeed, compact_steps
+from app.web.feeds import (
+    ACCEPTANCE_STEPS,
+    RATE_WINDOW_S,
+    FeedClient,
+    RollingRate,
+    StepFeed,
+    compact_steps,
+    decode_rate,
+)
 from app.web.pages.dashboard import CHART_STEPS, hue
 from app.web.render import fmt_pct
 from engine.config import EngineConfig
@@ -315,6 +323,32 @@ def test_stream_resumes_after_a_step(live, ran):
     wait_until(lambda: live.app.state.step_feed.num_clients == 0)
 
 
+def test_an_idle_engine_shows_idle_values_and_the_stream_says_so(live, ran):
+    """After a run the summary's rate falls to 0 (a frame tells the page once the window has
+    passed), while the last step's rolling rate, charted, stays what it was."""
+    engine = live.engine
+    with httpx.Client(base_url=live.url, timeout=TIMEOUT) as http:
+        with http.stream("GET", "/dashboard/stream") as response:
+            frames = Frames(response)
+            frames.next()
+            complete(live, PROMPTS[:2], 16)
+            end = engine.step_count
+            received = [frames.next()]
+            while not (received[-1]["state"]["idle"]
+                       and received[-1]["state"]["tokens_per_s"] == 0):
+                received.append(frames.next())
+    running = [f for f in received if f["state"]["tokens_per_s"] > 0]
+    assert running, "no frame showed the run's decode rate"
+    last = engine.steps.recent(1)[0]
+    assert received[-1]["steps"] == [] and received[-1]["state"]["step"] == end
+    assert received[-1]["state"]["time"] >= last.started_at + last.wall_time + RATE_WINDOW_S
+    data = live.http.get("/dashboard.json").json()
+    assert data["steps"][-1]["tokens_per_s"] > 0 and data["state"]["tokens_per_s"] == 0
+    soup = BeautifulSoup(live.http.get("/dashboard").text, "html.parser")
+    assert soup.select_one("#sum-tps").get_text() == "0.0"
+    wait_until(lambda: live.app.state.step_feed.num_clients == 0)
+
+
 # ---- the bridge, without a server ------------------------------------------------------------
 def record(step: int, start: float, wall: float = 0.01, decode: int = 1) -> StepRecord:
     return StepRecord(step=step, started_at=start, wall_time=wall, model_time=wall / 2,
@@ -399,6 +433,16 @@ def test_rolling_rate_is_decode_rows_per_second_of_wall_time():
     assert values[-1] == pytest.approx(400.0)
     # After a 5 s idle gap the window holds only the new step.
     assert rate.add(record(201, 107.0, 0.02, 4)) == pytest.approx(200.0)
+
+
+def test_decode_rate_now_decays_to_zero_once_no_step_ran_in_the_window():
+    records = [record(i, 100.0 + i * 0.01, 0.01, 4) for i in range(100)]  # 100.00 to 101.00
+    assert decode_rate(records, 101.0) == pytest.approx(400.0)
+    # Half a window later: the last 50 steps' tokens over the whole window; a window later:
+    # none.
+    assert decode_rate(records, 101.5) == pytest.approx(50 * 4 / 1.0, rel=0.02)
+    assert decode_rate(records, 102.0) == 0.0
+    assert decode_rate([], 50.0) == 0.0
 
 
 # ---- speculative decoding ----------------------------------------------------------------------
