@@ -47,8 +47,8 @@ class SamplingParams:
     # apply_min_p; 0: none).
     repetition_penalty: float = 1.0
     min_p: float = 0.0
-    # The output follows this grammar (engine/structured.py); such a request takes no drafted
-    # tokens, and must end at end-of-sequence (ignore_eos is refused).
+    # The output follows this grammar (engine/structured.py; drafts are cut to what it
+    # allows); such a request must end at end-of-sequence (ignore_eos is refused).
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -88,11 +88,9 @@ class SamplingParams:
             raise ValueError("logit_bias must map token ids (non-negative integers) to biases "
                              "from -100 to 100")
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in bias)))
-        if self.structured is not None:
-            if self.ignore_eos:
-                raise ValueError("ignore_eos cannot be combined with a structured output: "
-                                 "the grammar ends at end-of-sequence")
-            object.__setattr__(self, "speculative", False)
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a structured output: "
+                             "the grammar ends at end-of-sequence")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a list of non-empty strings")

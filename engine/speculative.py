@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -96,6 +96,16 @@ class Proposer(Protocol):
         for it. The engine calls it for every request it finishes."""
 
 
+@runtime_checkable
+class DraftFilter(Protocol):
+    """A logits processor that also says which drafts it allows (a grammar's:
+    engine/structured.py): `propose` cuts a request's drafts to what each such processor
+    allows, so a draft it forbids is never verified."""
+
+    def valid_drafts(self, tokens: list[int], drafts: list[int]) -> int:
+        """How many leading drafts may follow `tokens` (the request's sequence so far)."""
+
+
 class NgramProposer:
     """Prompt lookup (--speculative ngram)."""
 
@@ -152,9 +162,9 @@ def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
 
 def propose(spec: SpeculativeConfig, proposer: Proposer, running: Seq,
             max_model_len: int) -> tuple[dict[str, list[int]], str, float]:
-    """Drafts for the running sequences in decode, the step's speculation state (see
-    StepRecord.speculation) and the seconds the proposer took: past `max_batch` running
-    requests, none."""
+    """Drafts for the running sequences in decode (each cut to what its DraftFilter
+    processors allow), the step's speculation state (see StepRecord.speculation) and the
+    seconds the proposer took: past `max_batch` running requests, none."""
     if not spec.enabled:
         return {}, "", 0.0
     if len(running) > spec.max_batch:
@@ -172,4 +182,13 @@ def propose(spec: SpeculativeConfig, proposer: Proposer, running: Seq,
     drafts = proposer.propose(wanted) if wanted else {}
     seconds = time.perf_counter() - t0
     rooms = {seq_id: room for seq_id, _, room in wanted}
-    return {s: d[:rooms[s]] for s, d in drafts.items() if d and s in rooms}, "on", seconds
+    seqs = {seq.seq_id: seq for seq in running}
+    kept = {}
+    for s, d in drafts.items():
+        d = d[:rooms[s]] if s in rooms else []
+        for check in seqs[s].logits_processors if d else ():
+            if isinstance(check, DraftFilter):
+                d = d[:check.valid_drafts(seqs[s].token_ids, d)]
+        if d:
+            kept[s] = d
+    return kept, "on", seconds

@@ -10,11 +10,20 @@ bitmask on the CPU (llguidance's numpy API) and sets every token the grammar for
 with MLX ops. Rows of other requests in the same step are untouched: a constrained request
 shares the step with free ones, and each gets the tokens it gets alone.
 
+With speculative decoding a constrained request takes drafts too. Before they are verified
+they are cut to the prefix the grammar allows after the committed tokens (`valid_drafts`,
+called by engine/speculative.py's `propose`): a draft the grammar forbids is never verified.
+Each verify row is then masked at its own position: the processor sees the sequence through
+the row (the committed tokens, then the drafts before it), so the matcher advances through
+the drafts row by row. The matcher always follows the tokens it is shown: what it consumed
+past their common prefix (drafts the step did not accept) is rolled back first, before any
+mask or cut reads it. Row j's mask is the one the request gets without speculation after
+the same tokens, so greedy tokens are those without speculation
+(tests/engine/test_structured_speculative.py).
+
 When the grammar is complete the matcher allows only end-of-sequence: the request samples it
-and stops with finish_reason "stop". A constrained request takes no drafted tokens
-(SamplingParams turns `speculative` off), so its tokens are those it gets without
-speculation. JSON is compact (no whitespace between tokens, "," and ":" separators): a model
-cannot loop on whitespace.
+and stops with finish_reason "stop". JSON is compact (no whitespace between tokens, "," and
+":" separators): a model cannot loop on whitespace.
 """
 
 from __future__ import annotations
@@ -126,19 +135,52 @@ class GrammarProcessor:
         from llguidance.numpy import allocate_token_bitmask
 
         self.matcher, self.prompt_len, self.vocab, self.clock = matcher, prompt_len, vocab, clock
-        self.consumed = 0  # generated tokens fed to the matcher
+        # The generated tokens the matcher has consumed, in order (drafts among them until the
+        # next row or cut shows which were accepted).
+        self.fed = np.zeros(0, dtype=np.int64)
         self._bitmask = allocate_token_bitmask(1, vocab)
+
+    def _follow(self, tokens: Any) -> None:
+        """Bring the matcher to the state after `tokens` (the sequence so far): roll back what
+        it consumed past their common prefix, then consume the rest."""
+        generated = np.array(tokens, dtype=np.int64)[self.prompt_len:]
+        m = min(len(self.fed), len(generated))
+        differ = np.flatnonzero(self.fed[:m] != generated[:m])
+        keep = int(differ[0]) if differ.size else m
+        if keep < len(self.fed) and not self.matcher.rollback(len(self.fed) - keep):
+            raise RuntimeError(f"grammar matcher could not roll back "
+                               f"{len(self.fed) - keep} tokens: {self.matcher.get_error()}")
+        new = generated[keep:].tolist()
+        if new and not self.matcher.consume_tokens(new):
+            # Only tokens the mask allowed are committed, and drafts are cut to what the
+            # grammar allows (valid_drafts): a bug, not the request's fault.
+            raise RuntimeError(f"grammar matcher refused tokens {new}: "
+                               f"{self.matcher.get_error()}")
+        self.fed = generated
+
+    def valid_drafts(self, tokens: list[int], drafts: list[int]) -> int:
+        """How many leading drafts the grammar allows after `tokens` (the sequence so far,
+        committed): engine/speculative.py verifies only those."""
+        t0 = time.perf_counter()
+        self._follow(tokens)
+        # One at a time, as the verify rows will feed them: a grammar that has ended by
+        # itself takes no end-of-sequence after it (in one call with the token that ended it,
+        # the matcher would).
+        n = 0
+        while n < len(drafts) and self.matcher.try_consume_tokens([drafts[n]]) == 1:
+            n += 1
+        if n and not self.matcher.rollback(n):
+            raise RuntimeError(f"grammar matcher could not roll back {n} drafts: "
+                               f"{self.matcher.get_error()}")
+        if self.clock is not None:
+            self.clock.seconds += time.perf_counter() - t0
+        return n
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         from llguidance.numpy import fill_next_token_bitmask
 
         t0 = time.perf_counter()
-        new = tokens[self.prompt_len + self.consumed:].tolist()
-        if new and not self.matcher.consume_tokens(new):
-            # Only a token the mask allowed is ever sampled: a bug, not the request's fault.
-            raise RuntimeError(f"grammar matcher refused tokens {new}: "
-                               f"{self.matcher.get_error()}")
-        self.consumed += len(new)
+        self._follow(tokens)
         fill_next_token_bitmask(self.matcher, self._bitmask)
         # Bit i of the little-endian words is token i.
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")

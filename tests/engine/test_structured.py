@@ -1,6 +1,7 @@
 """Structured outputs in the engine (engine/structured.py): the grammar's mask against the
-grammar itself, constrained rows beside free rows, the end of a grammar, speculation, and
-specs the library cannot compile (tiny model: its byte tokenizer is one token per byte)."""
+grammar itself, constrained rows beside free rows, the end of a grammar, and specs the
+library cannot compile (tiny model: its byte tokenizer is one token per byte). Speculative
+decoding: tests/engine/test_structured_speculative.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from engine.errors import RequestError
 from engine.sampling import SamplingParams, StructuredOutput
 from engine.structured import GrammarProcessor, compile_matcher
-from engine.testing import ByteTokenizer, ScriptedDrafts, tiny_model
+from engine.testing import ByteTokenizer, tiny_model
 
 PROMPTS = ["abcabcabc", "hello there", "The quick brown fox", "x" * 20]
 SCHEMA = {"type": "object", "properties": {
@@ -85,21 +86,6 @@ def test_a_complete_grammar_stops_with_stop(make_engine):
     result = engine.generate(PROMPTS[1], constrained("regex", "ok!", max_tokens=50))
     assert (result.reason, result.text) == ("stop", "ok!")
     assert result.token_ids == ByteTokenizer().encode("ok!")  # the EOS is not emitted
-
-
-def test_a_constrained_request_takes_no_drafts(make_engine):
-    """Drafts that would be wrong for the grammar are never offered: its rows verify nothing,
-    and its tokens are those without speculation."""
-    spec = constrained("regex", "[a-z]{10}")
-    plain = make_engine().generate(PROMPTS[0], spec)
-    engine = make_engine(speculative="ngram", num_speculative_tokens=3,
-                         proposer=ScriptedDrafts(wrong=2))
-    drafted = engine.generate(PROMPTS[0], spec)
-    assert drafted.token_ids == plain.token_ids
-    assert spec.speculative is False
-    mine = [e for r in engine.steps.recent() for e in r.entries
-            if e.request_id == drafted.request_id]
-    assert mine and all(e.drafted == 0 for e in mine)
 
 
 @pytest.mark.parametrize(("kind", "spec", "words"), [

@@ -115,7 +115,7 @@ def test_the_run_record_keeps_the_structure():
         assert r.status_code == 200, r.text
     params = recorder.started[-1]["params"]
     assert params["structured"] == {"kind": "json", "spec": json.dumps(SCHEMA)}
-    assert params["speculative"] is False  # a constrained request takes no drafts
+    assert params["speculative"] is True  # a constrained request takes drafts too
 
 
 # ---- the official client on the embedded model ------------------------------------------------
