@@ -99,8 +99,7 @@ STATE_POOL_FIELDS = ("state_slots_total", "state_slots_used", "state_checkpoints
 # one row per entry, its request_id under "run_id"; what a reader shows of a step takes the
 # field's name again (field_name). Fields kept only in memory (/metrics and the live dashboard
 # read them from the record itself) are left out.
-_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable",
-                  "constrained_rows", "mask_ms")
+_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable")
 _ENTRY_UNSTORED = ("emitted",)
 _JSON_SUFFIX = "_json"
 

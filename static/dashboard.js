@@ -56,12 +56,16 @@
           : "no drafts this step"}, b.speculation),
         ...(b.draft_tokens ? [` · drafts ${b.accepted_tokens}/${b.draft_tokens} accepted`]
           : [])] : [];
+      const mask = b.constrained_rows ? [" · ", el("span", {class: "constrained", title:
+        "rows held to a grammar (structured outputs, forced tool calls); their matchers " +
+        `took ${b.mask_ms.toFixed(2)} ms to compute the masks`},
+        `${b.constrained_rows} constrained, mask ${b.mask_ms.toFixed(2)} ms`)] : [];
       caption.replaceChildren(
         "step ", el("b", {}, b.step),
         ` · ${b.total_rows} rows (${b.prefill_rows} prefill, ${b.decode_rows} decode, ` +
         `${b.verify_rows} verify) · `,
         el("span", {class: `path path-${b.kernel_path}`}, b.kernel_path),
-        ` · ${(b.wall_time * 1000).toFixed(1)} ms`, ...spec);
+        ` · ${(b.wall_time * 1000).toFixed(1)} ms`, ...spec, ...mask);
     } else {
       caption.replaceChildren("no step yet");
     }
@@ -145,7 +149,9 @@
       `style="--f: ${Math.sqrt(s.total_rows / top).toFixed(3)}; ` +
       `--v: ${(s.total_rows ? s.verify_rows / s.total_rows : 0).toFixed(3)}" ` +
       `title="step ${s.step}: ${esc(s.kernel_path)}, ${s.total_rows} rows` +
-      `${s.verify_rows ? ` (${s.verify_rows} verify)` : ""}"></i>`).join("");
+      `${s.verify_rows ? ` (${s.verify_rows} verify)` : ""}` +
+      `${s.constrained_rows ? `, ${s.constrained_rows} constrained (mask ` +
+        `${s.mask_ms.toFixed(2)} ms)` : ""}"></i>`).join("");
   }
 
   // ---- expert load (mixture-of-experts models): cells are kept, only shade and title change ---

@@ -161,6 +161,10 @@ class Step(Base):
     # cumulative, like prefix_cache_hits: admissions that resumed from a checkpoint
     state_checkpoint_hits: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     state_slot_bytes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Structured outputs: the step's rows held to a grammar, and the milliseconds their
+    # matchers took (StepRecord.constrained_rows, mask_ms); 0 for an unconstrained step.
+    constrained_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    mask_ms: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
 
     __table_args__ = (Index("ix_steps_started_at", "started_at"),)
 

@@ -9,7 +9,8 @@ one process do not collide. Three sources fill it:
                                       hits, steps by kernel path,
                                       rows per step, inter-token latency (from step end times,
                                       as vLLM measures it: per engine iteration), speculative
-                                      decoding's drafts and accepted tokens (verify entries)
+                                      decoding's drafts and accepted tokens (verify entries),
+                                      structured outputs' constrained rows and mask time
     finished requests (event loop)    finish reasons, TTFT, end-to-end, queue time, TPOT
 
 Step callbacks only bump counters (prometheus-client is thread-safe), so they stay cheap.
@@ -106,6 +107,12 @@ class EngineMetrics:
         self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Draft proposals whose draft at this position "
                                              "(0: the first) was accepted.", ("position",))
+        # Structured outputs (and forced tool calls): rows held to a grammar, and the time
+        # their matchers took to take the new tokens and compute the masks.
+        self.constrained_rows = counter("constrained_rows", "Rows sampled under a grammar "
+                                        "(structured outputs, forced tool calls).")
+        self.mask_seconds = counter("grammar_mask_seconds", "Time the grammar matchers took "
+                                    "to take the steps' tokens and compute the masks.")
         for reason in FINISH_REASONS:  # present at zero, so rates work from the start
             self.request_success.labels(reason)
         for path in KERNEL_PATHS:
@@ -177,6 +184,9 @@ class EngineMetrics:
         self.iteration_tokens.observe(record.total_rows)
         if record.preempted:
             self.preemptions.inc(len(record.preempted))
+        if record.constrained_rows:
+            self.constrained_rows.inc(record.constrained_rows)
+            self.mask_seconds.inc(record.mask_ms / 1000)
         queries, hits = record.prefix_cache_queries, record.prefix_cache_hits
         seen_q, seen_h = self._prefix_seen
         # The totals are cumulative; they restart from zero if the engine rebuilds its pool.

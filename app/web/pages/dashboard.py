@@ -171,6 +171,7 @@ def dashboard_state(engine: Any) -> dict[str, Any]:
                  "draft_tokens": record.draft_tokens,
                  "accepted_tokens": record.accepted_tokens,
                  "speculation": record.speculation, "error": record.error,
+                 "constrained_rows": record.constrained_rows, "mask_ms": record.mask_ms,
                  "entries": [{**_request(e.request_id), "phase": e.phase, "rows": e.rows,
                               "context_len": e.context_len, "blocks_held": e.blocks_held,
                               "sampled": e.sampled, "drafted": e.drafted,

@@ -10,6 +10,7 @@ import stat
 
 import pytest
 import sqlalchemy.exc
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -238,6 +239,51 @@ def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_pa
     assert {k: step[k] for k in STATE_POOL if k in step} == \
         {k: v for k, v in STATE_POOL.items() if k != "state_checkpoint_hits"}
     assert "state_checkpoint_hits" not in step
+
+
+def test_upgrade_from_0006_adds_constrained_rows_and_mask_time(tmp_path):
+    path = tmp_path / "old.db"
+    engine = create_sqlite_engine(path)
+    try:
+        run_migrations(engine, "0006")  # a database written before the steps' grammar masks
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO engine_sessions (id, started_at, model, weights, kernel_policy, "
+                "config_json) VALUES (1, 1.0, 'm', 'q4', 'gemm', '{}')")
+            insert_old_step(conn)
+        assert "mask_ms" not in {c["name"] for c in inspect(engine).get_columns("steps")}
+    finally:
+        engine.dispose()
+    with open_database(path) as db:
+        assert current_revision(db) == head_revision()
+        recorder = Recorder(db, flush_interval=0.01)
+        recorder.start()
+        try:
+            start_run(recorder, "C", 1)
+            constrained = step_record(2, 1000.0, [("C", "decode", 1)])
+            constrained.constrained_rows, constrained.mask_ms = 1, 0.375
+            recorder.step(1, constrained)
+            assert recorder.flush()
+        finally:
+            recorder.close()
+        with db.read() as conn:
+            stored = conn.execute(sqlalchemy.text(
+                "SELECT step, constrained_rows, mask_ms FROM steps ORDER BY step")).all()
+        [step] = get_run(db, "C")["steps"]
+    assert [tuple(r) for r in stored] == [(1, 0, 0.0), (2, 1, 0.375)]
+    assert (step["constrained_rows"], step["mask_ms"]) == (1, 0.375)  # the run page's steps
+    # And back down: 0006's steps table, its rows kept.
+    engine = create_sqlite_engine(path)
+    try:
+        with engine.begin() as conn:
+            config = alembic_config()
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0006")
+        assert "mask_ms" not in {c["name"] for c in inspect(engine).get_columns("steps")}
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM steps").scalar() == 2
+    finally:
+        engine.dispose()
 
 
 def test_drafted_tokens_and_verify_entries_are_stored_and_read_back(db, recorder):
@@ -526,12 +572,14 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
     full.preempted, full.error, full.expert_rows = ["Z"], "boom", {"0": [1, 2]}
     full.verify_rows, full.draft_tokens, full.accepted_tokens = 3, 2, 1
     full.speculation, full.propose_time, full.prefix_cache_queries = "on", 0.5, 9
+    full.constrained_rows, full.mask_ms = 3, 0.25
     for name, value in STATE_POOL.items():
         setattr(full, name, value)
     old = step_record(2, 1000.1, [("A", "decode", 1)]).to_dict()
     for newer in ("verify_rows", "draft_tokens", "accepted_tokens", "speculation", "kernel_path",
                   "linear_calls_per_layer", "prefix_cache_queries", "prefix_cache_hits",
-                  "expert_rows", "preempted", "error", *STATE_POOL):
+                  "expert_rows", "preempted", "error", *STATE_POOL, "constrained_rows",
+                  "mask_ms"):
         del old[newer]
     for entry in old["entries"]:
         del entry["drafted"], entry["accepted"], entry["emitted"]
@@ -549,7 +597,7 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
                      "verify_rows": 3, "draft_tokens": 2, "accepted_tokens": 1,
                      "speculation": "on", "state_slots_total": 4, "state_slots_used": 3,
                      "state_checkpoints": 5, "state_checkpoint_capacity": 16,
-                     "state_slot_bytes": 3 * 2**31,
+                     "state_slot_bytes": 3 * 2**31, "constrained_rows": 3, "mask_ms": 0.25,
                      "entry": {"run_id": "A", "phase": "verify", "rows": 3, "context_len": 11,
                                "blocks_held": 1, "sampled": True, "drafted": 2, "accepted": 1}}
     assert second == {**common, "step": 2, "started_at": 1000.1, "decode_rows": 1,
@@ -558,6 +606,7 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
                       "draft_tokens": 0, "accepted_tokens": 0, "speculation": "",
                       "state_slots_total": 0, "state_slots_used": 0, "state_checkpoints": 0,
                       "state_checkpoint_capacity": 0, "state_slot_bytes": 0,
+                      "constrained_rows": 0, "mask_ms": 0.0,
                       "entry": {"run_id": "A", "phase": "decode", "rows": 1, "context_len": 12,
                                 "blocks_held": 1, "sampled": True, "drafted": 0, "accepted": 0}}
     with db.read() as conn:

@@ -349,6 +349,24 @@ def test_an_idle_engine_shows_idle_values_and_the_stream_says_so(live, ran):
     wait_until(lambda: live.app.state.step_feed.num_clients == 0)
 
 
+def test_constrained_steps_are_marked_with_their_rows_and_mask_time(live, ran):
+    first = live.engine.step_count
+    complete(live, PROMPTS[:2], 8, structured_outputs={"regex": "[a-d]{4,8}"}, ignore_eos=False)
+    records = [r for r in live.engine.steps.recent() if r.step > first]
+    assert all(r.constrained_rows > 0 for r in records)
+    soup = BeautifulSoup(live.http.get("/dashboard").text, "html.parser")
+    marks = soup.select("#kernel-strip i.mark")[-len(records):]
+    for mark, r in zip(marks, records, strict=True):
+        assert mark["title"].endswith(f", {r.constrained_rows} constrained "
+                                      f"(mask {r.mask_ms:.2f} ms)")
+    last = records[-1]
+    caption = " ".join(soup.select_one("#batch-caption").get_text(" ").split())
+    assert caption.endswith(f"{last.constrained_rows} constrained, mask {last.mask_ms:.2f} ms")
+    data = live.http.get("/dashboard.json").json()
+    assert [s["constrained_rows"] for s in data["steps"][-len(records):]] == \
+        [r.constrained_rows for r in records]
+
+
 # ---- the bridge, without a server ------------------------------------------------------------
 def record(step: int, start: float, wall: float = 0.01, decode: int = 1) -> StepRecord:
     return StepRecord(step=step, started_at=start, wall_time=wall, model_time=wall / 2,

@@ -18,7 +18,7 @@ from app.web.metrics import EngineMetrics
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, StructuredOutput
 from engine.telemetry import StepEntry, StepRecord
 from engine.testing import tiny_model
 
@@ -288,6 +288,28 @@ def test_steps_seen_twice_count_once():
         == pytest.approx(2.0)
     assert reg.get_sample_value("batchscope:prefix_cache_queries_total") == 12
     assert reg.get_sample_value("batchscope:prefix_cache_hits_total") == 5
+
+
+def test_constrained_rows_and_mask_time_equal_the_steps(client):
+    """Requests held to a grammar: their rows and their matchers' time, as the steps say."""
+    before = scrape(client)
+    first = client.app.state.engine.step_count
+    grammar = StructuredOutput("regex", "[a-d]{4,8}")
+    run_all(client, [request(p, client, max_tokens=8, ignore_eos=False, structured=grammar)
+                     for p in PROMPTS[:3]])
+    steps = [r for r in client.app.state.engine.steps.recent() if r.step > first]
+    after = scrape(client)
+
+    def added(family: str) -> float:
+        sample = f"batchscope:{family}_total"
+        return value(after, "batchscope:" + family, sample) \
+            - value(before, "batchscope:" + family, sample)
+
+    rows = sum(r.constrained_rows for r in steps)
+    assert rows >= 3 * 4  # every request's tokens, at least 4 each
+    assert added("constrained_rows") == rows
+    assert added("grammar_mask_seconds") == pytest.approx(sum(r.mask_ms for r in steps) / 1000)
+    assert added("grammar_mask_seconds") > 0
 
 
 # ---- speculative decoding --------------------------------------------------------------------
