@@ -180,7 +180,7 @@ def engines():
         engine.stop()
 
 
-@settings(max_examples=6, deadline=None,
+@settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=st.sampled_from(CASES), prompt=st.sampled_from(PROMPTS),
        wrong=st.sampled_from([1, 2, 4]))
