@@ -71,6 +71,8 @@ class RunRequest:
     source: str = "api"
     prompt_text: str | None = None  # None: decoded from prompt_ids for the record
     messages: list[dict] | None = None
+    # Recorded beside the sampling parameters (the playground's tools and their parser).
+    record: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -220,7 +222,8 @@ class RunService:
                          model=self.model_name, weights=self.engine.loaded.weights,
                          kernel_policy=kernel_policy(self.engine), prompt_text=prompt_text,
                          messages=request.messages, prompt_token_ids=list(request.prompt_ids),
-                         params=params_dict(choice_params(request.params, i)),
+                         params=params_dict(choice_params(request.params, i))
+                         | request.record,
                          queued_at=queued_at)
             task = loop.create_task(self._pump(run, handle), name=f"pump-{run_id}")
             self._pumps.add(task)

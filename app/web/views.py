@@ -176,6 +176,9 @@ class Run(Record):
     speculation: Speculation
     text_tail: str = Field(description="output released only with the finish (held back for "
                                        "a stop string, or a partial character)")
+    tool_calls: list[dict[str, str]] | None = Field(
+        None, description="a run given tools (params.tools): the calls its output holds, read "
+                          "by the recorded params.tool_parser; null: no tools recorded")
 
 
 class RunPending(View):

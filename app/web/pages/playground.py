@@ -15,6 +15,7 @@ no longer in the registry are replayed from the database as their final state.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
+from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -29,7 +31,12 @@ from starlette.routing import Route
 
 from app.db import runs as queries
 from app.runs import QueueFullError, Run, RunRequest, params_dict
+from app.web.api.params import APIError
 from app.web.api.routes import MAX_STOP
+from app.web.api.structured import ResponseFormat, response_format_spec
+from app.web.api.tool_calls import ToolCall, ToolParser, ToolStream
+from app.web.api.tool_output import plan as tool_plan
+from app.web.api.tools import ToolFields, Tools
 from app.web.pages.runs import run_context
 from app.web.render import (
     database,
@@ -54,7 +61,8 @@ MAX_STOP_CHARS = 200
 PLAYGROUND_LOGPROBS = 5  # alternatives kept per token, shown on hover
 DEFAULTS = {"mode": "chat", "temperature": 0.0, "top_p": 1.0, "max_tokens": 64, "seed": None,
             "stop": "", "copies": 1, "ignore_eos": False, "speculative": True,
-            "frequency_penalty": 0.0, "presence_penalty": 0.0}
+            "frequency_penalty": 0.0, "presence_penalty": 0.0, "tool_choice": "auto"}
+TOOL_CHOICES = ("auto", "required", "none")
 # The form sends speculative=0 from a hidden input and =1 from the checkbox after it (the last
 # one wins), so a form without the field at all keeps the default.
 SWITCH_VALUES = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
@@ -68,6 +76,8 @@ class PlaygroundInput:
     prompt: str
     params: SamplingParams
     copies: int
+    tools: Tools | None = None  # none: no tools, or tool_choice none
+    tool_list: list[dict] | None = None  # the tools as given (what the run records)
 
 
 def _form_number(form: dict[str, str], name: str, label: str, errors: dict[str, str],
@@ -127,13 +137,72 @@ def parse_playground(form: dict[str, str], max_tokens_limit: int) -> tuple[Playg
     speculative = DEFAULTS["speculative"] if raw is None else SWITCH_VALUES.get(raw.strip().lower())
     if speculative is None:
         errors["speculative"] = f"speculative must be on or off, got {raw[:40]!r}"
+    structured = _json_schema(form.get("json_schema", ""), errors)
+    tools, tool_list = _tools(form, mode, structured is not None, errors)
     if errors:
         return None, errors
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             seed=seed, stop=tuple(stops), logprobs=PLAYGROUND_LOGPROBS,
                             ignore_eos=form.get("ignore_eos", "") not in ("", "0", "off"),
-                            speculative=speculative, **penalties)
-    return PlaygroundInput(mode, system, prompt, params, copies), {}
+                            speculative=speculative, structured=structured, **penalties)
+    return PlaygroundInput(mode, system, prompt, params, copies, tools, tool_list), {}
+
+
+def _pydantic_error(e: ValidationError) -> str:
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
+def _json_field(raw: str, name: str, label: str, errors: dict[str, str]) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        errors[name] = f"{label} is not valid JSON: {e}"
+        return None
+
+
+def _json_schema(raw: str, errors: dict[str, str]) -> Any:
+    """The JSON-schema box as the API's response_format json_schema (None: empty box)."""
+    if not raw.strip():
+        return None
+    schema = _json_field(raw, "json_schema", "the JSON schema", errors)
+    if "json_schema" in errors:
+        return None
+    if not isinstance(schema, dict):
+        errors["json_schema"] = "the JSON schema must be an object"
+        return None
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "playground", "schema": schema, "strict": True}}
+    return response_format_spec(TypeAdapter(ResponseFormat).validate_python(fmt))
+
+
+def _tools(form: dict[str, str], mode: str, structured: bool,
+           errors: dict[str, str]) -> tuple[Tools | None, list[dict] | None]:
+    """The tools box (a JSON list of OpenAI tool definitions) and the tool_choice select."""
+    raw, choice = form.get("tools", ""), form.get("tool_choice", DEFAULTS["tool_choice"])
+    if choice not in TOOL_CHOICES:
+        errors["tool_choice"] = f"tool choice must be one of {', '.join(TOOL_CHOICES)}"
+        return None, None
+    if not raw.strip():
+        if choice == "required":
+            errors["tool_choice"] = "tool choice required needs tools"
+        return None, None
+    given = _json_field(raw, "tools", "the tools", errors)
+    if "tools" in errors:
+        return None, None
+    if mode != "chat":
+        errors["tools"] = "tools need the chat prompt mode (the chat template renders them)"
+        return None, None
+    if choice == "required" and structured:
+        errors["tool_choice"] = "tool choice required cannot be combined with a JSON schema"
+        return None, None
+    try:
+        fields = ToolFields.model_validate({"tools": given, "tool_choice": choice})
+    except ValidationError as e:
+        errors["tools"] = f"tools: {_pydantic_error(e)}"
+        return None, None
+    return fields.tool_request, given
 
 
 async def playground(request: Request) -> Response:
@@ -141,7 +210,7 @@ async def playground(request: Request) -> Response:
     speculation = getattr(service.engine, "speculation", None)
     context = {"model": service.model_name, "max_model_len": service.max_model_len,
                "max_tokens_limit": service.max_context_tokens(), "max_copies": MAX_COPIES,
-               "max_stop": MAX_STOP, "defaults": DEFAULTS,
+               "max_stop": MAX_STOP, "defaults": DEFAULTS, "tool_choices": TOOL_CHOICES,
                "database": database(request) is not None,
                # The engine's speculative decoding ("off", or its method and limits).
                "speculation": {"enabled": bool(speculation and speculation.enabled),
@@ -153,8 +222,9 @@ async def playground(request: Request) -> Response:
 class LiveRun:
     """A run's events so far; each follower gets them all, then the rest as they come."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, parser: ToolParser | None = None):
         self.run = run
+        self.parser = parser  # a run given tools: its output is read for calls
         self.events: list[Event] = []
         self.finish: FinishEvent | None = None
         self._followers: set[asyncio.Queue] = set()
@@ -191,8 +261,8 @@ class LiveRuns:
     def __init__(self) -> None:
         self._runs: OrderedDict[str, LiveRun] = OrderedDict()
 
-    def add(self, run: Run) -> LiveRun:
-        live = self._runs[run.id] = LiveRun(run)
+    def add(self, run: Run, parser: ToolParser | None = None) -> LiveRun:
+        live = self._runs[run.id] = LiveRun(run, parser)
         finished = [k for k, v in self._runs.items() if v.finish is not None]
         for run_id in finished[:max(0, len(finished) - self.keep_finished)]:
             del self._runs[run_id]
@@ -220,17 +290,33 @@ async def start_runs(request: Request) -> Response:
     data, errors = parse_playground(form, service.max_context_tokens())
     if data is None:
         return form_errors(request, errors)
+    params, parser, record = data.params, None, {}
     if data.mode == "chat":
         messages = ([{"role": "system", "content": data.system}] if data.system.strip() else [])
         messages.append({"role": "user", "content": data.prompt})
-        prompt_ids, prompt_text = service.encode_chat(messages), None
+        if data.tools is None:
+            prompt_ids = service.encode_chat(messages)
+        else:  # as /v1/chat/completions does it (app/web/api/tool_output.py)
+            try:
+                plan = tool_plan(service, request.app.state.settings.tool_call_parser,
+                                 data.tools, messages)
+                messages = plan.messages
+                prompt_ids = plan.encode(messages)
+            except APIError as e:
+                return form_errors(request, {e.param or "tools": e.message})
+            except ValueError as e:
+                return form_errors(request, {"tools": f"tools: {e}"})
+            params, parser = plan.sampling(params), plan.parser
+            record = {"tools": data.tool_list, "tool_choice": data.tools.choice,
+                      "tool_parser": parser.name if parser else None}
+        prompt_text = None
     else:
         messages, prompt_ids, prompt_text = None, service.encode(data.prompt), data.prompt
     registry = live_runs(request.app)
     started: list[LiveRun] = []
     for _ in range(data.copies):
-        run_request = RunRequest(prompt_ids, data.params, "/playground", "playground",
-                                 prompt_text, messages)
+        run_request = RunRequest(prompt_ids, params, "/playground", "playground",
+                                 prompt_text, messages, record)
         try:
             run = service.start(run_request)
         except QueueFullError as e:
@@ -239,12 +325,13 @@ async def start_runs(request: Request) -> Response:
             return error_response(request, 503, f"the engine is not running: {e}", fragment=True)
         except RequestError as e:  # too long for the context window, and the like
             return form_errors(request, {e.param: str(e)})
-        started.append(registry.add(run))
+        started.append(registry.add(run, parser))
     ids = [live.id for live in started]
     context = {"runs": [{"id": i, "url": f"/runs/{i}", "cancel_url": f"/runs/{i}/cancel",
                          "stream_url": f"/runs/{i}/stream"} for i in ids],
                "stream_url": _stream_url(ids), "saved": database(request) is not None,
-               "prompt_tokens": len(prompt_ids), "params": params_dict(data.params)}
+               "prompt_tokens": len(prompt_ids), "params": params_dict(params),
+               "tools": parser is not None}
     return page_response(request, "_run_panels.html", context)
 
 
@@ -339,6 +426,10 @@ async def stream_runs(request: Request) -> Response:
     def fragment(name: str, **context: Any) -> str:
         return env.get_template(name).render(context)
 
+    def calls(run_id: str, found: list[ToolCall]) -> list[dict]:
+        return [_sse(f"calls-{run_id}", fragment("_tool_calls.html", calls=found))] if found \
+            else []
+
     def end(run_id: str, stats: PanelStats) -> dict:
         return _sse(f"end-{run_id}", fragment("_end.html", id=run_id, stats=stats, saved=has_db))
 
@@ -353,6 +444,8 @@ async def stream_runs(request: Request) -> Response:
             yield end(record["id"], stats)
         queue: asyncio.Queue = asyncio.Queue()
         meters = {live.id: _Meter(live.run.created) for live in lives}
+        # The calls as the API streams them: each once complete (app/web/api/tool_calls.py).
+        streams = {live.id: ToolStream(live.parser) for live in lives if live.parser}
         errors: dict[str, str] = {}
         pending = set(meters)
         for live in lives:
@@ -368,12 +461,18 @@ async def stream_runs(request: Request) -> Response:
                                        event.step, service.token_text, event.drafted)
                     yield _sse(f"token-{live.id}", fragment("_tokens.html", tokens=[token]))
                     yield _sse(f"stats-{live.id}", fragment("_stats.html", stats=meter.stats))
+                    if live.id in streams:
+                        for sse in calls(live.id, streams[live.id].feed(event.text)[1]):
+                            yield sse
                 elif isinstance(event, ErrorEvent):
                     errors[live.id] = event.message
                 elif isinstance(event, FinishEvent):
                     if event.text_delta:  # text held back for a possible stop string
                         yield _sse(f"token-{live.id}",
                                    fragment("_tokens.html", tokens=[{"text": event.text_delta}]))
+                    if live.id in streams:
+                        for sse in calls(live.id, streams[live.id].finish(event.text_delta)[1]):
+                            yield sse
                     meter.finish(event, errors.get(live.id))
                     yield _sse(f"stats-{live.id}", fragment("_stats.html", stats=meter.stats))
                     yield end(live.id, meter.stats)

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.db import runs as queries
+from app.web.api.tool_calls import parse, parser
 from app.web.render import (
     NO_DATABASE,
     database,
@@ -112,7 +113,18 @@ def run_context(record: dict, decode: Callable[[int], str | None]) -> Run:
     speculation = Speculation(**record.get("speculation", {}),
                               drafted_tokens=sum(1 for t in tokens if t.drafted))
     return Run(**{**record, "tokens": tokens, "steps": steps, "metrics": metrics,
-                  "speculation": speculation}, text_tail=tail)
+                  "speculation": speculation}, text_tail=tail,
+               tool_calls=_tool_calls(record["params"], output))
+
+
+def _tool_calls(params: dict | None, output: str) -> list[dict[str, str]] | None:
+    """The calls in a run's output, read as its stream was (the recorded parser), or None for
+    a run without tools recorded."""
+    name = (params or {}).get("tool_parser")
+    if not name:
+        return None
+    return [{"name": c.name, "arguments": c.arguments}
+            for c in parse(parser(name, None), output)[1]]
 
 
 async def run_detail(request: Request) -> Response:

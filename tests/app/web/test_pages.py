@@ -6,6 +6,7 @@ through the same formatting functions the templates use.
 
 from __future__ import annotations
 
+import json
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -23,6 +24,12 @@ from engine.sampling import SamplingParams
 from engine.testing import tiny_model
 
 SCRIPT = "<script>alert(1)</script>"
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["n"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                   "required": ["city"]}}}]
 JSON = {"accept": "application/json"}
 # Form posts come from the page itself, as a browser's would (app/web/security.py's CSRF rule).
 SAME_ORIGIN = {"origin": "http://testserver"}
@@ -114,11 +121,16 @@ def test_playground_page_has_the_form(client):
     names = {el["name"] for el in form.find_all(["input", "textarea", "select"])}
     assert {"mode", "system", "prompt", "temperature", "top_p", "max_tokens", "seed", "stop",
             "copies", "ignore_eos", "speculative", "frequency_penalty",
-            "presence_penalty"} <= names
+            "presence_penalty", "json_schema", "tools", "tool_choice"} <= names
+    assert [o.get_text() for o in form.find("select", attrs={"name": "tool_choice"})("option")] \
+        == ["auto", "required", "none"]
+    for box in ("json_schema", "tools"):  # where the page's script shows a box's bad JSON
+        assert page.find(id=f"{box}-error") is not None
     assert page.find(id="results") is not None
     assert "tiny-llama" in page.get_text()
     srcs = [s["src"] for s in page.find_all("script")]
-    assert srcs == ["/static/vendor/htmx-2.0.11.min.js", "/static/vendor/htmx-ext-sse-2.2.4.js"]
+    assert srcs == ["/static/vendor/htmx-2.0.11.min.js", "/static/vendor/htmx-ext-sse-2.2.4.js",
+                    "/static/playground.js"]
     for src in srcs + ["/static/app.css"]:
         assert client.get(src).status_code == 200
 
@@ -207,6 +219,61 @@ def test_playground_penalties_reach_the_run(client, recorder):
     assert params["frequency_penalty"] == 1.5 and params["presence_penalty"] == -0.5
 
 
+def test_playground_json_schema_holds_the_output_and_the_run_page_shows_it(client, recorder):
+    [run_id] = play(client, json_schema=json.dumps(SCHEMA), max_tokens="40")
+    finish(client, recorder, [run_id])
+    saved = client.get(f"/runs/{run_id}.json").json()
+    # As the API's response_format json_schema would hold it.
+    assert saved["params"]["structured"] == {"kind": "json", "spec": json.dumps(SCHEMA)}
+    assert 1 <= json.loads(saved["output_text"])["n"] <= 9
+    section = soup(client.get(f"/runs/{run_id}")).find(id="constraints")
+    assert section.find(attrs={"data-structured": "json"}) is not None
+    assert json.loads(section.select_one("pre.spec").get_text()) == SCHEMA
+    assert section.find("table", class_="tools") is None
+
+
+@pytest.fixture
+def long_context(tmp_path):
+    """A playground whose model has room for the tools' fallback system prompt."""
+    db = open_database(tmp_path / "runs.db")
+    recorder = Recorder(db, flush_interval=0.01)
+    recorder.start()
+    app = create_app(Settings(engine=EngineConfig(num_kv_blocks=512)),
+                     engine_factory=lambda config: Engine(
+                         config, loader=lambda *a, **k: tiny_model(max_position_embeddings=2048)),
+                     recorder_factory=lambda settings: recorder)
+    with TestClient(app, headers=SAME_ORIGIN) as c:
+        yield c, recorder
+    db.close()
+
+
+def test_playground_tools_stream_the_calls_and_the_run_records_them(long_context):
+    client, recorder = long_context
+    r = client.post("/playground", data={"mode": "chat", "prompt": "weather in Paris?",
+                                         "max_tokens": "120", "tools": json.dumps(TOOLS),
+                                         "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    [panel] = BeautifulSoup(r.text, "html.parser").select("section.panel")
+    run_id = panel["data-run-id"]
+    assert panel.find(id=f"calls-{run_id}")["sse-swap"] == f"calls-{run_id}"
+    events = finish(client, recorder, [run_id])
+    streamed = [BeautifulSoup(d, "html.parser") for n, d in events if n == f"calls-{run_id}"]
+    calls = [c for frag in streamed for c in frag.select(".tool-call")]
+    assert calls and all(c["data-tool-call"] == "get_weather" for c in calls)
+    for call in calls:  # the forced call follows the tool's schema
+        assert isinstance(json.loads(call.select_one(".args").get_text())["city"], str)
+    saved = client.get(f"/runs/{run_id}.json").json()
+    params = saved["params"]
+    assert params["tools"] == TOOLS and params["tool_choice"] == "required"
+    assert params["tool_parser"] == "hermes" and params["structured"]["kind"] == "grammar"
+    assert [c["name"] for c in saved["tool_calls"]] == ["get_weather"] * len(calls)
+    assert [c["arguments"] for c in saved["tool_calls"]] == \
+        [c.select_one(".args").get_text() for c in calls]
+    section = soup(client.get(f"/runs/{run_id}")).find(id="constraints")
+    assert section.find("tr", attrs={"data-tool": "get_weather"}) is not None
+    assert len(section.select(".tool-calls .tool-call")) == len(calls)
+
+
 def test_playground_stop_strings_and_seed(client, recorder):
     [run_id] = play(client, temperature="1", seed="7", stop="zz, yy\nxx", max_tokens="4")
     finish(client, recorder, [run_id])
@@ -233,6 +300,15 @@ def test_playground_stop_strings_and_seed(client, recorder):
     ({"copies": "two"}, "copies", "whole number"),
     ({"stop": "a,b,c,d,e"}, "stop", "at most 4"),
     ({"mode": "poem"}, "mode", "chat or raw"),
+    ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
+    ({"json_schema": "[1]"}, "json_schema", "must be an object"),
+    ({"tools": "[{]"}, "tools", "not valid JSON"),
+    ({"tools": json.dumps(TOOLS)}, "tools", "chat prompt mode"),
+    ({"mode": "chat", "tools": '[{"type": "function"}]'}, "tools", "function"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "maybe"}, "tool_choice", "one of auto"),
+    ({"mode": "chat", "tools": json.dumps(TOOLS), "tool_choice": "required",
+      "json_schema": "{}"}, "tool_choice", "JSON schema"),
 ])
 def test_bad_form_input_is_a_400_fragment_naming_the_field(client, fields, field, words):
     form = {"mode": "raw", "prompt": "hello", "max_tokens": "8", **fields}
