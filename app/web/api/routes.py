@@ -556,8 +556,10 @@ async def chat_completions(request: Request) -> Response:
                                          request.app.state.settings.max_tokens_limit)
     params = plan.sampling(_params(req, max_tokens, req.top_logprobs or 0))
     n = req.n or 1
+    record = ({**req.model_dump(include={"tools", "tool_choice"}, exclude_none=True),
+               "tool_parser": plan.parser.name if plan.parser else None} if req.tools else {})
     runs = _start_choices(service, RunRequest(prompt_ids, params, "/v1/chat/completions",
-                                              "api", None, messages), "chatcmpl", req, n)
+                                              "api", None, messages, record), "chatcmpl", req, n)
     shape = _ChatShape(service, runs, bool(req.logprobs), req.include_usage,
                        bool(req.return_tokens_as_token_ids), tools=plan.output(n))
     return await _respond(request, runs, shape, req.stream, n)

@@ -249,6 +249,11 @@ def test_a_forced_call_is_well_formed(client, live, choice):
     started = next(s for s in live.recorder.started if s["run_id"] == out.id)
     assert started["messages"][0]["role"] == "system"
     assert '"name": "get_time"' in started["messages"][0]["content"]
+    # The run records the tools it was given, so its page can show them and read its calls.
+    params = started["params"]
+    assert [t["function"]["name"] for t in params["tools"]] == [
+        t["function"]["name"] for t in TOOLS]
+    assert params["tool_choice"] == choice and params["tool_parser"] == "hermes"
 
 
 def test_required_with_parallel_calls_makes_one_or_more(client):
