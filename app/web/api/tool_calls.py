@@ -205,8 +205,67 @@ class Qwen3CoderParser(HermesParser):
         return None if call is None else (call, found.end())
 
     def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
-        raise ValueError("a forced call (tool_choice required or a named function) is not "
-                         "available in the qwen3-coder format")
+        # One rule per function, its parameters in the schema's order (the required always,
+        # the others optional); a value is text for plain strings, else JSON.
+        functions = " | ".join(f"f{i}" for i in range(len(tools)))
+        rules = ["start: " + ('call ("\\n" call)*' if many else "call"),
+                 f'call: "<tool_call>\\n" ({functions}) "</tool_call>"']
+        tail = json.dumps("\n</parameter>\n")
+        for i, (name, schema) in enumerate(tools):
+            parts = []
+            for j, (key, sub, required) in enumerate(_qwen_params(name, schema)):
+                head, text = json.dumps(f"<parameter={key}>\n"), _qwen_text(sub)
+                rule = f"f{i}_{j}" if text is None else f"F{i}_{j}"  # upper case: a lexeme
+                body = f"%json {json.dumps(sub)}" if text is None else f"({text})"
+                rules.append(f"{rule}: {head} {body} {tail}")
+                parts.append(rule + ("" if required else "?"))
+            opening = json.dumps(f"<function={name}>\n")
+            rules.append(f'f{i}: {opening} {" ".join(parts)} "</function>\\n"')
+        return "\n".join(rules) + "\n"
+
+
+# What a qwen3-coder parameter's text may not be: the parser reads a value as JSON where it
+# parses as such (Python's json also takes NaN and Infinity), so a string must not.
+_QWEN_JSONISH = (r"/[ \t\n\r]*(-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|true|false|null"
+                 r"|NaN|-?Infinity|[\"\[{](?s:.*))[ \t\n\r]*/")
+_QWEN_TOP = {"type", "properties", "required", "additionalProperties", "description", "title",
+             "$defs", "definitions", "$schema"}
+
+
+def _qwen_params(name: str, schema: dict) -> list[tuple[str, dict, bool]]:
+    """A function's parameters (key, schema with the root's definitions, required); a
+    ValueError for a schema a list of parameters cannot express."""
+    extra = sorted(set(schema) - _QWEN_TOP)
+    properties, required = schema.get("properties", {}), set(schema.get("required", ()))
+    if extra or schema.get("type", "object") != "object" or not required <= set(properties):
+        raise ValueError(f"the parameters of {name!r} cannot be forced in the qwen3-coder "
+                         f"format (only properties, required and additionalProperties can)")
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    return [(key, (sub if isinstance(sub, dict) else {}) | defs | {"x-guidance": JSON_STYLE},
+             key in required) for key, sub in properties.items()]
+
+
+def _qwen_text(schema: dict) -> str | None:
+    """The lexeme of a parameter written as text (a plain string, or an enum of strings that
+    do not read as JSON), or None: written as JSON."""
+    keys = set(schema) - {"description", "title", "x-guidance", "$defs", "definitions"}
+    enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if enum is not None and keys <= {"enum", "const", "type"}:
+        plain = all(isinstance(v, str) and not _is_json(v) and "</parameter>" not in v
+                    for v in enum)
+        return " | ".join(json.dumps(v) for v in enum) if plain and enum else None
+    if schema.get("type") != "string" or not keys <= {"type", "minLength", "maxLength"}:
+        return None
+    length = f"{{{schema.get('minLength', 0)},{schema.get('maxLength', '')}}}"
+    return f"/(?s:.{length})/ & ~/(?s:.*)<\\/parameter>(?s:.*)/ & ~{_QWEN_JSONISH}"
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 _BY_NAME: dict[str, type[ToolParser]] = {p.name: p for p in (

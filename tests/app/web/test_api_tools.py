@@ -25,7 +25,7 @@ from app.web.api.tools import Tools, encode, fallback_messages, rendered
 from app.web.app import create_app
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.testing import FixedTextTokenizer, tiny_model
+from engine.testing import ByteTokenizer, FixedTextTokenizer, tiny_model
 
 TIMEOUT = 30.0
 WEATHER = {"type": "object", "properties": {
@@ -109,7 +109,7 @@ def test_the_format_is_picked_from_the_template(template, name):
     assert set(PARSERS) == {"auto", "hermes", "llama3", "mistral", "qwen3-coder"}
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral", "qwen3-coder"])
 def test_each_formats_forced_grammar_compiles(name):
     from llguidance import LLMatcher, grammar_from
 
@@ -117,6 +117,30 @@ def test_each_formats_forced_grammar_compiles(name):
     grammar = tools.grammar(parser(name, None))
     assert grammar is not None and grammar.kind == "grammar"
     assert LLMatcher.validate_grammar(grammar_from("lark", grammar.spec)) == ""
+
+
+QWEN_SCHEMAS = [
+    WEATHER,
+    {"type": "object", "properties": {}},  # no parameters
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "1"]}},
+                                      "at": {"$ref": "#/$defs/place"}},
+     "required": ["at"], "$defs": {"place": {"type": "object", "properties": {
+         "lat": {"type": "number"}}, "required": ["lat"]}}},
+]
+
+
+@pytest.mark.parametrize("schema", QWEN_SCHEMAS)
+def test_qwen3_coder_forced_grammar_compiles_for_each_schema(schema):
+    from llguidance import LLMatcher, grammar_from
+
+    spec = parser("qwen3-coder", None).grammar([("f", schema)], many=False)
+    assert LLMatcher.validate_grammar(grammar_from("lark", spec)) == ""
+
+
+def test_qwen3_coder_refuses_a_schema_it_cannot_write_as_parameters():
+    with pytest.raises(ValueError, match="'f'.*qwen3-coder"):
+        parser("qwen3-coder", None).grammar([("f", {"anyOf": [WEATHER, TIME]})], many=False)
 
 
 # ---- rendering ---------------------------------------------------------------------------------
@@ -317,6 +341,42 @@ def test_auto_parses_a_scripted_call_whole_and_streamed():
         # Without tools the same text is only text.
         plain = scripted.chat.completions.create(**(ask | {"tools": openai.NOT_GIVEN}))
         assert plain.choices[0].message.content == said[:-len("</tool_call>")]
+
+
+class QwenCoderTokenizer(ByteTokenizer):
+    """The byte tokenizer with a chat template that teaches the qwen3-coder format."""
+
+    chat_template = "{% for tool in tools %}{{ tool }}{% endfor %}{{ tool_calls }}<function="
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        return super().apply_chat_template(
+            [{"role": "system", "content": json.dumps(tools)}, *messages], add_generation_prompt)
+
+
+def _qwen_coder(*args, **kwargs):
+    loaded = tiny_model(max_position_embeddings=4096)
+    loaded.tokenizer = QwenCoderTokenizer()
+    return loaded
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED, {
+    "type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_in_the_qwen3_coder_format_is_well_formed(choice):
+    recorder = FakeRecorder()
+    with (TestClient(_app(recorder, _qwen_coder)) as http,
+          openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
+                        max_retries=0) as qwen):
+        for seed in range(3):
+            out = qwen.chat.completions.create(
+                model="tiny-llama", messages=USER, tools=TOOLS, tool_choice=choice,
+                parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=seed)
+            assert out.choices[0].finish_reason == "tool_calls"
+            (call,) = out.choices[0].message.tool_calls
+            if choice != "required":
+                assert call.function.name == choice["function"]["name"]
+            _valid(call.function.name, call.function.arguments)
+        started = recorder.started[-1]
+        assert started["params"]["tool_parser"] == "qwen3-coder"
 
 
 # ---- bad input ---------------------------------------------------------------------------------
