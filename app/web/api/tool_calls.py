@@ -9,7 +9,11 @@ Formats (`--tool-call-parser`, or picked from the chat template's text by `detec
   an optional `<|python_tag|>` first);
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
 - qwen3-coder: `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
-  </function>\\n</tool_call>` (a value is JSON where it parses as such, else text).
+  </function>\\n</tool_call>` (a value is JSON where it parses as such, else text);
+- harmony (gpt-oss): messages `<|channel|>CHANNEL[ to=functions.NAME][ <|constrain|>json]
+  <|message|>BODY<|end|>` (`<|call|>` ends a call, `<|return|>` the answer), each after
+  `<|start|>assistant`: the final channel is the content, the analysis channel (reasoning)
+  is dropped, a commentary message to a function is a call whose body is its arguments.
 
 Each parser splits a region of the output (from the first opening marker on) into complete
 calls and what is left; `ToolStream` feeds it the output piece by piece, so a streamed answer
@@ -25,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PARSERS = ("auto", "hermes", "llama3", "mistral", "qwen3-coder")
+PARSERS = ("auto", "hermes", "llama3", "mistral", "qwen3-coder", "harmony")
 # Forced calls' JSON: one line, spaced as the templates' `tojson` writes it.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -71,6 +75,11 @@ class ToolParser:
 
     def split(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
         raise NotImplementedError
+
+    def take(self, region: str, final: bool) -> tuple[str, list[ToolCall], str]:
+        """Text to release from the region (a format whose messages carry the content, as
+        harmony's), its complete calls, and the rest."""
+        return ("", *self.split(region, final))
 
     def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
         """A Lark grammar (llguidance) for one call of one of `tools` (name, parameters
@@ -268,8 +277,77 @@ def _is_json(text: str) -> bool:
     return True
 
 
+class HarmonyParser(ToolParser):
+    name, marker = "harmony", "<|channel|>"
+    start = "<|start|>assistant"
+    _header = re.compile(r"(?:<\|start\|>assistant)?(.*?)<\|message\|>", re.S)
+    _channel = re.compile(r"<\|channel\|>(\w+)")
+    _recipient = re.compile(r"to=functions\.([^\s<]+)")
+    _ends = ("<|end|>", "<|call|>", "<|return|>")
+
+    def opens(self, text: str) -> tuple[int | None, int]:
+        # The messages are the whole answer (the prompt ends with `<|start|>assistant`).
+        stripped = text.lstrip()
+        if stripped.startswith((self.marker, self.start)):
+            return 0, 0
+        if any(m.startswith(stripped) for m in (self.marker, self.start)):
+            return None, len(text)
+        return None, 0
+
+    def split(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
+        return self.take(region, final)[1:]
+
+    def take(self, region: str, final: bool) -> tuple[str, list[ToolCall], str]:
+        text, calls, rest = "", [], region.lstrip()
+        while rest:
+            header = self._header.match(rest)
+            if header is None:
+                break  # incomplete header (wait), or not a message (text)
+            channel = self._channel.search(header.group(1))
+            recipient = self._recipient.search(header.group(1))
+            body = rest[header.end():]
+            ends = [(body.find(m), m) for m in self._ends if m in body]
+            end, marker = min(ends) if ends else (-1, "")
+            if recipient is not None:
+                if end < 0 and not final:
+                    break  # the call is not complete yet
+                call = self._call(recipient.group(1), body if end < 0 else body[:end])
+                if call is None:
+                    break  # not a call: the model's text
+                calls.append(call)
+            elif channel is None or channel.group(1) != "analysis":  # analysis: reasoning
+                if end < 0:  # release what cannot begin an end marker; keep the header
+                    hold = 0 if final else max(_held(body, m) for m in self._ends)
+                    text += body[:len(body) - hold]
+                    rest = "" if final else rest[:header.end()] + body[len(body) - hold:]
+                    break
+                text += body[:end]
+            elif end < 0:
+                break
+            rest = body[end + len(marker):] if end >= 0 else ""
+        return text, calls, rest
+
+    def _call(self, name: str, body: str) -> ToolCall | None:
+        try:
+            arguments = json.loads(body)
+        except ValueError:
+            return None
+        call = _call(name, arguments)
+        return None if call is None else ToolCall(name, body.strip(), call.id)
+
+    def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
+        # One call: `<|call|>` ends the turn (several calls are several turns).
+        names = " | ".join(f"c{i}" for i in range(len(tools)))
+        rules = ["start: call", f'call: "<|channel|>commentary to=functions." ({names})']
+        for i, (name, schema) in enumerate(tools):
+            body = schema | {"x-guidance": JSON_STYLE}
+            rules.append(f"c{i}: {json.dumps(name + ' <|constrain|>json<|message|>')} "
+                         f'%json {json.dumps(body)} "<|call|>"')
+        return "\n".join(rules) + "\n"
+
+
 _BY_NAME: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesParser, Llama3Parser, MistralParser, Qwen3CoderParser)}
+    HermesParser, Llama3Parser, MistralParser, Qwen3CoderParser, HarmonyParser)}
 
 
 def detect(template: str | None) -> str:
@@ -277,6 +355,8 @@ def detect(template: str | None) -> str:
     rendering, app/web/api/tools.py, uses it) or one this server does not know."""
     if not template:
         return "hermes"
+    if "<|channel|>" in template or "to=functions" in template:
+        return "harmony"
     if "<function=" in template:
         return "qwen3-coder"
     if "[TOOL_CALLS]" in template:
@@ -312,24 +392,25 @@ class ToolStream:
                 out, self._pending = self._pending[:cut], self._pending[cut:]
                 return out, []
             out, self._region, self._pending = self._pending[:at], self._pending[at:], ""
-            return out, self._take(final=False)
+            more, calls = self._take(final=False)
+            return out + more, calls
         self._region += text
-        return "", self._take(final=False)
+        return self._take(final=False)
 
     def finish(self, text: str = "") -> tuple[str, list[ToolCall]]:
         """The last piece: text left (held back, or not readable as calls) and the last calls."""
         out, calls = self.feed(text)
         if self._region is None:
             return out + self._pending, calls
-        calls += self._take(final=True)
+        more, last = self._take(final=True)
         rest, self._region = self._region, ""
-        return out + rest, calls
+        return out + more + rest, calls + last
 
-    def _take(self, final: bool) -> list[ToolCall]:
+    def _take(self, final: bool) -> tuple[str, list[ToolCall]]:
         assert self._region is not None
-        calls, self._region = self.parser.split(self._region, final)
+        text, calls, self._region = self.parser.take(self._region, final)
         self.calls += calls
-        return calls
+        return text, calls
 
 
 def parse(parser: ToolParser, text: str) -> tuple[str, list[ToolCall]]:

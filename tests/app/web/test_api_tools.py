@@ -106,7 +106,7 @@ def test_the_format_is_picked_from_the_template(template, name):
     assert detect(template) == name
     assert parser("auto", template).name == name
     assert parser("mistral", template).name == "mistral"  # the flag wins
-    assert set(PARSERS) == {"auto", "hermes", "llama3", "mistral", "qwen3-coder"}
+    assert set(PARSERS) == {"auto", "hermes", "llama3", "mistral", "qwen3-coder", "harmony"}
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3", "mistral", "qwen3-coder"])
