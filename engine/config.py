@@ -60,7 +60,7 @@ WEIGHT_FORMATS = ("auto", "q4", "f32", "bf16")
 # pool of a given size holds (docs/engine.md, "KV dtype").
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # What the affine-quantized linear layers multiply their weights with: the float32 activations
-# (mlx-lm's numbers), or the activations quantized to 8 bits per row and weight group with
+# (mlx-lm's numbers), or the activations quantized to 8 bits per row in blocks of 32 with
 # integer dot products (engine/native/quantized_int8.cpp: faster, and not mlx-lm's numbers;
 # the divergence view shows where they part).
 ACTIVATIONS = ("float32", "int8")

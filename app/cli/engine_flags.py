@@ -48,7 +48,7 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                     "on the native kernels (CPU backend, batch-invariant), on MLX's own ops, or "
                     "auto (native when available)", NATIVE_SETTING),
     "activations": ("what the 4/8-bit linear layers multiply: the float32 activations "
-                    "(mlx-lm's numbers) or int8 ones, quantized per row and weight group, with "
+                    "(mlx-lm's numbers) or int8 ones, quantized per row in blocks of 32, with "
                     "integer dot products (native quantized kernel: faster, not mlx-lm's "
                     "numbers; see docs/engine.md)", ACTIVATIONS),
     "speculative": ("speculative decoding: drafted tokens verified inside the shared step; "

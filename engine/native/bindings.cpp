@@ -35,7 +35,7 @@ NB_MODULE(_kernels, m) {
         "int8_activations"_a = false, "stream"_a = nb::none(),
         "An affine-quantized (4 or 8 bit) linear layer for a few float32 rows, each row computed "
         "alone (batch-invariant), the same bits on every instruction-set path; "
-        "int8_activations: x quantized to 8 bits per row and group first (not float32's "
+        "int8_activations: x quantized to 8 bits per row in blocks of 32 first (not float32's "
         "result).");
   m.def("quantized_int8_vnni_built", &batchscope::quantized_int8_vnni_built,
         "Whether decode_quantized_linear's int8-activation path has its AVX-512 VNNI code.");

@@ -16,8 +16,8 @@ namespace mx = mlx::core;
 
 // x: (..., in) float32; w: (out, in * bits / 32) uint32 as MLX packs it (lowest bits first);
 // scales, biases: (out, in / group_size), float16, bfloat16 or float32. Returns (..., out)
-// float32: x @ (scales * q + biases).T. int8_activations: x quantized to 8 bits per row and
-// weight group first, and the products summed as integers (quantized_int8.cpp): faster, and
+// float32: x @ (scales * q + biases).T. int8_activations: x quantized to 8 bits per row in
+// blocks of 32 first, and the products summed as integers (quantized_int8.cpp): faster, and
 // not the float32 result (an option, never the default).
 mx::array decode_quantized_linear(const mx::array& x, const mx::array& w,
                                   const mx::array& scales, const mx::array& biases,
