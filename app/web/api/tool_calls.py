@@ -19,6 +19,12 @@ Each parser splits a region of the output (from the first opening marker on) int
 calls and what is left; `ToolStream` feeds it the output piece by piece, so a streamed answer
 and a whole one are the same parse. Text a parser cannot read as a call stays the model's
 text (content): nothing is dropped.
+
+In the JSON formats (hermes, llama3, mistral), a call object that starts with its name then
+its arguments key (`{"name": "...", "arguments"|"parameters": {`) keeps the model's own text
+of the arguments object; it is *opened* as soon as that much is read (`ToolParser.opened`:
+its name and its arguments so far, never past the object's closing brace), so a stream can
+send the arguments as they come. Other call objects' arguments are re-dumped JSON.
 """
 
 from __future__ import annotations
@@ -52,6 +58,66 @@ def _call(name: Any, arguments: Any) -> ToolCall | None:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False), ToolCall.new_id())
 
 
+# A call object's start: its name, then its arguments key and the arguments object's brace.
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
+                   r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_COMMA = re.compile(r"\s*,\s*")
+
+
+def _head(text: str, at: int) -> tuple[str, int] | None:
+    """For a call object at text[at] that starts with its name then its arguments key: the
+    name and where the arguments object begins; else None."""
+    found = _HEAD.match(text, at)
+    if found is None:
+        return None
+    try:
+        name = json.loads(found.group(1))
+    except ValueError:
+        return None
+    return (name, found.end()) if name else None
+
+
+def _object_end(text: str, at: int) -> int | None:
+    """Where the JSON object opening at text[at] ends (after its closing brace), or None while
+    it is open: a brace scanner that skips strings and their escapes."""
+    depth, string, escaped = 0, False, False
+    for i in range(at, len(text)):
+        ch = text[i]
+        if string:
+            escaped, string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            string = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _opened(text: str, at: int, many: bool) -> list[tuple[str, str]]:
+    """The calls begun at text[at] (several separated by commas with `many`): each one's name
+    and arguments text so far, up to the arguments object's closing brace."""
+    out: list[tuple[str, str]] = []
+    while (head := _head(text, at)) is not None:
+        end = _object_end(text, head[1])
+        out.append((head[0], text[head[1]:end]))
+        whole = None if end is None or not many else _object_end(text, at)
+        comma = None if whole is None else _COMMA.match(text, whole)
+        if comma is None:
+            break
+        at = comma.end()
+    return out
+
+
+def _raw(call: ToolCall, text: str, at: int) -> ToolCall:
+    """A complete call read from the object at text[at], with the model's own text of its
+    arguments where the object starts with its name then its arguments."""
+    opened = _opened(text, at, many=False)
+    return call if not opened else ToolCall(*opened[0], call.id)
+
+
 def _held(text: str, marker: str) -> int:
     """How many characters at the end of `text` could begin `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -75,6 +141,11 @@ class ToolParser:
 
     def split(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
         raise NotImplementedError
+
+    def opened(self, rest: str) -> list[tuple[str, str]]:
+        """The calls begun in what `split` left, not complete yet: each one's name and its
+        arguments text so far (none in a format whose arguments are not the model's text)."""
+        return []
 
     def take(self, region: str, final: bool) -> tuple[str, list[ToolCall], str]:
         """Text to release from the region (a format whose messages carry the content, as
@@ -115,6 +186,13 @@ class HermesParser(ToolParser):
             calls.append(read[0])
         return calls, (rest if rest.strip() else "")
 
+    def opened(self, rest: str) -> list[tuple[str, str]]:
+        rest = rest.lstrip()
+        if not rest.startswith(self.marker):
+            return []
+        body = rest[len(self.marker):]
+        return _opened(body, len(body) - len(body.lstrip()), many=False)
+
     def _read(self, body: str) -> tuple[ToolCall, int] | None:
         start = len(body) - len(body.lstrip())
         try:
@@ -124,7 +202,7 @@ class HermesParser(ToolParser):
         if not isinstance(data, dict):
             return None
         call = _call(data.get("name"), data.get("arguments", data.get("parameters")))
-        return None if call is None else (call, end)
+        return None if call is None else (_raw(call, body, start), end)
 
     def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
         schema = json.dumps(self._object_schema(tools, "arguments"))
@@ -161,9 +239,13 @@ class Llama3Parser(ToolParser):
                     if isinstance(data, dict) else None)
             if call is None:
                 break
-            calls.append(call)
+            calls.append(_raw(call, rest, 0))
             rest = rest[end:]
         return calls, (rest if rest.strip() else "")
+
+    def opened(self, rest: str) -> list[tuple[str, str]]:
+        rest = rest.lstrip().removeprefix(self.marker).lstrip().removeprefix(";").lstrip()
+        return _opened(rest, 0, many=False)
 
     def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
         schema = json.dumps(self._object_schema(tools, "parameters"))
@@ -185,8 +267,24 @@ class MistralParser(ToolParser):
                  if isinstance(i, dict) else None for i in items]
         if not calls or None in calls:
             return [], region
+        # The raw arguments, object by object along the array (well-formed: it decoded).
+        kept, at = [], self._first(body)
+        for call in calls:
+            assert call is not None
+            kept.append(_raw(call, body, at))
+            comma = _COMMA.match(body, _object_end(body, at) or end)
+            at = comma.end() if comma else end
         rest = body[end:]
-        return [c for c in calls if c is not None], (rest if rest.strip() else "")
+        return kept, (rest if rest.strip() else "")
+
+    def opened(self, rest: str) -> list[tuple[str, str]]:
+        body = rest.lstrip().removeprefix(self.marker).lstrip()
+        return _opened(body, self._first(body), many=True)
+
+    @staticmethod
+    def _first(body: str) -> int:
+        """Where the first call object begins: in the array, or the body (one object)."""
+        return len(body) - len(body[1:].lstrip()) if body.startswith("[") else 0
 
     def grammar(self, tools: list[tuple[str, dict]], many: bool) -> str:
         one = self._object_schema(tools, "arguments")
@@ -199,6 +297,9 @@ class Qwen3CoderParser(HermesParser):
     name = "qwen3-coder"
     _function = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>", re.S)
     _parameter = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def opened(self, rest: str) -> list[tuple[str, str]]:
+        return []  # the arguments are JSON built from the parameters: sent once complete
 
     def _read(self, body: str) -> tuple[ToolCall, int] | None:
         found = self._function.match(body)
@@ -374,11 +475,13 @@ def parser(name: str, template: str | None) -> ToolParser:
 class ToolStream:
     """The model's output, piece by piece, as text and complete tool calls: text is released
     as soon as it cannot begin a call; a call once it is complete; at the end, whatever did not
-    read as a call is text."""
+    read as a call is text. `opened` holds the calls begun but not complete (name, arguments
+    so far) after each piece, for a stream that sends them as they come."""
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
         self.calls: list[ToolCall] = []
+        self.opened: list[tuple[str, str]] = []
         self._pending = ""  # text not yet released, before any call
         self._region: str | None = None  # from the calls' opening marker on
 
@@ -397,19 +500,28 @@ class ToolStream:
         self._region += text
         return self._take(final=False)
 
-    def finish(self, text: str = "") -> tuple[str, list[ToolCall]]:
-        """The last piece: text left (held back, or not readable as calls) and the last calls."""
+    def finish(self, text: str = "", cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """The last piece: text left (held back, or not readable as calls) and the last calls.
+        With `cut`, the calls opened but never complete (max_tokens cut them, or the model
+        stopped) are calls whose arguments are the text so far, and the rest of the calls'
+        region (their format's syntax) is not text; without, that region is text."""
         out, calls = self.feed(text)
         if self._region is None:
             return out + self._pending, calls
         more, last = self._take(final=True)
         rest, self._region = self._region, ""
+        if cut and self.opened:
+            kept = [ToolCall(name, arguments, ToolCall.new_id())
+                    for name, arguments in self.opened]
+            self.calls, self.opened = self.calls + kept, []
+            return out + more, calls + last + kept
         return out + more + rest, calls + last
 
     def _take(self, final: bool) -> tuple[str, list[ToolCall]]:
         assert self._region is not None
         text, calls, self._region = self.parser.take(self._region, final)
         self.calls += calls
+        self.opened = self.parser.opened(self._region)
         return text, calls
 
 

@@ -2,9 +2,12 @@
 (app/web/api/tool_calls.py) into content and tool calls, per choice, whole or streamed.
 
 Streamed, text goes out as content deltas as soon as it cannot begin a call; a call goes out
-once complete, as OpenAI streams one (its index, id, type and name first, then its arguments),
-never as the format's raw text. finish_reason is `tool_calls` when the model made calls and
-stopped by itself (a call cut short by max_tokens stays `length`, its text content).
+as OpenAI streams one, its index, id, type and name first, then its arguments, never as the
+format's raw text: in the JSON formats as soon as it is opened (its name and the start of its
+arguments read), its arguments in fragments as they come; in the others once complete.
+A call opened but never complete (cut by max_tokens) is a call whose arguments are the text so
+far, whole or streamed. finish_reason is `tool_calls` when the model made calls and stopped by
+itself (`length` when max_tokens cut it).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 from app.web.api.params import bad
 from app.web.api.schemas import AssistantMessage, Delta
-from app.web.api.tool_calls import ToolCall, ToolParser, ToolStream, parse, parser
+from app.web.api.tool_calls import ToolCall, ToolParser, ToolStream, parser
 from app.web.api.tools import (
     Tools,
     call_deltas,
@@ -79,12 +82,17 @@ class ToolOutput:
     def __init__(self, parser: ToolParser, choices: int):
         self.parser = parser
         self.streams = [ToolStream(parser) for _ in range(choices)]
+        self.sent: list[dict[int, str]] = [{} for _ in range(choices)]  # arguments sent, by call
 
     def _deltas(self, index: int, text: str, calls: list[ToolCall]) -> list[Delta]:
         out = [Delta(content=text)] if text else []
-        first = len(self.streams[index].calls) - len(calls)  # the calls' indexes
-        for k, call in enumerate(calls, first):
-            out += [Delta(tool_calls=[d]) for d in call_deltas(k, call)]
+        stream, sent = self.streams[index], self.sent[index]
+        first = len(stream.calls) - len(calls)  # the calls' indexes
+        opened = [ToolCall(name, arguments, ToolCall.new_id())
+                  for name, arguments in stream.opened]
+        for k, call in [*enumerate(calls, first), *enumerate(opened, len(stream.calls))]:
+            out += [Delta(tool_calls=[d]) for d in call_deltas(k, call, sent.get(k))]
+            sent[k] = call.arguments
         return out
 
     def feed(self, index: int, text: str) -> list[Delta]:
@@ -94,12 +102,12 @@ class ToolOutput:
     def finish(self, index: int, finish: FinishEvent) -> tuple[list[Delta], str]:
         """The deltas of the text held back and the last piece, and the finish_reason."""
         stream = self.streams[index]
-        deltas = self._deltas(index, *stream.finish(finish.text_delta))
+        deltas = self._deltas(index, *stream.finish(finish.text_delta, cut=True))
         return deltas, _reason(finish, stream.calls)
 
     def message(self, finish: FinishEvent) -> tuple[AssistantMessage, str]:
         """A whole choice: its message (content null when only calls) and finish_reason."""
-        text, calls = parse(self.parser, finish.text)
+        text, calls = ToolStream(self.parser).finish(finish.text, cut=True)
         if not calls:
             return AssistantMessage(role="assistant", content=text, refusal=None), finish.reason
         return (AssistantMessage(role="assistant", content=text if text.strip() else None,

@@ -190,11 +190,20 @@ class ToolCallDelta(BaseModel):
     function: FunctionDelta
 
 
-def call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
-    """One complete call as the deltas OpenAI streams it."""
-    return [ToolCallDelta(index=index, id=call.id, type="function",
-                          function=FunctionDelta(name=call.name, arguments="")),
-            ToolCallDelta(index=index, function=FunctionDelta(arguments=call.arguments))]
+def call_deltas(index: int, call: ToolCall, sent: str | None = None) -> list[ToolCallDelta]:
+    """The deltas OpenAI streams that bring a call from what was sent of it (`sent`: its
+    arguments so far; None: nothing) to `call`: its index, id, type and name first, then the
+    rest of its arguments. A stream cannot take a fragment back: arguments that do not extend
+    what was sent are a RuntimeError."""
+    if not call.arguments.startswith(sent or ""):
+        raise RuntimeError(f"tool call {index}'s arguments differ from the fragments sent")
+    out = [] if sent is not None else [ToolCallDelta(
+        index=index, id=call.id, type="function",
+        function=FunctionDelta(name=call.name, arguments=""))]
+    if len(call.arguments) > len(sent or ""):
+        out.append(ToolCallDelta(index=index, function=FunctionDelta(
+            arguments=call.arguments[len(sent or ""):])))
+    return out
 
 
 def message_call(call: ToolCall) -> MessageToolCall:

@@ -311,6 +311,43 @@ def test_a_streamed_forced_call_reassembles_into_valid_arguments(client, choice)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("choice", ["required", {
+    "type": "function", "function": {"name": "get_weather"}}])
+def test_a_streamed_call_sends_its_arguments_in_fragments_as_its_whole_twin(client, choice):
+    ask = {"model": "tiny-llama", "messages": USER, "tools": TOOLS, "tool_choice": choice,
+           "parallel_tool_calls": False, "max_tokens": 120, "temperature": 1.0, "seed": 11}
+    whole = client.chat.completions.create(**ask).choices[0]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    header, fragments = pieces[0], [t.function.arguments for t in pieces[1:]]
+    assert header.id is not None and all(t.id is None and t.function.name is None
+                                         for t in pieces[1:])
+    call = whole.message.tool_calls[0]
+    assert (header.function.name, "".join(fragments)) == (call.function.name,
+                                                          call.function.arguments)
+    assert len(fragments) > 1  # sent as they came, not once complete
+    _valid(call.function.name, call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "tool_calls"
+
+
+def test_a_call_cut_by_max_tokens_is_a_call_with_the_text_so_far(client):
+    # `<tool_call>\n{"name": "get_time", "arguments": {` is 47 bytes: cut in the arguments
+    ask = {"model": "tiny-llama", "messages": USER, "tools": TOOLS, "tool_choice": NAMED,
+           "max_tokens": 52, "temperature": 0}
+    whole = client.chat.completions.create(**ask).choices[0]
+    call = whole.message.tool_calls[0]
+    assert (whole.finish_reason, whole.message.content) == ("length", None)
+    assert call.function.name == "get_time" and call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # the text so far: not a whole object
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    assert pieces[0].function.name == "get_time"
+    assert "".join(t.function.arguments or "" for t in pieces) == call.function.arguments
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_history_with_tool_results_renders(client, live):
     out = client.chat.completions.create(model="tiny-llama", messages=HISTORY, tools=TOOLS,
                                          max_tokens=4, temperature=0)
