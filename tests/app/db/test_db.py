@@ -187,6 +187,22 @@ def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_draf
                                   "rate": None}
 
 
+def old_database(path, revision: str, missing: str):
+    """A database migrated to `revision` only, with a session and one step of its columns;
+    `missing`: a steps column a later revision adds (checked absent)."""
+    engine = create_sqlite_engine(path)
+    try:
+        run_migrations(engine, revision)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO engine_sessions (id, started_at, model, weights, kernel_policy, "
+                "config_json) VALUES (1, 1.0, 'm', 'q4', 'gemm', '{}')")
+            insert_old_step(conn)
+        assert missing not in {c["name"] for c in inspect(engine).get_columns("steps")}
+    finally:
+        engine.dispose()
+
+
 def insert_old_step(conn) -> None:
     """One step row as a database before 0005 holds it (its columns only)."""
     conn.exec_driver_sql(
@@ -205,17 +221,7 @@ STATE_POOL = {"state_slots_total": 4, "state_slots_used": 3, "state_checkpoints"
 
 def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_path):
     path = tmp_path / "old.db"
-    engine = create_sqlite_engine(path)
-    try:
-        run_migrations(engine, "0005")  # a database written before the state pool
-        with engine.begin() as conn:
-            conn.exec_driver_sql(
-                "INSERT INTO engine_sessions (id, started_at, model, weights, kernel_policy, "
-                "config_json) VALUES (1, 1.0, 'm', 'q4', 'gemm', '{}')")
-            insert_old_step(conn)
-        assert "state_slots_total" not in {c["name"] for c in inspect(engine).get_columns("steps")}
-    finally:
-        engine.dispose()
+    old_database(path, "0005", "state_slots_total")  # written before the state pool
     with open_database(path) as db:
         assert current_revision(db) == head_revision()
         assert set(STATE_POOL) <= {c["name"] for c in inspect(db.engine).get_columns("steps")}
@@ -243,17 +249,7 @@ def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_pa
 
 def test_upgrade_from_0006_adds_constrained_rows_and_mask_time(tmp_path):
     path = tmp_path / "old.db"
-    engine = create_sqlite_engine(path)
-    try:
-        run_migrations(engine, "0006")  # a database written before the steps' grammar masks
-        with engine.begin() as conn:
-            conn.exec_driver_sql(
-                "INSERT INTO engine_sessions (id, started_at, model, weights, kernel_policy, "
-                "config_json) VALUES (1, 1.0, 'm', 'q4', 'gemm', '{}')")
-            insert_old_step(conn)
-        assert "mask_ms" not in {c["name"] for c in inspect(engine).get_columns("steps")}
-    finally:
-        engine.dispose()
+    old_database(path, "0006", "mask_ms")  # written before the steps' grammar masks
     with open_database(path) as db:
         assert current_revision(db) == head_revision()
         recorder = Recorder(db, flush_interval=0.01)
