@@ -109,12 +109,15 @@ def _rate_at(c: int) -> float:
 
 
 class Log:
-    def __init__(self) -> None:
+    """Progress lines on stderr, `[NAME mm:ss] message`, the time since the run began."""
+
+    def __init__(self, name: str = "peers") -> None:
+        self.name = name
         self.t0 = time.monotonic()
 
     def __call__(self, msg: str) -> None:
         m, s = divmod(int(time.monotonic() - self.t0), 60)
-        print(f"[peers {m:02d}:{s:02d}] {msg}", file=sys.stderr, flush=True)
+        print(f"[{self.name} {m:02d}:{s:02d}] {msg}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

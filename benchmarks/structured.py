@@ -27,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import Log, free_port, running_server, server_commands  # noqa: E402
 
+from app.bench.client import json_schema_format  # noqa: E402
+
 STREAMS = 8
 SCHEMA = {  # a record with free text, bounded fields and a bounded list
     "type": "object",
@@ -140,8 +142,7 @@ def checked_requests(url: str, count: int) -> dict:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, SEARCH)}
-    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA,
-                                                   "strict": True}}
+    fmt = json_schema_format(SCHEMA, "record")
 
     def record(i: int) -> tuple[str, bool]:
         out = client.chat.completions.create(
@@ -207,7 +208,7 @@ def main() -> int:
                     help="constrained requests and tool calls checked one by one")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "structured.json"))
     args = ap.parse_args()
-    log = Log()
+    log = Log("structured")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         port = free_port()

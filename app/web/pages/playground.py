@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.bench.client import json_schema_format
 from app.db import runs as queries
 from app.runs import QueueFullError, Run, RunRequest, params_dict
 from app.web.api.params import APIError
@@ -172,8 +173,7 @@ def _json_schema(raw: str, errors: dict[str, str]) -> Any:
     if not isinstance(schema, dict):
         errors["json_schema"] = "the JSON schema must be an object"
         return None
-    fmt = {"type": "json_schema",
-           "json_schema": {"name": "playground", "schema": schema, "strict": True}}
+    fmt = json_schema_format(schema, "playground")
     return response_format_spec(TypeAdapter(ResponseFormat).validate_python(fmt))
 
 

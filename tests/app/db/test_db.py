@@ -203,6 +203,27 @@ def old_database(path, revision: str, missing: str):
         engine.dispose()
 
 
+def record_after_upgrade(path, run_id: str, record, columns: list[str]) -> tuple[list, dict]:
+    """Open an old database (migrating it to head), record a run with one step, and return
+    (every step row's step and `columns`, the run's step as its page reads it)."""
+    with open_database(path) as db:
+        assert current_revision(db) == head_revision()
+        assert set(columns) <= {c["name"] for c in inspect(db.engine).get_columns("steps")}
+        recorder = Recorder(db, flush_interval=0.01)
+        recorder.start()
+        try:
+            start_run(recorder, run_id, 1)
+            recorder.step(1, record)
+            assert recorder.flush()
+        finally:
+            recorder.close()
+        with db.read() as conn:
+            stored = conn.execute(sqlalchemy.text(
+                f"SELECT step, {', '.join(columns)} FROM steps ORDER BY step")).all()
+        [step] = get_run(db, run_id)["steps"]
+    return [tuple(r) for r in stored], step
+
+
 def insert_old_step(conn) -> None:
     """One step row as a database before 0005 holds it (its columns only)."""
     conn.exec_driver_sql(
@@ -222,25 +243,11 @@ STATE_POOL = {"state_slots_total": 4, "state_slots_used": 3, "state_checkpoints"
 def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_path):
     path = tmp_path / "old.db"
     old_database(path, "0005", "state_slots_total")  # written before the state pool
-    with open_database(path) as db:
-        assert current_revision(db) == head_revision()
-        assert set(STATE_POOL) <= {c["name"] for c in inspect(db.engine).get_columns("steps")}
-        recorder = Recorder(db, flush_interval=0.01)
-        recorder.start()
-        try:
-            start_run(recorder, "H", 1)
-            hybrid = step_record(2, 1000.0, [("H", "prefill", 3)])
-            for name, value in STATE_POOL.items():
-                setattr(hybrid, name, value)
-            recorder.step(1, hybrid)
-            assert recorder.flush()
-        finally:
-            recorder.close()
-        with db.read() as conn:
-            stored = conn.execute(sqlalchemy.text(
-                f"SELECT step, {', '.join(STATE_POOL)} FROM steps ORDER BY step")).all()
-        [step] = get_run(db, "H")["steps"]
-    assert [tuple(r) for r in stored] == [(1, 0, 0, 0, 0, 0, 0), (2, *STATE_POOL.values())]
+    hybrid = step_record(2, 1000.0, [("H", "prefill", 3)])
+    for name, value in STATE_POOL.items():
+        setattr(hybrid, name, value)
+    stored, step = record_after_upgrade(path, "H", hybrid, list(STATE_POOL))
+    assert stored == [(1, 0, 0, 0, 0, 0, 0), (2, *STATE_POOL.values())]
     # The run's view has the pool as the step ran, not the engine's cumulative hit count.
     assert {k: step[k] for k in STATE_POOL if k in step} == \
         {k: v for k, v in STATE_POOL.items() if k != "state_checkpoint_hits"}
@@ -250,23 +257,10 @@ def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_pa
 def test_upgrade_from_0006_adds_constrained_rows_and_mask_time(tmp_path):
     path = tmp_path / "old.db"
     old_database(path, "0006", "mask_ms")  # written before the steps' grammar masks
-    with open_database(path) as db:
-        assert current_revision(db) == head_revision()
-        recorder = Recorder(db, flush_interval=0.01)
-        recorder.start()
-        try:
-            start_run(recorder, "C", 1)
-            constrained = step_record(2, 1000.0, [("C", "decode", 1)])
-            constrained.constrained_rows, constrained.mask_ms = 1, 0.375
-            recorder.step(1, constrained)
-            assert recorder.flush()
-        finally:
-            recorder.close()
-        with db.read() as conn:
-            stored = conn.execute(sqlalchemy.text(
-                "SELECT step, constrained_rows, mask_ms FROM steps ORDER BY step")).all()
-        [step] = get_run(db, "C")["steps"]
-    assert [tuple(r) for r in stored] == [(1, 0, 0.0), (2, 1, 0.375)]
+    constrained = step_record(2, 1000.0, [("C", "decode", 1)])
+    constrained.constrained_rows, constrained.mask_ms = 1, 0.375
+    stored, step = record_after_upgrade(path, "C", constrained, ["constrained_rows", "mask_ms"])
+    assert stored == [(1, 0, 0.0), (2, 1, 0.375)]
     assert (step["constrained_rows"], step["mask_ms"]) == (1, 0.375)  # the run page's steps
     # And back down: 0006's steps table, its rows kept.
     engine = create_sqlite_engine(path)
