@@ -2,14 +2,15 @@
 
 Programmatic use (app start, `batchscope db upgrade`) passes an open connection in
 config.attributes["connection"]; the `alembic` command line (alembic.ini at the repo root) gets
-a URL instead, e.g. `alembic -x db=path/to/batchscope.db revision --autogenerate -m "..."`.
+a SQLite path or a PostgreSQL URL instead, e.g.
+`alembic -x db=path/to/batchscope.db revision --autogenerate -m "..."`.
 """
 
 from __future__ import annotations
 
 from alembic import context
 
-from app.db.database import create_sqlite_engine
+from app.db.database import create_database_engine
 from app.db.models import Base
 
 config = context.config
@@ -17,8 +18,9 @@ target_metadata = Base.metadata
 
 
 def _configure(**kwargs) -> None:
-    # SQLite can alter little in place: batch mode rebuilds tables instead. We issue BEGIN
-    # ourselves (see app/db/database.py), so DDL is transactional.
+    # SQLite can alter little in place: batch mode rebuilds tables instead (on PostgreSQL it
+    # alters them in place). We issue BEGIN ourselves on SQLite (see app/db/database.py), so
+    # DDL is transactional there as on PostgreSQL.
     context.configure(target_metadata=target_metadata, render_as_batch=True,
                       transactional_ddl=True, compare_type=True, **kwargs)
 
@@ -37,7 +39,7 @@ def run_online() -> None:
             context.run_migrations()
         return
     path = context.get_x_argument(as_dictionary=True).get("db", "batchscope.db")
-    engine = create_sqlite_engine(path)
+    engine = create_database_engine(path)
     try:
         with engine.connect() as connection:
             _configure(connection=connection)

@@ -1,4 +1,5 @@
-"""Opening the runs database: SQLite in WAL mode, foreign keys on, migrated to head on open.
+"""Opening the runs database, migrated to head on open: a SQLite file in WAL mode with foreign
+keys on (the default), or a PostgreSQL database given as a URL (app/db/postgres.py).
 
 We issue BEGIN ourselves (pysqlite's implicit transactions are turned off) so that writers can
 take the write lock up front with BEGIN IMMEDIATE: a deferred transaction that reads and then
@@ -16,16 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import sqlalchemy.exc
-from sqlalchemy import Connection, Engine, create_engine, event, update
+from sqlalchemy import Connection, Engine, create_engine, event, or_, update
 
 from app.assets import migrations_dir
+from app.db import postgres
+from app.db.errors import DatabaseError
 from app.db.models import Run
 
 log = logging.getLogger(__name__)
-
-
-class DatabaseError(RuntimeError):
-    """The database cannot be opened or written; the message names the path and the problem."""
 
 
 def create_sqlite_engine(path: str | os.PathLike, busy_timeout: float = 5.0) -> Engine:
@@ -55,13 +54,28 @@ def create_sqlite_engine(path: str | os.PathLike, busy_timeout: float = 5.0) -> 
     return engine
 
 
-class Database:
-    """The engine for one SQLite file. Reads: `read()`. Writes: `write_engine` (the recorder)."""
+def create_database_engine(target: str | os.PathLike, busy_timeout: float = 5.0) -> Engine:
+    """The engine for a `--db` value: a PostgreSQL URL, else a SQLite file's path."""
+    if postgres.is_url(target):
+        return postgres.create_postgres_engine(str(target), busy_timeout)
+    return create_sqlite_engine(target, busy_timeout)
 
-    def __init__(self, path: Path, engine: Engine):
+
+class Database:
+    """The engine for one runs database. Reads: `read()`. Writes: `write_engine` (the recorder).
+
+    `path` is what messages name: the SQLite file, or the URL with its password masked.
+    """
+
+    def __init__(self, path: Path | str, engine: Engine):
         self.path = path
         self.engine = engine
-        self.write_engine = engine.execution_options(begin_immediate=True)
+        self.postgres = engine.dialect.name == "postgresql"
+        # Writers take SQLite's write lock up front; on PostgreSQL, READ COMMITTED suffices
+        # (app/db/postgres.py) while reads keep the engine's REPEATABLE READ snapshot.
+        self.write_engine = (engine.execution_options(isolation_level="READ COMMITTED")
+                             if self.postgres else engine.execution_options(begin_immediate=True))
+        self._held: tuple[int, Connection] | None = None  # PostgreSQL: hold_session()
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
@@ -69,17 +83,26 @@ class Database:
         with self.engine.connect() as conn:
             yield conn
 
+    def hold_session(self, session_id: int) -> None:
+        """Mark this engine session live until close(): on PostgreSQL another server's
+        mark_interrupted() leaves its runs alone. A SQLite file has one server at a time."""
+        if self.postgres and self._held is None:
+            self._held = (session_id, postgres.hold_session(self.engine, session_id))
+
     def mark_interrupted(self) -> int:
         """Mark runs left "running" by an earlier server as "interrupted"; call before serving.
 
-        Their text and tokens stay as written: output_text is appended to with every token.
+        On PostgreSQL only runs of sessions no live server holds (hold_session). Their text
+        and tokens stay as written: output_text is appended to with every token.
         """
+        unfinished = Run.status == "running"
+        if self.postgres:
+            unfinished &= or_(Run.session_id.is_(None), ~postgres.session_is_live(Run.session_id))
         try:
             with self.write_engine.begin() as conn:
-                result = conn.execute(
-                    update(Run).where(Run.status == "running").values(status="interrupted"))
+                result = conn.execute(update(Run).where(unfinished).values(status="interrupted"))
         except sqlalchemy.exc.DBAPIError as e:
-            raise _database_error(self.path, e) from e
+            raise self.error(e) from e
         if result.rowcount:
             log.info("marked %d unfinished runs as interrupted", result.rowcount)
         return result.rowcount
@@ -91,12 +114,25 @@ class Database:
         try:
             run_migrations(self.engine)
         except sqlalchemy.exc.DBAPIError as e:
-            raise _database_error(self.path, e) from e
+            raise self.error(e) from e
         except CommandError as e:  # e.g. a revision this version does not know (a newer one)
             raise DatabaseError(f"cannot migrate database {self.path}: {e} (was it written by "
                                 "a newer batchscope?)") from e
 
+    def error(self, e: sqlalchemy.exc.DBAPIError, waited: float | None = None) -> DatabaseError:
+        """A DatabaseError naming this database and what went wrong."""
+        problem = (postgres.problem(e, waited) if self.postgres
+                   else _sqlite_problem(e, waited))
+        return DatabaseError(f"cannot use database {self.path}: {problem}")
+
     def close(self) -> None:
+        if self._held is not None:
+            session_id, conn = self._held
+            self._held = None
+            try:
+                postgres.release_session(conn, session_id)
+            except sqlalchemy.exc.DBAPIError as e:  # the server is gone: so is the lock
+                log.warning("could not release engine session %d: %s", session_id, e)
         self.engine.dispose()
 
     def __enter__(self) -> Database:
@@ -119,6 +155,14 @@ def run_migrations(engine: Engine, revision: str = "head") -> None:
     from alembic import command
 
     config = alembic_config()
+    if engine.dialect.name == "postgresql":
+        # READ COMMITTED: once the lock is ours, the other server's migration is visible.
+        with engine.connect() as conn, conn.execution_options(
+                isolation_level="READ COMMITTED").begin():
+            postgres.lock_migrations(conn)
+            config.attributes["connection"] = conn
+            command.upgrade(config, revision)
+        return
     with engine.connect() as conn:
         # Batch migrations rebuild tables (copy, drop, rename); with foreign keys on, dropping
         # a parent would cascade into its children. The pragma is a no-op inside a
@@ -138,15 +182,21 @@ def run_migrations(engine: Engine, revision: str = "head") -> None:
 
 def open_database(path: str | os.PathLike, *, busy_timeout: float = 5.0,
                   migrate: bool = True) -> Database:
-    """Open (creating if needed) the SQLite database at `path` and migrate it to head.
+    """Open the runs database at `path` and migrate it to head: a SQLite file (created if
+    needed), or a PostgreSQL URL (the database must exist; its tables are created).
 
-    Raises DatabaseError, naming the path, when the directory is missing, the file is read-only
-    or not a database, or another process holds it locked for longer than busy_timeout.
+    Raises DatabaseError, naming the path (or the URL, password masked), when the directory is
+    missing, the file is read-only or not a database, the URL's scheme or driver is not
+    supported, the server cannot be reached, or another process holds the database locked for
+    longer than busy_timeout.
     """
-    path = Path(path)
-    _check_path(path)
-    engine = create_sqlite_engine(path, busy_timeout)
-    db = Database(path, engine)
+    if postgres.is_url(path):
+        db = Database(postgres.masked(str(path)),
+                      postgres.create_postgres_engine(str(path), busy_timeout))
+    else:
+        path = Path(path)
+        _check_path(path)
+        db = Database(path, create_sqlite_engine(path, busy_timeout))
     started = time.monotonic()
     try:
         if migrate:
@@ -156,7 +206,7 @@ def open_database(path: str | os.PathLike, *, busy_timeout: float = 5.0,
                 conn.exec_driver_sql("SELECT 1")
     except sqlalchemy.exc.DBAPIError as e:
         db.close()
-        raise _database_error(path, e, time.monotonic() - started) from e
+        raise db.error(e, time.monotonic() - started) from e
     except DatabaseError:
         db.close()
         raise
@@ -183,19 +233,16 @@ def _check_path(path: Path) -> None:
         raise DatabaseError(f"cannot open database {path}: directory {parent} is not writable")
 
 
-def _database_error(path: Path, e: sqlalchemy.exc.DBAPIError,
-                    waited: float | None = None) -> DatabaseError:
+def _sqlite_problem(e: sqlalchemy.exc.DBAPIError, waited: float | None = None) -> str:
     message = str(e.orig) if e.orig is not None else str(e)
     lowered = message.lower()
     if "locked" in lowered or "busy" in lowered:
         after = f" (waited {waited:.1f} s)" if waited is not None else ""
-        problem = f"the database is locked by another process{after}"
-    elif "readonly" in lowered or "read-only" in lowered:
-        problem = "the database is read-only"
-    elif "not a database" in lowered or "malformed" in lowered:
-        problem = "the file is not a valid SQLite database"
-    elif "unable to open" in lowered:
-        problem = "SQLite cannot open the file"
-    else:
-        problem = message
-    return DatabaseError(f"cannot use database {path}: {problem}")
+        return f"the database is locked by another process{after}"
+    if "readonly" in lowered or "read-only" in lowered:
+        return "the database is read-only"
+    if "not a database" in lowered or "malformed" in lowered:
+        return "the file is not a valid SQLite database"
+    if "unable to open" in lowered:
+        return "SQLite cannot open the file"
+    return message

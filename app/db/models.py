@@ -6,8 +6,12 @@ values that are only ever read whole (params, token id lists, top logprobs).
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Float,
     ForeignKey,
@@ -17,8 +21,10 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     false,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Named constraints so that batch migrations on SQLite can refer to them by name.
@@ -31,8 +37,34 @@ NAMING_CONVENTION = {
 }
 
 
+# Values past 2**31: SQLite's INTEGER holds 64 bits already, PostgreSQL's needs BIGINT.
+Int64 = Integer().with_variant(BigInteger(), "postgresql")
+
+
+class _TextJSON(TypeDecorator):
+    """A JSON column on PostgreSQL: Python's JSON text in TEXT, as SQLite keeps it. PostgreSQL's
+    json type refuses NaN and infinities (a masked token's -inf top logprob), which Python's
+    json module writes and reads back."""
+
+    impl = Text
+    cache_ok = True
+
+    def __init__(self, none_as_null: bool = False):
+        super().__init__()
+        self.none_as_null = none_as_null
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        if value is None and self.none_as_null:
+            return None
+        return json.dumps(value)
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> Any:
+        return None if value is None else json.loads(value)
+
+
+JSONValue = JSON().with_variant(_TextJSON(), "postgresql")
 # None is stored as SQL NULL rather than the JSON text 'null'.
-NullableJSON = JSON(none_as_null=True)
+NullableJSON = JSON(none_as_null=True).with_variant(_TextJSON(none_as_null=True), "postgresql")
 
 
 class Base(DeclarativeBase):
@@ -49,7 +81,7 @@ class EngineSession(Base):
     model: Mapped[str] = mapped_column(String(200))
     weights: Mapped[str] = mapped_column(String(50))
     kernel_policy: Mapped[str] = mapped_column(String(50))
-    config_json: Mapped[dict] = mapped_column(JSON)
+    config_json: Mapped[dict] = mapped_column(JSONValue)
 
 
 class Run(Base):
@@ -68,8 +100,8 @@ class Run(Base):
     kernel_policy: Mapped[str] = mapped_column(String(50))
     prompt_text: Mapped[str] = mapped_column(Text)
     messages_json: Mapped[list | None] = mapped_column(NullableJSON)
-    prompt_token_ids_json: Mapped[list] = mapped_column(JSON)
-    params_json: Mapped[dict] = mapped_column(JSON)
+    prompt_token_ids_json: Mapped[list] = mapped_column(JSONValue)
+    params_json: Mapped[dict] = mapped_column(JSONValue)
     # running | finished | interrupted (the server stopped before the run finished)
     status: Mapped[str] = mapped_column(String(20), default="running")
     finish_reason: Mapped[str | None] = mapped_column(String(20))  # stop|length|cancelled|error
@@ -140,7 +172,7 @@ class Step(Base):
     linear_calls_per_layer: Mapped[int] = mapped_column(Integer)
     prefix_cache_queries: Mapped[int] = mapped_column(Integer, default=0)  # cumulative, tokens
     prefix_cache_hits: Mapped[int] = mapped_column(Integer, default=0)  # cumulative, tokens
-    preempted_json: Mapped[list] = mapped_column(JSON)
+    preempted_json: Mapped[list] = mapped_column(JSONValue)
     error: Mapped[str | None] = mapped_column(Text)
     # Mixture-of-experts models: {"layer index": [rows per expert]} (StepRecord.expert_rows);
     # NULL for a dense model.
@@ -160,7 +192,7 @@ class Step(Base):
                                                            server_default="0")
     # cumulative, like prefix_cache_hits: admissions that resumed from a checkpoint
     state_checkpoint_hits: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    state_slot_bytes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    state_slot_bytes: Mapped[int] = mapped_column(Int64, default=0, server_default="0")
     # Structured outputs: the step's rows held to a grammar, and the milliseconds their
     # matchers took (StepRecord.constrained_rows, mask_ms); 0 for an unconstrained step.
     constrained_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -216,13 +248,13 @@ class BenchmarkRun(Base):
     num_prompts: Mapped[int] = mapped_column(Integer)
     request_rate: Mapped[float | None] = mapped_column(Float)  # None: all at once (inf)
     max_concurrency: Mapped[int | None] = mapped_column(Integer)  # None: unlimited
-    seed: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Int64)
     duration_s: Mapped[float] = mapped_column(Float)
     completed: Mapped[int] = mapped_column(Integer)
     failed: Mapped[int] = mapped_column(Integer)
-    config_json: Mapped[dict] = mapped_column(JSON)
-    summary_json: Mapped[dict] = mapped_column(JSON)
-    requests_json: Mapped[list] = mapped_column(JSON)
+    config_json: Mapped[dict] = mapped_column(JSONValue)
+    summary_json: Mapped[dict] = mapped_column(JSONValue)
+    requests_json: Mapped[list] = mapped_column(JSONValue)
 
     __table_args__ = (Index("ix_benchmark_runs_created_at", "created_at"),)
 
@@ -241,7 +273,7 @@ class DivergenceExperiment(Base):
     source: Mapped[str] = mapped_column(String(20))  # web | cli
     status: Mapped[str] = mapped_column(String(20))  # done | error
     prompt_text: Mapped[str] = mapped_column(Text)
-    params_json: Mapped[dict] = mapped_column(JSON)
+    params_json: Mapped[dict] = mapped_column(JSONValue)
     run_a_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
     run_b_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
     verdict: Mapped[str | None] = mapped_column(String(20))  # identical | same_tokens | forked

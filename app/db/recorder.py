@@ -140,11 +140,15 @@ class Recorder:
 
         if not self.running:  # no writer yet: nobody to race with
             with self.database.write_engine.begin() as conn:
-                return write(conn)
-        future: Future = Future()
-        self._queue.put(_Item("call", write, future=future))
-        self._urgent.set()
-        return future.result(timeout=30)
+                session_id = write(conn)
+        else:
+            future: Future = Future()
+            self._queue.put(_Item("call", write, future=future))
+            self._urgent.set()
+            session_id = future.result(timeout=30)
+        # Live while this server runs: a shared database's other servers leave its runs be.
+        self.database.hold_session(session_id)
+        return session_id
 
     def run_started(self, run_id: str, *, session_id: int, source: str, endpoint: str, model: str,
                     weights: str, kernel_policy: str, prompt_text: str, messages: list | None,
@@ -341,12 +345,14 @@ def _write_tokens(conn: Connection, events: list) -> None:
     per_run: dict[str, list] = defaultdict(list)
     for e in events:
         per_run[e.request_id].append(e)
+    # SQLite's two-argument max() is PostgreSQL's greatest().
+    larger = func.greatest if conn.dialect.name == "postgresql" else func.max
     for run_id, evs in per_run.items():
         evs.sort(key=lambda e: e.index)
         result = conn.execute(
             update(Run).where(Run.id == run_id).values(
                 output_text=Run.output_text + "".join(e.text for e in evs),
-                completion_tokens=func.max(Run.completion_tokens, evs[-1].index + 1),
+                completion_tokens=larger(Run.completion_tokens, evs[-1].index + 1),
                 first_token_at=func.coalesce(Run.first_token_at, evs[0].time)))
         if result.rowcount == 0:
             raise MissingRunError(f"no run {run_id!r}")

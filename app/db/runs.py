@@ -51,8 +51,9 @@ def list_runs(db: Source, *, model: str | None = None, kernel_policy: str | None
         conditions.append(Run.status == status)
     if q:
         pattern = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        conditions.append(or_(Run.prompt_text.like(pattern, escape="\\"),
-                              Run.output_text.like(pattern, escape="\\")))
+        # ILIKE on PostgreSQL, whose LIKE is case-sensitive; lower() LIKE lower() on SQLite.
+        conditions.append(or_(Run.prompt_text.ilike(pattern, escape="\\"),
+                              Run.output_text.ilike(pattern, escape="\\")))
     columns = [
         Run.id, Run.created_at, Run.source, Run.endpoint, Run.model, Run.weights,
         Run.kernel_policy, Run.status, Run.finish_reason, Run.prompt_tokens,

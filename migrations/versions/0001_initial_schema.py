@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from app.db.models import JSONValue  # TEXT on PostgreSQL: see there
+
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -26,7 +28,7 @@ def upgrade() -> None:
         sa.Column("model", sa.String(length=200), nullable=False),
         sa.Column("weights", sa.String(length=50), nullable=False),
         sa.Column("kernel_policy", sa.String(length=50), nullable=False),
-        sa.Column("config_json", sa.JSON(), nullable=False),
+        sa.Column("config_json", JSONValue, nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_engine_sessions")),
     )
     op.create_table(
@@ -40,14 +42,14 @@ def upgrade() -> None:
         sa.Column("weights", sa.String(length=50), nullable=False),
         sa.Column("kernel_policy", sa.String(length=50), nullable=False),
         sa.Column("prompt_text", sa.Text(), nullable=False),
-        sa.Column("messages_json", sa.JSON(), nullable=True),
-        sa.Column("prompt_token_ids_json", sa.JSON(), nullable=False),
-        sa.Column("params_json", sa.JSON(), nullable=False),
+        sa.Column("messages_json", JSONValue, nullable=True),
+        sa.Column("prompt_token_ids_json", JSONValue, nullable=False),
+        sa.Column("params_json", JSONValue, nullable=False),
         sa.Column("status", sa.String(length=20), nullable=False),
         sa.Column("finish_reason", sa.String(length=20), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("output_text", sa.Text(), nullable=False),
-        sa.Column("output_token_ids_json", sa.JSON(), nullable=True),
+        sa.Column("output_token_ids_json", JSONValue, nullable=True),
         sa.Column("prompt_tokens", sa.Integer(), nullable=False),
         sa.Column("completion_tokens", sa.Integer(), nullable=False),
         sa.Column("cached_prompt_tokens", sa.Integer(), nullable=True),
@@ -75,7 +77,7 @@ def upgrade() -> None:
         sa.Column("token_id", sa.Integer(), nullable=False),
         sa.Column("text", sa.Text(), nullable=False),
         sa.Column("logprob", sa.Float(), nullable=True),
-        sa.Column("top_logprobs_json", sa.JSON(), nullable=True),
+        sa.Column("top_logprobs_json", JSONValue, nullable=True),
         sa.Column("t", sa.Float(), nullable=False),
         sa.Column("step", sa.Integer(), nullable=True),
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_run_tokens_run_id_runs"),
@@ -104,7 +106,7 @@ def upgrade() -> None:
         sa.Column("linear_calls_per_layer", sa.Integer(), nullable=False),
         sa.Column("prefix_cache_queries", sa.Integer(), nullable=False),
         sa.Column("prefix_cache_hits", sa.Integer(), nullable=False),
-        sa.Column("preempted_json", sa.JSON(), nullable=False),
+        sa.Column("preempted_json", JSONValue, nullable=False),
         sa.Column("error", sa.Text(), nullable=True),
         sa.ForeignKeyConstraint(["session_id"], ["engine_sessions.id"],
                                 name=op.f("fk_steps_session_id_engine_sessions"),

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from app.db.models import JSONValue  # TEXT on PostgreSQL: see there
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -35,9 +37,9 @@ def upgrade() -> None:
         sa.Column("duration_s", sa.Float(), nullable=False),
         sa.Column("completed", sa.Integer(), nullable=False),
         sa.Column("failed", sa.Integer(), nullable=False),
-        sa.Column("config_json", sa.JSON(), nullable=False),
-        sa.Column("summary_json", sa.JSON(), nullable=False),
-        sa.Column("requests_json", sa.JSON(), nullable=False),
+        sa.Column("config_json", JSONValue, nullable=False),
+        sa.Column("summary_json", JSONValue, nullable=False),
+        sa.Column("requests_json", JSONValue, nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_benchmark_runs")),
     )
     op.create_index("ix_benchmark_runs_created_at", "benchmark_runs", ["created_at"])

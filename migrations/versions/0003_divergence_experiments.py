@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from app.db.models import JSONValue  # TEXT on PostgreSQL: see there
+
 revision: str = "0003"
 down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
@@ -28,14 +30,14 @@ def upgrade() -> None:
         sa.Column("source", sa.String(length=20), nullable=False),
         sa.Column("status", sa.String(length=20), nullable=False),
         sa.Column("prompt_text", sa.Text(), nullable=False),
-        sa.Column("params_json", sa.JSON(), nullable=False),
+        sa.Column("params_json", JSONValue, nullable=False),
         sa.Column("run_a_id", sa.String(length=100), nullable=True),
         sa.Column("run_b_id", sa.String(length=100), nullable=True),
         sa.Column("verdict", sa.String(length=20), nullable=True),
         sa.Column("verdict_text", sa.Text(), nullable=True),
         sa.Column("fork_token_index", sa.Integer(), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
-        sa.Column("record_json", sa.JSON(), nullable=True),
+        sa.Column("record_json", JSONValue, nullable=True),
         sa.ForeignKeyConstraint(["run_a_id"], ["runs.id"],
                                 name=op.f("fk_divergence_experiments_run_a_id_runs"),
                                 ondelete="SET NULL"),

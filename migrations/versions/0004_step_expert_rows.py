@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from app.db.models import JSONValue  # TEXT on PostgreSQL: see there
+
 revision: str = "0004"
 down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
@@ -20,7 +22,7 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     with op.batch_alter_table("steps") as batch:
-        batch.add_column(sa.Column("expert_rows_json", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("expert_rows_json", JSONValue, nullable=True))
 
 
 def downgrade() -> None:

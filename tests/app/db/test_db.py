@@ -310,6 +310,17 @@ def test_drafted_tokens_and_verify_entries_are_stored_and_read_back(db, recorder
     assert get_run(db, "T")["speculation"]["rate"] == 0.0
 
 
+def test_an_infinite_top_logprob_reads_back_as_written(db, recorder):
+    """A token a grammar masked has a -inf logprob; PostgreSQL's json type refuses infinities,
+    so its JSON columns are text, as on SQLite."""
+    session = recorder.start_session("m", "q4", "auto", {})
+    start_run(recorder, "N", session)
+    recorder.token(TokenEvent("N", 0, 5, "x", -0.25, [(5, -0.25), (6, float("-inf"))], 1000.5, 1))
+    assert recorder.flush()
+    assert get_run(db, "N")["tokens"][0]["top_logprobs"] == [[5, -0.25], [6, float("-inf")]]
+    assert recorder.dropped == 0
+
+
 def test_schema_matches_models(db):
     with db.read() as conn:
         context = MigrationContext.configure(conn, opts={"compare_type": True})
