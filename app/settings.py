@@ -21,7 +21,7 @@ DEFAULT_DB = "./batchscope.db"
 class Settings:
     host: str = "127.0.0.1"  # loopback by default: without api_key nothing is authenticated
     port: int = 8000
-    db_path: str = DEFAULT_DB
+    db_path: str = DEFAULT_DB  # a SQLite file's path or a PostgreSQL URL
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_body_bytes: int = 1 << 20  # larger request bodies get a 413 before being parsed
     # Requests waiting beyond the max_num_seqs the engine runs at once; more get a 429.
@@ -59,6 +59,9 @@ class Settings:
 
 
 def resolve_db_path(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """The runs database every command uses: --db, else $BATCHSCOPE_DB, else ./batchscope.db."""
+    """The runs database every command uses: --db, else $BATCHSCOPE_DB, else ./batchscope.db.
+
+    A SQLite file's path or a SQLAlchemy URL (postgresql+psycopg://...): app/db/database.py's
+    open_database() tells them apart."""
     env = os.environ if environ is None else environ
     return flag or env.get(ENV_DB) or DEFAULT_DB

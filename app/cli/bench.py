@@ -88,7 +88,8 @@ def add_bench_command(subparsers) -> None:
     rec = p.add_mutually_exclusive_group()
     rec.add_argument("--no-record", action="store_true", help="do not record in the database")
     rec.add_argument("--db", default=None,
-                     help="SQLite file to record into (default: the server's default, "
+                     help="runs database to record into: a SQLite file or a "
+                          "postgresql+psycopg:// URL (default: the server's default, "
                           f"{DEFAULT_DB} or ${ENV_DB})")
     p.set_defaults(func=cmd_bench_serve)
 

@@ -88,10 +88,11 @@ def add_diverge_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--all-tokens", action="store_true",
                    help="print every compared token's logit row (default: the telling ones)")
     p.add_argument("--json", action="store_true", help="print the record as JSON")
-    p.add_argument("--db", default=None, metavar="PATH",
+    p.add_argument("--db", default=None, metavar="PATH|URL",
                    help="also save the experiment (its record, and its two sides as runs) in "
-                        "this SQLite runs database, e.g. the server's ./batchscope.db, to see "
-                        "it at /divergence (default: not saved; not with --search)")
+                        "this runs database, a SQLite file (e.g. the server's ./batchscope.db) "
+                        "or a postgresql+psycopg:// URL, to see it at /divergence (default: not "
+                        "saved; not with --search)")
     p.set_defaults(func=cmd_diverge)
     return p
 

@@ -21,7 +21,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--port", type=int, default=None,
                      help="port to bind (default 8000, or $BATCHSCOPE_PORT)")
     srv.add_argument("--db", default=None,
-                     help="SQLite file for recorded runs (default ./batchscope.db, or "
+                     help="runs database: a SQLite file, or a postgresql+psycopg:// URL "
+                          "that several servers share (default ./batchscope.db, or "
                           "$BATCHSCOPE_DB)")
     srv.add_argument("--max-body-bytes", type=int, default=None,
                      help="largest request body accepted (default 1 MiB)")

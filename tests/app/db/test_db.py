@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from app.cli.db import add_db_commands
 from app.db import Database, DatabaseError, Recorder, open_database
-from app.db.database import alembic_config, create_sqlite_engine, run_migrations
+from app.db.database import alembic_config, create_database_engine, run_migrations
 from app.db.models import Base
 from app.db.runs import distinct_values, get_run, list_runs, run_metrics
 from engine.events import FinishEvent, TokenEvent
@@ -82,20 +82,22 @@ def step_record(step: int, started: float, entries: list[tuple[str, str, int]]) 
 
 
 # ---- migrations and opening ----
-def test_open_creates_and_migrates_to_head(tmp_path):
-    with open_database(tmp_path / "new.db") as db:
+def test_open_creates_and_migrates_to_head(db_target):
+    with open_database(db_target) as db:
         assert current_revision(db) == head_revision()
         tables = set(inspect(db.engine).get_table_names())
         assert {"engine_sessions", "runs", "run_tokens", "steps", "step_entries",
                 "benchmark_runs", "divergence_experiments"} <= tables
+        if db.postgres:
+            return
         with db.read() as conn:
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
 
 
-def test_reopening_is_idempotent_and_keeps_data(tmp_path):
-    path = tmp_path / "runs.db"
+def test_reopening_is_idempotent_and_keeps_data(db_target):
+    path = db_target
     with open_database(path) as db:
         session_id = Recorder(db).start_session("m", "q4", "auto", {"max_num_seqs": 4})
     for _ in range(2):
@@ -106,18 +108,18 @@ def test_reopening_is_idempotent_and_keeps_data(tmp_path):
             assert rows == [(session_id, '{"max_num_seqs": 4}')]
 
 
-def test_upgrade_from_0002_adds_divergence_experiments_and_keeps_runs(tmp_path):
-    path = tmp_path / "old.db"
-    engine = create_sqlite_engine(path)
+def test_upgrade_from_0002_adds_divergence_experiments_and_keeps_runs(db_target):
+    path = db_target
+    engine = create_database_engine(path)
     try:
         run_migrations(engine, "0002")  # a database written before divergence experiments
         with engine.begin() as conn:
-            conn.exec_driver_sql(
+            conn.execute(sqlalchemy.text(
                 "INSERT INTO runs (id, created_at, source, endpoint, model, weights, "
                 "kernel_policy, prompt_text, prompt_token_ids_json, params_json, status, "
                 "output_text, prompt_tokens, completion_tokens, queued_at) VALUES ('old-run', "
                 "1.0, 'api', '/v1/completions', 'm', 'q4', 'gemm', 'hi', '[1]', '{}', "
-                "'finished', 'there', 1, 1, 1.0)")
+                "'finished', 'there', 1, 1, 1.0)"))
         assert "divergence_experiments" not in inspect(engine).get_table_names()
     finally:
         engine.dispose()
@@ -132,20 +134,21 @@ def test_upgrade_from_0002_adds_divergence_experiments_and_keeps_runs(tmp_path):
         assert {fk["referred_table"] for fk in foreign} == {"runs"}
         with db.read() as conn:
             assert conn.exec_driver_sql("SELECT output_text FROM runs").scalar() == "there"
-        insert = ("INSERT INTO divergence_experiments (id, created_at, source, status, "
-                  "prompt_text, params_json, run_a_id, run_b_id) VALUES (?, 1.0, 'web', 'done', "
-                  "'hi', '{}', ?, ?)")
+        insert = sqlalchemy.text(
+            "INSERT INTO divergence_experiments (id, created_at, source, status, prompt_text, "
+            "params_json, run_a_id, run_b_id) VALUES (:id, 1.0, 'web', 'done', 'hi', '{}', "
+            ":a, :b)")
         with db.write_engine.begin() as conn:
-            conn.exec_driver_sql(insert, ("d1", "old-run", "old-run"))
+            conn.execute(insert, {"id": "d1", "a": "old-run", "b": "old-run"})
         # The run ids are foreign keys: a missing run is refused.
         with pytest.raises(sqlalchemy.exc.IntegrityError):
             with db.write_engine.begin() as conn:
-                conn.exec_driver_sql(insert, ("d2", "no-such-run", None))
+                conn.execute(insert, {"id": "d2", "a": "no-such-run", "b": None})
 
 
-def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_drafts(tmp_path):
-    path = tmp_path / "old.db"
-    engine = create_sqlite_engine(path)
+def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_drafts(db_target):
+    path = db_target
+    engine = create_database_engine(path)
     try:
         run_migrations(engine, "0004")  # a database written before speculative decoding
         with engine.begin() as conn:
@@ -165,7 +168,7 @@ def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_draf
             conn.exec_driver_sql(
                 "INSERT INTO step_entries (session_id, step, run_id, phase, rows, "
                 "context_len, blocks_held, sampled) VALUES (1, 1, 'old-run', 'prefill', 1, 1, "
-                "1, 1)")
+                "1, true)")
         assert "drafted" not in {c["name"] for c in inspect(engine).get_columns("run_tokens")}
     finally:
         engine.dispose()
@@ -190,7 +193,7 @@ def test_upgrade_from_0004_adds_speculation_columns_and_old_rows_read_as_no_draf
 def old_database(path, revision: str, missing: str):
     """A database migrated to `revision` only, with a session and one step of its columns;
     `missing`: a steps column a later revision adds (checked absent)."""
-    engine = create_sqlite_engine(path)
+    engine = create_database_engine(path)
     try:
         run_migrations(engine, revision)
         with engine.begin() as conn:
@@ -240,8 +243,8 @@ STATE_POOL = {"state_slots_total": 4, "state_slots_used": 3, "state_checkpoints"
               "state_slot_bytes": 3 * 2**31}  # past 32 bits
 
 
-def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_path):
-    path = tmp_path / "old.db"
+def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(db_target):
+    path = db_target
     old_database(path, "0005", "state_slots_total")  # written before the state pool
     hybrid = step_record(2, 1000.0, [("H", "prefill", 3)])
     for name, value in STATE_POOL.items():
@@ -254,8 +257,8 @@ def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(tmp_pa
     assert "state_checkpoint_hits" not in step
 
 
-def test_upgrade_from_0006_adds_constrained_rows_and_mask_time(tmp_path):
-    path = tmp_path / "old.db"
+def test_upgrade_from_0006_adds_constrained_rows_and_mask_time(db_target):
+    path = db_target
     old_database(path, "0006", "mask_ms")  # written before the steps' grammar masks
     constrained = step_record(2, 1000.0, [("C", "decode", 1)])
     constrained.constrained_rows, constrained.mask_ms = 1, 0.375
@@ -263,7 +266,7 @@ def test_upgrade_from_0006_adds_constrained_rows_and_mask_time(tmp_path):
     assert stored == [(1, 0, 0.0), (2, 1, 0.375)]
     assert (step["constrained_rows"], step["mask_ms"]) == (1, 0.375)  # the run page's steps
     # And back down: 0006's steps table, its rows kept.
-    engine = create_sqlite_engine(path)
+    engine = create_database_engine(path)
     try:
         with engine.begin() as conn:
             config = alembic_config()
@@ -327,10 +330,10 @@ def test_schema_matches_models(db):
         assert compare_metadata(context, Base.metadata) == []
 
 
-def test_db_upgrade_command(tmp_path, capsys):
+def test_db_upgrade_command(db_target, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_db_commands(parser.add_subparsers(dest="command", required=True))
-    path = tmp_path / "cli.db"
+    path = db_target
     args = parser.parse_args(["db", "upgrade", "--db", str(path)])
     assert args.func(args) == 0
     assert head_revision() in capsys.readouterr().out
@@ -448,8 +451,8 @@ def test_metrics_with_one_token():
     assert m["e2e_latency"] == pytest.approx(0.6) and m["queue_time"] is None
 
 
-def test_mark_interrupted_keeps_text_and_tokens(tmp_path):
-    path = tmp_path / "runs.db"
+def test_mark_interrupted_keeps_text_and_tokens(db_target):
+    path = db_target
     with open_database(path) as db:
         rec = Recorder(db)
         rec.start()
