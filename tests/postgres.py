@@ -120,3 +120,54 @@ def cluster() -> Iterator[Cluster]:
         if started:
             run(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def record_as_a_server(url: str, name: str, runs: int, barrier, out) -> None:
+    """A server's recording, in its own process: open the database at `url` (migrating it),
+    start an engine session, record `runs` finished runs (tokens, steps) through the real
+    Recorder, then, once every process has recorded, put (name, session id, every run id
+    listed, each run's output text) on `out`, read as the pages read them (app/db/runs.py)."""
+    import time
+
+    from app.db import Recorder, open_database
+    from app.db.runs import get_run, list_runs
+    from engine.events import FinishEvent, TokenEvent
+    from engine.telemetry import StepEntry, StepRecord
+
+    barrier.wait(60)  # open and migrate together
+    with open_database(url) as db:
+        recorder = Recorder(db, flush_interval=0.005)
+        recorder.start()
+        try:
+            session = recorder.start_session(name, "q4", "auto", {"server": name})
+            barrier.wait(60)  # record together
+            for k in range(runs):
+                run_id = f"{name}-{k}"
+                recorder.run_started(
+                    run_id, session_id=session, source="api", endpoint="completions",
+                    model=name, weights="q4", kernel_policy="auto", prompt_text=f"hi {k}",
+                    messages=None, prompt_token_ids=[1, 2], params={"max_tokens": 3},
+                    queued_at=time.time())
+                for i in range(3):
+                    recorder.token(TokenEvent(run_id, i, 10 + i, f"{name}{i} ", -0.5, [],
+                                              time.time(), k + 1))
+                recorder.step(session, StepRecord(
+                    step=k + 1, started_at=time.time(), wall_time=0.01, model_time=0.01,
+                    scheduler_time=0.0, entries=[StepEntry(run_id, "decode", 1, 3, 1, True)],
+                    total_rows=1, prefill_rows=0, decode_rows=1, kv_blocks_total=8,
+                    kv_blocks_used=1, kv_blocks_free=7, kv_blocks_cached=0, num_running=1,
+                    num_waiting=0))
+                recorder.run_finished(FinishEvent(
+                    request_id=run_id, reason="length", text=f"{name}0 {name}1 {name}2 ",
+                    text_delta="", token_ids=[10, 11, 12], prompt_tokens=2,
+                    completion_tokens=3, cached_prompt_tokens=0, preemptions=0,
+                    arrival_time=time.time(), first_scheduled_time=None,
+                    first_token_time=None, finish_time=time.time()))
+            assert recorder.flush(30) and recorder.dropped == 0
+            barrier.wait(60)  # everyone's runs are written
+            listed = [r["id"] for r in list_runs(db, per_page=500)["runs"]]
+            texts = {run_id: (get_run(db, run_id) or {}).get("output_text")
+                     for run_id in listed}
+            out.put((name, session, listed, texts))
+        finally:
+            recorder.close()
