@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import functools
 import json
-import sqlite3
 import time
 
 import pytest
 from bs4 import BeautifulSoup
+from sqlalchemy import text
 from starlette.testclient import TestClient
 
 import app.lab.divergence
 from app.cli import build_parser
 from app.db import experiments as divergence_store
-from app.db.database import DatabaseError
+from app.db.database import DatabaseError, create_database_engine
 from app.settings import Settings
 from app.web.app import create_app
 from app.web.pages.divergence import lab_for
@@ -48,8 +48,9 @@ def broken_loader(weights: str):
 
 
 @pytest.fixture
-def db_path(tmp_path):
-    return tmp_path / "runs.db"
+def db_path(db_target):
+    """A SQLite file's path or a PostgreSQL URL (tests/app/conftest.py)."""
+    return db_target
 
 
 def open_client(db_path, loader=two_models) -> TestClient:
@@ -76,13 +77,17 @@ def run_and_wait(client: TestClient, form: dict = FORM) -> dict:
         time.sleep(0.05)
 
 
-def rows(db_path, sql: str, *args) -> list[sqlite3.Row]:
-    conn = sqlite3.connect(db_path)
-    conn.row_factory = sqlite3.Row
+def rows(db_path, sql: str, *args) -> list:
+    """The rows of `sql`, whose `?` take `args` in turn, as mappings (SQLite or PostgreSQL)."""
+    head, *rest = sql.split("?")
+    named = head + "".join(f":p{i}{part}" for i, part in enumerate(rest))
+    engine = create_database_engine(db_path)
     try:
-        return conn.execute(sql, args).fetchall()
+        with engine.connect() as conn:
+            return list(conn.execute(text(named), {f"p{i}": a for i, a in enumerate(args)})
+                        .mappings().all())
     finally:
-        conn.close()
+        engine.dispose()
 
 
 def test_a_finished_experiment_is_saved_with_its_two_runs_and_survives_a_restart(db_path):
