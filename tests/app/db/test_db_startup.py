@@ -163,3 +163,15 @@ def test_database_locked_by_another_process(tmp_path, command):
     # Once the other process lets go, the same command works.
     result = batchscope("db", "upgrade", "--db", str(path))
     assert result.returncode == 0, result.stderr
+
+
+def test_an_unusable_postgresql_url(postgres_cluster, command):
+    """A database missing on the server: one line naming the URL, its password masked."""
+    url = postgres_cluster.url("no_such_db").replace("postgres@", "postgres:secret@")
+    result = batchscope(*COMMANDS[command](url))
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr and "secret" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("batchscope: error")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert "postgres:***@/no_such_db" in errors[0], errors[0]
+    assert 'database "no_such_db" does not exist' in errors[0], errors[0]
