@@ -11,9 +11,10 @@ serve: setup
 generate: setup
 	.venv/bin/batchscope generate --chat "$${PROMPT:-Tell me a short story about a robot.}"
 
-# The browser test drives Debian's chromium through chromium-driver.
+# The browser test drives Debian's chromium through chromium-driver; the runs-database tests
+# start a throwaway cluster of Debian's postgresql (tests/postgres.py).
 test:
-	BATCHSCOPE_EXTRA_APT="chromium chromium-driver" ./scripts/setup.sh
+	BATCHSCOPE_EXTRA_APT="chromium chromium-driver postgresql" ./scripts/setup.sh
 	.venv/bin/python -m pytest -q --durations=20
 
 test-fast: setup

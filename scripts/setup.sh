@@ -27,9 +27,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 
-extras="test,native"
+# postgres: the driver for a shared PostgreSQL runs database (--db postgresql+psycopg://...).
+extras="test,native,postgres"
 # MLX's Linux CPU backend is a separate wheel; on macOS the plain wheel carries Metal.
-[ "$(uname -s)" = "Linux" ] && extras="test,native,cpu"
+[ "$(uname -s)" = "Linux" ] && extras="test,native,postgres,cpu"
 echo "==> installing Python packages"
 .venv/bin/python -m pip install -q -e ".[$extras]"
 
