@@ -21,7 +21,7 @@ from engine.config import DEFAULT_TILE, EngineConfig, KernelPath, NativeSetting
 from engine.kernels import PathTaken
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
-from engine.native_ops import NativeLayer, NativeOps, recurrence_kernel
+from engine.native_ops import WIDENS_EXACTLY, NativeLayer, NativeOps, recurrence_kernel
 from engine.sampler import Sampled, sample
 from engine.scheduler import RowGroup
 from engine.state_pool import StatePool
@@ -154,18 +154,22 @@ class ModelRunner(NativeOps):
         op-by-op layer (tests/engine/test_decoder_layer.py). A "tiled" step takes it too: its
         parts take their native ops there as well (NativeOps.linear), each row alone."""
         op = self.layer_kernel
-        if op is None or step.path == KernelPath.GEMV or x.dtype != mx.float32:
+        if op is None or step.path == KernelPath.GEMV or x.dtype not in WIDENS_EXACTLY:
             return None
         layer = self.fused_layer_of(i)
         if layer is None or x.shape[1] > layer.max_rows:
             return None
+        # A float16 or bfloat16 x (a quantized embedding's output) is widened exactly: the
+        # layer reads x through its norm (NativeOps.norm widens it) and the residual sum
+        # (which widens it), so the op-by-op layer computes on these same values.
+        x = x.astype(mx.float32)
         kv = self.layer_kv[i]
         plan = step.plan(kv.window)
         # The op writes the rows' keys and values into these arrays when it is evaluated
         # (decoder_layer.h): the step's output depends on it, and _forward evaluates that.
         k_pool, v_pool = self.pool.writable(kv.pool_layer, x.dtype)
-        return op(x[0], layer.spec, k_pool, v_pool, step.write, step.pos, plan.tables,
-                  plan.lens, plan.query_lens)[None]
+        return op(x, layer.spec, k_pool, v_pool, step.write, step.pos, plan.tables, plan.lens,
+                  plan.query_lens)
 
     def run(self, groups: list[RowGroup], path: str = KernelPath.GEMM) -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path` (or the native

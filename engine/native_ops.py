@@ -37,6 +37,9 @@ DECODE_MATMUL_MAX_ROWS = 32
 # q4; `--rows 512 2048` measures larger steps). Since MLX's cost grows with every row, every gemm
 # step up to this many rows takes it, and a row gets the same bits in every such step.
 DECODE_QUANTIZED_MAX_ROWS = 4096
+# The hidden-state dtypes the native norm and the fused layer take: float32, and the half types
+# they widen to it exactly (a quantized embedding's output is float16 where its scales are).
+WIDENS_EXACTLY = (mx.float32, mx.float16, mx.bfloat16)
 
 
 @dataclass(frozen=True, eq=False)
@@ -264,9 +267,11 @@ class NativeOps:
 
     def norm(self, module, x: mx.array) -> mx.array:
         """An RMS norm module (mlx-lm's nn.RMSNorm) on x: the native op where it applies."""
-        if (self.row_ops is not None and type(module) is nn.RMSNorm and x.dtype == mx.float32
-                and module.weight.dtype == mx.float32):
-            return self.row_ops[0](x, module.weight, module.eps)
+        if (self.row_ops is not None and type(module) is nn.RMSNorm
+                and x.dtype in WIDENS_EXACTLY and module.weight.dtype == mx.float32):
+            # A half x widens exactly, and with a float32 weight MLX's norm computes on the
+            # widened values too (a float32 result), so the op takes it widened.
+            return self.row_ops[0](x.astype(mx.float32), module.weight, module.eps)
         return module(x)
 
     def native_rope(self, rope, q: mx.array, k: mx.array) -> tuple | None:

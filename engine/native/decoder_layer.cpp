@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 
 #include "decode_linear.h"
@@ -104,7 +105,7 @@ void run_layer(const LayerLayout& s, const std::vector<mx::array>& in, float* ou
   const mx::array& x = in[0];
   const mx::array& k_pool = in[s.pool];
   const mx::array& v_pool = in[s.pool + 1];
-  const int rows = static_cast<int>(x.shape(0));
+  const int rows = static_cast<int>(x.shape(x.ndim() - 2));
   const int H = s.hidden, I = s.intermediate, D = s.head_dim;
   const int nq = s.heads * D, nkv = s.kv_heads * D, nqkv = nq + 2 * nkv;
   const int32_t* slots = in[s.pool + 2].data<int32_t>();
@@ -349,9 +350,13 @@ mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::arr
                         const mx::array& context_lens, const mx::array& query_lens,
                         mx::StreamOrDevice s) {
   const LayerLayout& l = spec.layout();
-  check(x.ndim() == 2 && x.dtype() == mx::float32 && x.shape(1) == l.hidden,
-        "x must be float32 (rows, " + std::to_string(l.hidden) + "), not " + shape_str(x));
-  const int rows = static_cast<int>(x.shape(0));
+  // (rows, hidden), or (1, rows, hidden) as a model's layers pass their hidden states on: the
+  // output has x's shape, so a stack of layers needs no reshaping op between them.
+  check((x.ndim() == 2 || (x.ndim() == 3 && x.shape(0) == 1)) && x.dtype() == mx::float32 &&
+            x.shape(-1) == l.hidden,
+        "x must be float32 (rows, " + std::to_string(l.hidden) + ") or (1, rows, " +
+            std::to_string(l.hidden) + "), not " + shape_str(x));
+  const int rows = static_cast<int>(x.shape(-2));
   check(rows >= 1, "a step has at least one row");
   check(k_pool.ndim() == 3 && v_pool.shape() == k_pool.shape() &&
             k_pool.dtype() == v_pool.dtype() && k_pool.shape(0) == l.kv_heads &&
@@ -376,7 +381,10 @@ mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::arr
   const auto& weights = spec.weights();
   std::vector<mx::array> inputs;
   inputs.reserve(weights.size() + 8);
-  inputs.push_back(row_contiguous(x, stream));
+  // Another layer's output is row-contiguous by construction (eval_cpu allocates it whole):
+  // no contiguous node to schedule between two layers.
+  const bool from_layer = x.has_primitive() && typeid(x.primitive()) == typeid(DecoderLayer);
+  inputs.push_back(from_layer ? x : row_contiguous(x, stream));
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   // The pools as they are: the op writes the rows into them (see decoder_layer.h).
   inputs.push_back(k_pool);

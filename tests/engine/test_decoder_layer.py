@@ -108,6 +108,27 @@ def test_fused_layer_has_the_bits_of_the_layer_op_by_op(folders, name, weights):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("half", [mx.float16, mx.bfloat16])
+def test_fused_layer_widens_a_half_precision_embedding_as_the_op_by_op_layer(folders, half):
+    """A quantized embedding with half-precision scales (as a GGUF's are) hands the first layer
+    a half x: the fused op takes it too, widened, with the op-by-op layer's bits."""
+    loaded = folders["qwen3"]["q4"]
+    family = family_for(loaded.model)
+    embed = family.inner.embed_tokens
+    scales, biases = embed.scales, embed.biases
+    embed.scales, embed.biases = scales.astype(half), biases.astype(half)
+    try:
+        assert family.embed(None, mx.array([5, 6])).dtype == half
+        fused, fused_pool, calls = run_steps(loaded, True)
+        plain, plain_pool, _ = run_steps(loaded, False)
+    finally:
+        embed.scales, embed.biases = scales, biases
+    assert calls == len(family.layers) * 4  # the first layer included, on every step
+    assert fused == plain
+    for a, b in zip(fused_pool, plain_pool, strict=True):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("kv_dtype", [mx.float16, mx.bfloat16])
 def test_fused_layer_writes_a_narrower_pool_as_the_op_by_op_layer(folders, kv_dtype):
     loaded = folders["qwen3"]["q4"]
