@@ -618,3 +618,22 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
             "SELECT prefix_cache_queries, prefix_cache_hits, state_checkpoint_hits FROM steps "
             "ORDER BY step").all()
     assert [tuple(r) for r in stored] == [(9, 0, 2), (0, 0, 0)]
+
+
+def test_benchmark_runs_are_saved_listed_and_read_back(db):
+    from app.db import benchmarks
+
+    summary = {"duration_s": 2.5, "completed": 2, "failed": 0, "ttft_p50": float("nan")}
+    common = dict(url="http://x/v1", model="m", endpoint="completions", dataset="mixed",
+                  num_prompts=2, max_concurrency=None, summary=summary,
+                  requests=[{"ok": True, "itl": [0.1, 0.2]}, {"ok": True, "itl": []}])
+    first = benchmarks.save_run(db, request_rate=float("inf"), seed=2**40, label="all at once",
+                                created_at=1.0, **common)
+    second = benchmarks.save_run(db, request_rate=4.0, seed=0, created_at=2.0, **common)
+    assert first != second
+    listing = benchmarks.list_runs(db)
+    assert listing["total"] == 2 and [r["id"] for r in listing["runs"]] == [second, first]
+    run = benchmarks.get_run(db, first)
+    assert (run["seed"], run["request_rate"], run["label"]) == (2**40, None, "all at once")
+    assert run["summary"]["ttft_p50"] is None and run["requests"] == common["requests"]
+    assert benchmarks.get_run(db, 999) is None
