@@ -56,7 +56,11 @@ inline float exp_nonpositive(float x) {
 inline float exp_mlx(float x) {
   float ipart;
   const float p = exp_fraction(x, &ipart);
-  float r = exp2_int(std::fmin(std::fmax(ipart, -127.0f), 127.0f)) * p;  // |x| <= 88: as is
+  // The clamp as compares, not std::fmin/fmax: those are library calls (their NaN rule) that
+  // keep the loop scalar; a NaN ipart (x NaN) is replaced below either way.
+  ipart = ipart < -127.0f ? -127.0f : ipart;
+  ipart = ipart > 127.0f ? 127.0f : ipart;
+  float r = exp2_int(ipart) * p;  // |x| <= 88: as is
   r = x > -EXP_LOWEST ? INFINITY : r;
   r = x < EXP_LOWEST ? 0.0f : r;
   return x != x ? x : r;  // NaN
