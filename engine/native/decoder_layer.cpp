@@ -15,6 +15,7 @@
 #include "inputs.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/transforms.h"
 #include "paged_attention.h"
 #include "row_ops.h"
 #include "vector_math.h"
@@ -29,8 +30,20 @@ namespace {
 
 constexpr Check check{"decoder_layer"};
 
+// What a layer reads, addressed by the layout's indices as one list: x at 0, the weights from
+// 1 (held by the spec, evaluated once: not graph inputs, so a step's op has a handful of inputs
+// to schedule, not ~20), the step's pools and tables from `pool` on.
+struct LayerInputs {
+  const std::vector<mx::array>& weights;
+  const std::vector<mx::array>& step;  // x, k_pool, v_pool, slots, positions, tables, lens
+  int pool;
+  const mx::array& operator[](int i) const {
+    return i == 0 ? step[0] : i < pool ? weights[i - 1] : step[i - pool + 1];
+  }
+};
+
 // x (M, K) @ the linear's weights -> out (M, N), with the native kernel its kind takes.
-void run_linear(const LayerLayout& s, int which, const std::vector<mx::array>& in,
+void run_linear(const LayerLayout& s, int which, const LayerInputs& in,
                 const float* x, int M, int K, int N, float* out) {
   const mx::array& w = in[s.first[which]];
   if (s.bits[which] == 0) {
@@ -101,7 +114,7 @@ struct Buffers {
   std::vector<float> h, qkv, q, k, qr, kr, attn, o, x1, gu, act, d;
 };
 
-void run_layer(const LayerLayout& s, const std::vector<mx::array>& in, float* out) {
+void run_layer(const LayerLayout& s, const LayerInputs& in, float* out) {
   const mx::array& x = in[0];
   const mx::array& k_pool = in[s.pool];
   const mx::array& v_pool = in[s.pool + 1];
@@ -311,11 +324,13 @@ LayerSpec::LayerSpec(LayerFields fields) : LayerFields(std::move(fields)), layou
   l.attn_scale = attn_scale;
   l.block_size = block_size;
   l.window = window;
-  // The op's inputs: x, then these weights (made row-contiguous once, here), then the pool.
+  // What the op reads: x, then these weights (made row-contiguous and evaluated once, here),
+  // then the step's pool and tables.
   const auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> weights;
   auto add = [&](const mx::array& a) {
-    weights_.push_back(row_contiguous(a, stream));
-    return static_cast<int>(weights_.size());  // its index among the op's inputs (x is 0)
+    weights.push_back(row_contiguous(a, stream));
+    return static_cast<int>(weights.size());  // its index in LayerInputs (x is 0)
   };
   l.attn_norm = add(attn_norm);
   l.mlp_norm = add(mlp_norm);
@@ -330,18 +345,20 @@ LayerSpec::LayerSpec(LayerFields fields) : LayerFields(std::move(fields)), layou
       add(*linears[i]->biases);
     }
   }
-  l.bias = static_cast<int>(weights_.size()) + 1;
+  l.bias = static_cast<int>(weights.size()) + 1;
   if (biased) {
     for (const auto* b : {&q_bias, &k_bias, &v_bias}) add(**b);
   }
-  l.qk_norms = static_cast<int>(weights_.size()) + 1;
+  l.qk_norms = static_cast<int>(weights.size()) + 1;
   if (q_norm) {
     add(*q_norm);
     add(*k_norm);
   }
-  l.inv_freqs = static_cast<int>(weights_.size()) + 1;
+  l.inv_freqs = static_cast<int>(weights.size()) + 1;
   if (rope) add(rope->inv_freqs);
-  l.pool = static_cast<int>(weights_.size()) + 1;
+  l.pool = static_cast<int>(weights.size()) + 1;
+  mx::eval(weights);
+  weights_ = std::make_shared<const std::vector<mx::array>>(std::move(weights));
 }
 
 mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::array& k_pool,
@@ -378,14 +395,12 @@ mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::arr
   auto int32 = [&](const mx::array& a) {
     return row_contiguous(a.dtype() == mx::int32 ? a : mx::astype(a, mx::int32, stream), stream);
   };
-  const auto& weights = spec.weights();
   std::vector<mx::array> inputs;
-  inputs.reserve(weights.size() + 8);
+  inputs.reserve(8);
   // Another layer's output is row-contiguous by construction (eval_cpu allocates it whole):
   // no contiguous node to schedule between two layers.
   const bool from_layer = x.has_primitive() && typeid(x.primitive()) == typeid(DecoderLayer);
   inputs.push_back(from_layer ? x : row_contiguous(x, stream));
-  inputs.insert(inputs.end(), weights.begin(), weights.end());
   // The pools as they are: the op writes the rows into them (see decoder_layer.h).
   inputs.push_back(k_pool);
   inputs.push_back(v_pool);
@@ -394,8 +409,8 @@ mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::arr
   inputs.push_back(int32(block_tables));
   inputs.push_back(int32(context_lens));
   inputs.push_back(int32(query_lens));
-  return mx::array(x.shape(), mx::float32, std::make_shared<DecoderLayer>(stream, l),
-                   std::move(inputs));
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<DecoderLayer>(stream, l, spec.weights()), std::move(inputs));
 }
 
 void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
@@ -409,7 +424,9 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
   weak.reserve(inputs.size());
   for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
   encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                    layout = layout_]() mutable { run_layer(layout, in, out.data<float>()); });
+                    layout = layout_, weights = weights_]() mutable {
+    run_layer(layout, LayerInputs{*weights, in, layout.pool}, out.data<float>());
+  });
 }
 
 void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -19,6 +19,7 @@
 // op's output before they read the pool (engine/model_runner.py).
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -68,8 +69,8 @@ struct LayerFields {
 };
 
 // What the op needs besides its inputs: the sizes, the kinds of its linear layers and where
-// each input sits in the op's input list (x first, then the weights, then the step's pool and
-// tables from `pool` on).
+// each array it reads sits in one list (x first, then the spec's weights, then the step's pool
+// and tables from `pool` on; the op's graph inputs are only x and the step's arrays).
 struct LayerLayout {
   int hidden, intermediate, heads, kv_heads, head_dim;
   float norm_eps, qk_norm_eps;
@@ -93,13 +94,13 @@ class LayerSpec : public LayerFields {
   const LayerLayout& layout() const {
     return layout_;
   }
-  const std::vector<mx::array>& weights() const {
+  const std::shared_ptr<const std::vector<mx::array>>& weights() const {
     return weights_;
   }
 
  private:
   LayerLayout layout_;
-  std::vector<mx::array> weights_;
+  std::shared_ptr<const std::vector<mx::array>> weights_;
 };
 
 // The layer on one step's rows. x: (rows, hidden) float32; k_pool, v_pool, block tables,
@@ -114,8 +115,11 @@ mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::arr
 
 class DecoderLayer : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream stream, const LayerLayout& layout)
-      : mx::Primitive(stream), layout_(layout) {}
+  // weights: the spec's, which the op reads besides its inputs (they stay evaluated and alive
+  // as long as an op holds them).
+  DecoderLayer(mx::Stream stream, const LayerLayout& layout,
+               std::shared_ptr<const std::vector<mx::array>> weights)
+      : mx::Primitive(stream), layout_(layout), weights_(std::move(weights)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -129,6 +133,7 @@ class DecoderLayer : public mx::Primitive {
 
  private:
   LayerLayout layout_;
+  std::shared_ptr<const std::vector<mx::array>> weights_;
 };
 
 }  // namespace batchscope
