@@ -40,6 +40,10 @@ DECODE_QUANTIZED_MAX_ROWS = 4096
 # The hidden-state dtypes the native norm and the fused layer take: float32, and the half types
 # they widen to it exactly (a quantized embedding's output is float16 where its scales are).
 WIDENS_EXACTLY = (mx.float32, mx.float16, mx.bfloat16)
+# MLX's row-sharded linear layers (tensor parallelism, engine/distributed/shard.py): each rank
+# holds a slice of the input features. `linear` runs the native kernel on the slice, then
+# all_sum over the ranks, then the bias, as the layer's own forward does.
+ROW_SHARDED = (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,6 +186,8 @@ class NativeOps:
         found = self._native_linear(module, tied, x.dtype) if path != KernelPath.GEMV else None
         if found is not None and (path == KernelPath.TILED or x.shape[1] <= found[1]):
             out = _in_row_chunks(found[0], x, found[1], tally)
+            if type(module) in ROW_SHARDED:
+                out = mx.distributed.all_sum(out, group=module.group)
             bias = getattr(module, "bias", None)
             return out if bias is None else out + bias
         return apply_linear(module.as_linear if tied else module, x, path, tile, tally)
@@ -189,12 +195,16 @@ class NativeOps:
     def _native_linear(self, module, tied: bool, dtype: mx.Dtype) -> tuple | None:
         """(the native kernel that takes this layer, as a function of x; its row limit), or
         None where MLX computes the layer."""
+        plain, quantized = ((nn.Embedding, nn.QuantizedEmbedding) if tied
+                            else (nn.Linear, nn.QuantizedLinear))
+        if type(module) in ROW_SHARDED:  # the kernel on its slice (`linear` sums the ranks)
+            plain = quantized = type(module)
         if self.matmul_kernel is not None:
-            weight = _float32_weight(module, nn.Embedding if tied else nn.Linear)
+            weight = _float32_weight(module, plain)
             if weight is not None:
                 return (lambda v: self.matmul_kernel(v, weight)), DECODE_MATMUL_MAX_ROWS
         if self.quantized_kernel is not None and dtype == mx.float32:
-            q = quantized_weight(module, nn.QuantizedEmbedding if tied else nn.QuantizedLinear)
+            q = quantized_weight(module, quantized)
             if q is not None:
                 return (lambda v: self.quantized_kernel(v, *q)), DECODE_QUANTIZED_MAX_ROWS
         return None
@@ -301,8 +311,9 @@ class NativeOps:
         once, here), or None where a part of the layer has no native op. block_size: the
         pool's; window: the layer's sliding window (0: none)."""
         layer_spec = native.layer_spec()
-        if self.attention_kernel is None or layer_spec is None:
-            return None
+        if (self.attention_kernel is None or layer_spec is None
+                or type(spec.o) in ROW_SHARDED or type(spec.down) in ROW_SHARDED):
+            return None  # (the fused op has no all_sum inside: a sharded layer goes op by op)
         norms = [spec.input_norm, spec.post_attention_norm]
         qk_norms = [spec.q_norm, spec.k_norm] if spec.q_norm is not None else []
         if (any(type(n) is not nn.RMSNorm or n.weight.dtype != mx.float32
