@@ -1,0 +1,163 @@
+"""The ranks' step loop: rank 0 encodes and broadcasts each step's plan, then every rank runs
+the same ModelRunner step on its shard; ranks > 0 loop on received plans until a stop plan.
+
+Each step ends with one fixed-size all_gather of every rank's times (seconds: in the plan
+broadcast, the step's wall time after it, the forward + sampling), so rank 0 learns what the
+collectives cost (StepTimes). A rank that is lost turns rank 0's next collective into an
+error, raised as DistributedError naming the ranks that exited.
+
+Run as `python -m engine.distributed.worker --model FOLDER ... --rank R --hostfile H`: one
+rank > 0 (start_ranks adds the last three arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from engine.config import DEFAULT_TILE, KernelPath, NativeSetting
+from engine.distributed.launch import DEFAULT_START_TIMEOUT, DistributedError, RankProcesses, join
+from engine.distributed.plan import broadcast, decode, encode, encode_stop
+from engine.distributed.shard import shard_model
+from engine.model_loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner, StepOutput, pool_for
+from engine.models import family_for
+from engine.scheduler import RowGroup
+
+_TIMES = 3  # per rank: broadcast, wall after it, model time
+
+
+@dataclass
+class StepTimes:
+    """What one step's collectives cost, per rank (index = rank), in seconds."""
+
+    broadcast_s: list[float]  # in the plan broadcast (ranks > 0: includes waiting for it)
+    wall_s: list[float]  # the step after the broadcast: forward, sampling, its all_sums
+    model_s: list[float]  # StepOutput.model_time
+    gather_s: float  # rank 0's time in this all_gather of the times
+
+
+def sharded_runner(loaded: LoadedModel, group: mx.distributed.Group, num_blocks: int,
+                   block_size: int, **runner_args) -> ModelRunner:
+    """`loaded` sharded over `group` (engine/distributed/shard.py) and its runner over a
+    paged pool of the local kv heads; every rank calls it with the same arguments."""
+    shard_model(loaded.model, group, loaded.config)
+    family = family_for(loaded.model, loaded.config)
+    return ModelRunner(loaded.model, pool_for(family, num_blocks, block_size), family=family,
+                       **runner_args)
+
+
+def _gather_times(group: mx.distributed.Group, mine: list[float]) -> np.ndarray:
+    out = mx.distributed.all_gather(mx.array(mine, dtype=mx.float32), group=group,
+                                    stream=mx.cpu)
+    return np.array(out).reshape(group.size(), _TIMES)
+
+
+class Coordinator:
+    """Rank 0's side: each step's plan out to every rank, then the step here."""
+
+    def __init__(self, group: mx.distributed.Group, runner: ModelRunner,
+                 ranks: RankProcesses | None = None):
+        """ranks: the children start_ranks started (None: started by mlx.launch)."""
+        if group.rank() != 0:
+            raise ValueError(f"the coordinator is rank 0, this is rank {group.rank()}")
+        self.group, self.runner, self.ranks = group, runner, ranks
+
+    def step(self, groups: list[RowGroup],
+             path: str = KernelPath.GEMM) -> tuple[StepOutput, StepTimes]:
+        plan = encode(groups, path)
+        try:
+            t0 = time.perf_counter()
+            broadcast(self.group, plan)
+            t1 = time.perf_counter()
+            out = self.runner.run(groups, path)
+            t2 = time.perf_counter()
+            times = _gather_times(self.group, [t1 - t0, t2 - t1, out.model_time])
+            gather = time.perf_counter() - t2
+        except RuntimeError as e:
+            raise self._lost(e) from e
+        return out, StepTimes(*(times[:, i].tolist() for i in range(_TIMES)), gather)
+
+    def stop(self) -> dict[int, int]:
+        """The stop plan to every rank, then their exit (rank -> status; {} under
+        mlx.launch, which reaps its own)."""
+        try:
+            broadcast(self.group, encode_stop())
+        except RuntimeError as e:
+            if self.ranks is None:
+                raise self._lost(e) from e
+        return self.ranks.stop() if self.ranks is not None else {}
+
+    def _lost(self, e: RuntimeError) -> Exception:
+        if self.ranks is not None:
+            time.sleep(0.2)  # a killed child's exit is seen a moment after its socket closes
+            exits = self.ranks.describe_exits()
+            if exits is not None:
+                return DistributedError(f"{exits}: the step could not complete ({e})")
+        if "[ring]" in str(e):
+            return DistributedError(f"a rank was lost: the step could not complete ({e})")
+        return e
+
+
+def worker_loop(group: mx.distributed.Group, runner: ModelRunner) -> int:
+    """A rank > 0: run every plan rank 0 broadcasts, until the stop plan; returns the steps
+    run."""
+    steps = 0
+    while True:
+        t0 = time.perf_counter()
+        plan = decode(broadcast(group))
+        if plan.stop:
+            return steps
+        t1 = time.perf_counter()
+        out = runner.run(plan.groups, plan.path)
+        _gather_times(group, [t1 - t0, time.perf_counter() - t1, out.model_time])
+        steps += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="an mlx-lm model folder")
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--num-blocks", type=int, required=True)
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--attention", default=NativeSetting.AUTO)
+    p.add_argument("--row-kernels", default=NativeSetting.AUTO)
+    p.add_argument("--tile", type=int, default=DEFAULT_TILE)
+    p.add_argument("--activations", default="float32")
+    p.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--hostfile", required=True)
+    p.add_argument("--run-dir")
+    a = p.parse_args(argv)
+    try:
+        group = join(a.rank, a.hostfile, a.run_dir, a.start_timeout)
+        runner = sharded_runner(load_model(a.model, a.weights), group, a.num_blocks,
+                                a.block_size, attention=a.attention,
+                                row_kernels=a.row_kernels, tile=a.tile,
+                                activations=a.activations)
+        worker_loop(group, runner)
+    except Exception as e:  # noqa: BLE001 - a rank's failure, reported and its exit status
+        print(f"rank {a.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def worker_args(model: str, num_blocks: int, block_size: int, *, weights: str = "auto",
+                start_timeout: float = DEFAULT_START_TIMEOUT, **settings: str | int) -> list[str]:
+    """The command start_ranks runs for each rank > 0 over `model` (settings: attention,
+    row_kernels, tile, activations, as ModelRunner takes them)."""
+    args = [sys.executable, "-m", "engine.distributed.worker", "--model", model, "--weights",
+            weights, "--num-blocks", str(num_blocks), "--block-size", str(block_size),
+            "--start-timeout", str(start_timeout)]
+    for name, value in settings.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())
