@@ -147,29 +147,38 @@ class ModelRunner(NativeOps):
                               if spec is not None and kv.writes else None)
         return self._fused[i]
 
-    def decoder_layer(self, step: Step, i: int, x: mx.array) -> mx.array | None:
-        """Layer i as one native op (engine/native/decoder_layer.h): norms, q/k/v, RoPE, the KV
-        write, paged attention, o, SwiGLU MLP and residuals. None where any part would take
-        another path than its native op on this step, so the op gives exactly the bits of the
-        op-by-op layer (tests/engine/test_decoder_layer.py). A "tiled" step takes it too: its
-        parts take their native ops there as well (NativeOps.linear), each row alone."""
+    def decoder_layers(self, step: Step, i: int, x: mx.array) -> tuple[mx.array, int] | None:
+        """Layers i, i + 1, ... as one native op (engine/native/decoder_layer.h): each one's
+        norms, q/k/v, RoPE, the KV write, paged attention, o, SwiGLU MLP and residuals, for as
+        many consecutive layers as take it on this step and share layer i's window. Returns
+        (the output, how many layers it took), or None where layer i would take another path
+        than its native ops, so the op gives exactly the bits of the op-by-op layers
+        (tests/engine/test_decoder_layer.py). A "tiled" step takes it too: its parts take their
+        native ops there as well (NativeOps.linear), each row alone."""
         op = self.layer_kernel
         if op is None or step.path == KernelPath.GEMV or x.dtype not in WIDENS_EXACTLY:
             return None
-        layer = self.fused_layer_of(i)
-        if layer is None or x.shape[1] > layer.max_rows:
+        rows, window = x.shape[1], self.layer_kv[i].window
+        specs, k_pools, v_pools = [], [], []
+        for j in range(i, len(self.layer_kv)):
+            layer, kv = self.fused_layer_of(j), self.layer_kv[j]
+            if layer is None or rows > layer.max_rows or kv.window != window:
+                break
+            specs.append(layer.spec)
+            # The op writes the rows' keys and values into these arrays when it is evaluated
+            # (decoder_layer.h): the step's output depends on it, and _forward evaluates that.
+            k_pool, v_pool = self.pool.writable(kv.pool_layer, mx.float32)
+            k_pools.append(k_pool)
+            v_pools.append(v_pool)
+        if not specs:
             return None
-        # A float16 or bfloat16 x (a quantized embedding's output) is widened exactly: the
+        # A float16 or bfloat16 x (a quantized embedding's output) is widened exactly: a
         # layer reads x through its norm (NativeOps.norm widens it) and the residual sum
         # (which widens it), so the op-by-op layer computes on these same values.
-        x = x.astype(mx.float32)
-        kv = self.layer_kv[i]
-        plan = step.plan(kv.window)
-        # The op writes the rows' keys and values into these arrays when it is evaluated
-        # (decoder_layer.h): the step's output depends on it, and _forward evaluates that.
-        k_pool, v_pool = self.pool.writable(kv.pool_layer, x.dtype)
-        return op(x, layer.spec, k_pool, v_pool, step.write, step.pos, plan.tables, plan.lens,
-                  plan.query_lens)
+        plan = step.plan(window)
+        out = op(x.astype(mx.float32), specs, k_pools, v_pools, step.write, step.pos,
+                 plan.tables, plan.lens, plan.query_lens)
+        return out, len(specs)
 
     def run(self, groups: list[RowGroup], path: str = KernelPath.GEMM) -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path` (or the native
@@ -226,12 +235,17 @@ class ModelRunner(NativeOps):
                  groups: list[RowGroup]) -> tuple[mx.array | None, list[RowGroup]]:
         family = self.family
         x = family.embed(step, step.tokens)  # (1, rows, hidden)
-        for i in range(len(self.layer_kv)):
-            x = family.layer(step, i, x)
+        i = 0
+        while i < len(self.layer_kv):
+            fused = step.decoder_layers(i, x)  # layers i, ... as one native op, where it can
+            if fused is not None:
+                x, i = fused[0], i + fused[1]
+            else:
+                x, i = family.layer(step, i, x), i + 1
 
         sampled = [g for g in groups if g.sample]
         if not sampled:
-            # x too: a fused layer (decoder_layer) writes the pool when its output is evaluated.
+            # x too: fused layers (decoder_layers) write the pool when their output is evaluated.
             mx.eval(x, self._state_arrays())
             return None, []
         rows, r = [], 0

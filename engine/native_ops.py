@@ -102,7 +102,8 @@ class NativeOps:
         # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
         # for all of a row's math.
         self.row_ops = _row_ops(row_kernels, self.fused_attention)
-        # A llama-style layer as one op where all of its parts take the native ops above.
+        # Consecutive llama-style layers as one op where all of their parts take the native
+        # ops above (native.decoder_layers).
         self.layer_kernel = _layer_kernel(row_kernels, self.fused_attention)
         self._rope_freqs: dict[int, tuple] = {}  # id(rope) -> (rope, _rope_freqs(rope))
         self._stacks: dict[tuple[int, ...], tuple] = {} if stacks is None else stacks
@@ -386,8 +387,9 @@ def _row_ops(row_kernels: str, fused: bool):
 
 
 def _layer_kernel(row_kernels: str, fused: bool):
-    """The native decoder layer op (the same setting as the row ops), or None."""
-    return _native_op("row_kernels", row_kernels, fused, native.decoder_layer)
+    """The native op of consecutive decoder layers (the same setting as the row ops), or
+    None."""
+    return _native_op("row_kernels", row_kernels, fused, native.decoder_layers)
 
 
 def _native_op(setting: str, value: str, fused: bool, get):

@@ -36,7 +36,8 @@ class Runner(Protocol):
     norm = NativeOps.norm
     native_rope = NativeOps.native_rope
 
-    def decoder_layer(self, step: Step, i: int, x: mx.array) -> mx.array | None: ...
+    def decoder_layers(self, step: Step, i: int,
+                       x: mx.array) -> tuple[mx.array, int] | None: ...
 
 
 class Step:
@@ -147,11 +148,12 @@ class Step:
         return runner.states.gated_delta(runner.layer_kv[i].state.index, layer, qkv, a, b,
                                          self.state_groups, self.snapshots, kernel)
 
-    def decoder_layer(self, i: int, x: mx.array) -> mx.array | None:
-        """Layer i as one native op (the family's Family.fused_layer_spec), or None where the
-        step computes it op by op: the same bits either way."""
-        out = self.runner.decoder_layer(self, i, x)
-        if out is not None:  # every part of it a native op, each row alone
+    def decoder_layers(self, i: int, x: mx.array) -> tuple[mx.array, int] | None:
+        """Layers i, i + 1, ... as one native op (each the family's Family.fused_layer_spec):
+        (the output, how many layers), or None where the step computes layer i op by op (the
+        family's `layer`): the same bits either way."""
+        out = self.runner.decoder_layers(self, i, x)
+        if out is not None:  # every part of them a native op, each row alone: one call a layer
             self.tally.took(KernelPath.NATIVE, 1)
         return out
 

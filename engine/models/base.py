@@ -166,13 +166,10 @@ def llama_attention(step: Step, i: int, attn: nn.Module, h: mx.array, *,
 
 def llama_layer(step: Step, i: int, layer: nn.Module, x: mx.array, *, qk_norm: bool = False,
                 rope: bool = True) -> mx.array:
-    """The pre-norm block: x + attn(rmsnorm(x)), then x + swiglu_mlp(rmsnorm(x)). As one native
-    op where the step takes every part of it natively (the same bits: the family's
-    fused_layer_spec(i) must be llama_layer_spec with the same qk_norm and rope), else op by
-    op."""
-    fused = step.decoder_layer(i, x)
-    if fused is not None:
-        return fused
+    """The pre-norm block: x + attn(rmsnorm(x)), then x + swiglu_mlp(rmsnorm(x)), op by op. The
+    runner takes the layer as one native op instead where the step takes every part of it
+    natively (ModelRunner.decoder_layers, the same bits: the family's fused_layer_spec(i) must
+    be llama_layer_spec with the same qk_norm and rope)."""
     x = x + llama_attention(step, i, layer.self_attn, step.norm(layer.input_layernorm, x),
                             qk_norm=qk_norm, rope=rope)
     return x + swiglu_mlp(step, layer.mlp, step.norm(layer.post_attention_layernorm, x))

@@ -13,8 +13,9 @@ the CPU ops for the rows of a step:
   (MLX's CPU fallbacks build several, and on a few-row step dispatch dominates);
 - `logsumexp_rows`: the sampled rows' log-normalizer, with mlx.core.logsumexp's bits, its exps
   vectorized;
-- `decoder_layer`: a whole llama-style decoder layer (the ops above, the KV write and the
-  SwiGLU MLP) as one op, with the bits of those ops: one dispatch instead of ~25 per layer.
+- `decoder_layers`: consecutive llama-style decoder layers (the ops above, the KV write and
+  the SwiGLU MLP of each) as one op, with the bits of those ops: one dispatch per step where
+  there were ~25 per layer.
 - `gated_delta_rows`: a Gated DeltaNet layer's conv and recurrence (Qwen3.5 / Qwen3-Next) on a
   step's float32 rows, each sequence's states read from and written to its pool slots.
 
@@ -70,10 +71,10 @@ def row_ops() -> tuple[Callable, Callable, Callable] | None:
     return (module.rms_norm_rows, module.rope_rows, module.logsumexp_rows) if module else None
 
 
-def decoder_layer() -> Callable | None:
-    """The fused llama-style decoder layer op, or None when it cannot be loaded here."""
+def decoder_layers() -> Callable | None:
+    """The fused op of consecutive decoder layers, or None when it cannot be loaded here."""
     module = _load()
-    return module.decoder_layer if module else None
+    return module.decoder_layers if module else None
 
 
 def gated_delta_rows() -> Callable | None:

@@ -58,7 +58,7 @@ NB_MODULE(_kernels, m) {
   using Array = std::optional<mx::array>;
   auto spec = nb::class_<LayerSpec>(
       m, "LayerSpec",
-      "A llama-style decoder layer's weights and shape as decoder_layer takes them, checked "
+      "A llama-style decoder layer's weights and shape as decoder_layers takes them, checked "
       "when made (ValueError naming the field).");
   nb::class_<Linear>(spec, "Linear",
                      "A linear layer: weight float32 (out, in) with bits 0, or MLX's affine "
@@ -133,12 +133,23 @@ NB_MODULE(_kernels, m) {
       .def_ro("attn_scale", &LayerSpec::attn_scale)
       .def_ro("block_size", &LayerSpec::block_size)
       .def_ro("window", &LayerSpec::window);
-  m.def("decoder_layer", &batchscope::decoder_layer, "x"_a, "spec"_a, "k_pool"_a, "v_pool"_a,
-        "slots"_a, "positions"_a, "block_tables"_a, "context_lens"_a, "query_lens"_a,
-        nb::kw_only(), "stream"_a = nb::none(),
-        "A llama-style decoder layer (norms, q/k/v, RoPE, paged KV write and attention, o, "
-        "SwiGLU MLP, residuals) as one op on a step's rows; returns its output and writes the "
-        "rows' keys and values into the pool arrays when evaluated.");
+  m.def(
+      "decoder_layers",
+      [](const mx::array& x, const nb::list& specs, const std::vector<mx::array>& k_pools,
+         const std::vector<mx::array>& v_pools, const mx::array& slots,
+         const mx::array& positions, const mx::array& block_tables,
+         const mx::array& context_lens, const mx::array& query_lens, mx::StreamOrDevice s) {
+        std::vector<const LayerSpec*> layers;  // the specs as they are: no copy of their arrays
+        for (nb::handle spec : specs) layers.push_back(&nb::cast<const LayerSpec&>(spec));
+        return batchscope::decoder_layers(x, layers, k_pools, v_pools, slots, positions,
+                                          block_tables, context_lens, query_lens, s);
+      },
+      "x"_a, "specs"_a, "k_pools"_a, "v_pools"_a, "slots"_a, "positions"_a, "block_tables"_a,
+      "context_lens"_a, "query_lens"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "Consecutive llama-style decoder layers (norms, q/k/v, RoPE, paged KV write and "
+      "attention, o, SwiGLU MLP, residuals; one pool per layer, one window for all) as one op on "
+      "a step's rows; returns the last one's output and writes the rows' keys and values into "
+      "the pool arrays when evaluated.");
   m.def("gated_delta_rows", &batchscope::gated_delta_rows, "qkv"_a, "a"_a, "b"_a,
         "conv_weight"_a, "A_log"_a, "dt_bias"_a, "conv_pool"_a, "state_pool"_a, "groups"_a,
         "snapshots"_a, nb::kw_only(), "k_heads"_a, "v_heads"_a, "k_dim"_a, "v_dim"_a,

@@ -30,15 +30,19 @@ namespace {
 
 constexpr Check check{"decoder_layer"};
 
-// What a layer reads, addressed by the layout's indices as one list: x at 0, the weights from
-// 1 (held by the spec, evaluated once: not graph inputs, so a step's op has a handful of inputs
-// to schedule, not ~20), the step's pools and tables from `pool` on.
+// What a layer reads besides x, addressed by the layout's indices as one list: the weights
+// from 1 (held by the spec, evaluated once: not graph inputs, so a step's op has a handful of
+// inputs to schedule, not ~20 a layer), then from `pool` on the layer's pools and the step's
+// tables (slots, positions, block tables, context and query lengths).
 struct LayerInputs {
   const std::vector<mx::array>& weights;
-  const std::vector<mx::array>& step;  // x, k_pool, v_pool, slots, positions, tables, lens
+  const mx::array& k_pool;
+  const mx::array& v_pool;
+  const mx::array* tables;  // the step's five
   int pool;
   const mx::array& operator[](int i) const {
-    return i == 0 ? step[0] : i < pool ? weights[i - 1] : step[i - pool + 1];
+    return i < pool ? weights[i - 1] : i == pool ? k_pool : i == pool + 1 ? v_pool
+                                                                          : tables[i - pool - 2];
   }
 };
 
@@ -114,11 +118,12 @@ struct Buffers {
   std::vector<float> h, qkv, q, k, qr, kr, attn, o, x1, gu, act, d;
 };
 
-void run_layer(const LayerLayout& s, const LayerInputs& in, float* out) {
-  const mx::array& x = in[0];
+// One layer on `rows` rows: xs (rows, hidden) in, out (rows, hidden) written last, so out may
+// be xs (a stack of layers runs in place).
+void run_layer(const LayerLayout& s, const LayerInputs& in, const float* xs, int rows,
+               float* out) {
   const mx::array& k_pool = in[s.pool];
   const mx::array& v_pool = in[s.pool + 1];
-  const int rows = static_cast<int>(x.shape(x.ndim() - 2));
   const int H = s.hidden, I = s.intermediate, D = s.head_dim;
   const int nq = s.heads * D, nkv = s.kv_heads * D, nqkv = nq + 2 * nkv;
   const int32_t* slots = in[s.pool + 2].data<int32_t>();
@@ -153,7 +158,6 @@ void run_layer(const LayerLayout& s, const LayerInputs& in, float* out) {
   b.gu.resize(static_cast<size_t>(rows) * 2 * I);
   b.act.resize(static_cast<size_t>(rows) * I);
   b.d.resize(static_cast<size_t>(rows) * H);
-  const float* xs = x.data<float>();
 
   // Attention block.
   rms_norm_rows_into(xs, in[s.attn_norm].data<float>(), rows, H, s.norm_eps, b.h.data());
@@ -361,28 +365,42 @@ LayerSpec::LayerSpec(LayerFields fields) : LayerFields(std::move(fields)), layou
   weights_ = std::make_shared<const std::vector<mx::array>>(std::move(weights));
 }
 
-mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::array& k_pool,
-                        const mx::array& v_pool, const mx::array& slots,
-                        const mx::array& positions, const mx::array& block_tables,
-                        const mx::array& context_lens, const mx::array& query_lens,
-                        mx::StreamOrDevice s) {
-  const LayerLayout& l = spec.layout();
+mx::array decoder_layers(const mx::array& x, const std::vector<const LayerSpec*>& specs,
+                         const std::vector<mx::array>& k_pools,
+                         const std::vector<mx::array>& v_pools, const mx::array& slots,
+                         const mx::array& positions, const mx::array& block_tables,
+                         const mx::array& context_lens, const mx::array& query_lens,
+                         mx::StreamOrDevice s) {
+  check(!specs.empty() && k_pools.size() == specs.size() && v_pools.size() == specs.size(),
+        "one k_pool and one v_pool for each of at least one layer");
+  const int hidden = specs[0]->layout().hidden;
   // (rows, hidden), or (1, rows, hidden) as a model's layers pass their hidden states on: the
   // output has x's shape, so a stack of layers needs no reshaping op between them.
   check((x.ndim() == 2 || (x.ndim() == 3 && x.shape(0) == 1)) && x.dtype() == mx::float32 &&
-            x.shape(-1) == l.hidden,
-        "x must be float32 (rows, " + std::to_string(l.hidden) + ") or (1, rows, " +
-            std::to_string(l.hidden) + "), not " + shape_str(x));
+            x.shape(-1) == hidden,
+        "x must be float32 (rows, " + std::to_string(hidden) + ") or (1, rows, " +
+            std::to_string(hidden) + "), not " + shape_str(x));
   const int rows = static_cast<int>(x.shape(-2));
   check(rows >= 1, "a step has at least one row");
-  check(k_pool.ndim() == 3 && v_pool.shape() == k_pool.shape() &&
-            k_pool.dtype() == v_pool.dtype() && k_pool.shape(0) == l.kv_heads &&
-            k_pool.shape(2) == l.head_dim,
-        "k_pool and v_pool must be (kv_heads, slots, head_dim) of one dtype");
-  check(k_pool.dtype() == mx::float32 || k_pool.dtype() == mx::float16 ||
-            k_pool.dtype() == mx::bfloat16,
-        "the pool must be float32, float16 or bfloat16");
-  check(k_pool.shape(1) % l.block_size == 0, "the pool's slots must be whole blocks");
+  std::vector<DecoderLayer::Layer> layers;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const LayerLayout& l = specs[i]->layout();
+    const mx::array &k_pool = k_pools[i], &v_pool = v_pools[i];
+    check(l.hidden == hidden, "the layers must share one hidden size");
+    check(k_pool.ndim() == 3 && v_pool.shape() == k_pool.shape() &&
+              k_pool.dtype() == v_pool.dtype() && k_pool.shape(0) == l.kv_heads &&
+              k_pool.shape(2) == l.head_dim,
+          "k_pool and v_pool must be (kv_heads, slots, head_dim) of one dtype");
+    check(k_pool.dtype() == mx::float32 || k_pool.dtype() == mx::float16 ||
+              k_pool.dtype() == mx::bfloat16,
+          "the pool must be float32, float16 or bfloat16");
+    check(k_pool.shape(1) % l.block_size == 0, "the pool's slots must be whole blocks");
+    check(i == 0 || (k_pool.shape(1) == k_pools[0].shape(1) && l.window == layers[0].layout.window &&
+                     l.block_size == layers[0].layout.block_size),
+          "the layers must share the pool's slots, the block size and the window (one step's "
+          "tables serve them all)");
+    layers.push_back({l, specs[i]->weights()});
+  }
   check(slots.ndim() == 1 && slots.shape(0) == rows && positions.ndim() == 1 &&
             positions.shape(0) == rows,
         "slots and positions must be (rows,)");
@@ -396,21 +414,21 @@ mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::arr
     return row_contiguous(a.dtype() == mx::int32 ? a : mx::astype(a, mx::int32, stream), stream);
   };
   std::vector<mx::array> inputs;
-  inputs.reserve(8);
-  // Another layer's output is row-contiguous by construction (eval_cpu allocates it whole):
-  // no contiguous node to schedule between two layers.
-  const bool from_layer = x.has_primitive() && typeid(x.primitive()) == typeid(DecoderLayer);
-  inputs.push_back(from_layer ? x : row_contiguous(x, stream));
+  inputs.reserve(2 * layers.size() + 6);
+  // Another layers op's output is row-contiguous by construction (eval_cpu allocates it
+  // whole): no contiguous node to schedule between two of them.
+  const bool from_layers = x.has_primitive() && typeid(x.primitive()) == typeid(DecoderLayer);
+  inputs.push_back(from_layers ? x : row_contiguous(x, stream));
   // The pools as they are: the op writes the rows into them (see decoder_layer.h).
-  inputs.push_back(k_pool);
-  inputs.push_back(v_pool);
-  inputs.push_back(int32(slots));
-  inputs.push_back(int32(positions));
-  inputs.push_back(int32(block_tables));
-  inputs.push_back(int32(context_lens));
-  inputs.push_back(int32(query_lens));
+  for (size_t i = 0; i < layers.size(); ++i) {
+    inputs.push_back(k_pools[i]);
+    inputs.push_back(v_pools[i]);
+  }
+  for (const auto* a : {&slots, &positions, &block_tables, &context_lens, &query_lens}) {
+    inputs.push_back(int32(*a));
+  }
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<DecoderLayer>(stream, l, spec.weights()), std::move(inputs));
+                   std::make_shared<DecoderLayer>(stream, std::move(layers)), std::move(inputs));
 }
 
 void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
@@ -424,8 +442,17 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
   weak.reserve(inputs.size());
   for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
   encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                    layout = layout_, weights = weights_]() mutable {
-    run_layer(layout, LayerInputs{*weights, in, layout.pool}, out.data<float>());
+                    layers = layers_]() mutable {
+    const mx::array& x = in[0];
+    const int rows = static_cast<int>(x.shape(x.ndim() - 2));
+    const mx::array* tables = &in[1 + 2 * layers.size()];
+    float* o = out.data<float>();
+    // Layer 0 reads x; each later one the previous layer's output, in place in out.
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const LayerLayout& l = layers[i].layout;
+      run_layer(l, LayerInputs{*layers[i].weights, in[1 + 2 * i], in[2 + 2 * i], tables, l.pool},
+                i == 0 ? x.data<float>() : o, rows, o);
+    }
   });
 }
 

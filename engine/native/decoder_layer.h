@@ -103,23 +103,31 @@ class LayerSpec : public LayerFields {
   std::shared_ptr<const std::vector<mx::array>> weights_;
 };
 
-// The layer on one step's rows. x: (rows, hidden) float32; k_pool, v_pool, block tables,
-// context and query lengths: as paged_attention takes them; slots: the pool slot each row
-// writes (rows,) int32; positions (rows,) int32. Returns out (rows, hidden) and writes the
-// rows' keys and values into k_pool and v_pool at `slots` (rounded to the pool's dtype).
-mx::array decoder_layer(const mx::array& x, const LayerSpec& spec, const mx::array& k_pool,
-                        const mx::array& v_pool, const mx::array& slots,
-                        const mx::array& positions, const mx::array& block_tables,
-                        const mx::array& context_lens, const mx::array& query_lens,
-                        mx::StreamOrDevice s = {});
+// Consecutive layers (specs, in order) as one op on one step's rows: the first reads x, each
+// later one the output of the one before. x: (rows, hidden) or (1, rows, hidden) float32;
+// k_pools, v_pools: each layer's, as paged_attention takes them; slots: the pool slot each row
+// writes (rows,) int32; positions (rows,) int32; block tables, context and query lengths: as
+// paged_attention takes them, one set for all the layers (which share a window). Returns out
+// (x's shape) and writes each layer's rows' keys and values into its pools at `slots` (rounded
+// to the pool's dtype). The same bits as one op per layer, with one op to schedule.
+mx::array decoder_layers(const mx::array& x, const std::vector<const LayerSpec*>& specs,
+                         const std::vector<mx::array>& k_pools,
+                         const std::vector<mx::array>& v_pools, const mx::array& slots,
+                         const mx::array& positions, const mx::array& block_tables,
+                         const mx::array& context_lens, const mx::array& query_lens,
+                         mx::StreamOrDevice s = {});
 
 class DecoderLayer : public mx::Primitive {
  public:
-  // weights: the spec's, which the op reads besides its inputs (they stay evaluated and alive
-  // as long as an op holds them).
-  DecoderLayer(mx::Stream stream, const LayerLayout& layout,
-               std::shared_ptr<const std::vector<mx::array>> weights)
-      : mx::Primitive(stream), layout_(layout), weights_(std::move(weights)) {}
+  // A layer as the op runs it: its layout and its spec's weights, which the op reads besides
+  // its inputs (they stay evaluated and alive as long as an op holds them).
+  struct Layer {
+    LayerLayout layout;
+    std::shared_ptr<const std::vector<mx::array>> weights;
+  };
+
+  DecoderLayer(mx::Stream stream, std::vector<Layer> layers)
+      : mx::Primitive(stream), layers_(std::move(layers)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -132,8 +140,7 @@ class DecoderLayer : public mx::Primitive {
   }
 
  private:
-  LayerLayout layout_;
-  std::shared_ptr<const std::vector<mx::array>> weights_;
+  std::vector<Layer> layers_;
 };
 
 }  // namespace batchscope

@@ -42,7 +42,7 @@ class Folders:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    native_op("decoder_layer")
+    native_op("decoder_layers")
     return Folders(tmp_path_factory.mktemp("families"))
 
 
@@ -67,17 +67,19 @@ def steps(lens=(37, 5, 20)):
 
 
 class Counting:
-    """The fused op, counting its calls (so a test knows the op ran)."""
+    """The fused op (native.decoder_layers), counting the layers it took and its calls (so a
+    test knows the op ran, and on how many layers)."""
 
     def __init__(self, op):
-        self.op, self.calls = op, 0
+        self.op, self.layers, self.calls = op, 0, 0
 
-    def __call__(self, *args):
+    def __call__(self, x, specs, *args):
+        self.layers += len(specs)
         self.calls += 1
-        return self.op(*args)
+        return self.op(x, specs, *args)
 
 
-def run_steps(loaded, fused: bool, kv_dtype=None, path: str = "gemm"):
+def run_steps(loaded, fused: bool, kv_dtype=None, path: str = "gemm", counted: str = "layers"):
     family = family_for(loaded.model)
     runner = ModelRunner(loaded.model, pool_for(family, 64, 16, kv_dtype), "auto", "auto",
                          family)
@@ -85,7 +87,7 @@ def run_steps(loaded, fused: bool, kv_dtype=None, path: str = "gemm"):
     runner.layer_kernel = counting if fused else None
     samples = [runner.run(groups, path).samples for groups in steps()]
     pool = [np.array(a.astype(mx.float32)) for a in runner.pool.state()]
-    return samples, pool, counting.calls
+    return samples, pool, getattr(counting, counted)
 
 
 # llama and qwen3 (q/k norms) in every tier; the other families in `make test` (slow).
@@ -106,6 +108,31 @@ def test_fused_layer_has_the_bits_of_the_layer_op_by_op(folders, name, weights):
     assert fused == plain  # tokens and logprobs, every row of every step
     for a, b in zip(fused_pool, plain_pool, strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name, ops_per_step", [
+    ("llama", 1), pytest.param("llama-sliding", 2, marks=pytest.mark.slow)])
+def test_a_step_takes_its_fused_layers_as_one_op_per_window(folders, name, ops_per_step):
+    """Consecutive layers that share a window go as one op (llama-sliding: two sliding layers,
+    then a full one), so a step schedules one op where it had one per layer."""
+    loaded = folders[name]["q4"]
+    _, _, ops = run_steps(loaded, True, counted="calls")
+    assert ops == 4 * ops_per_step  # every step of steps() fused
+
+
+def test_layers_the_op_cannot_take_together_are_refused(folders):
+    loaded = folders["llama-sliding"]["q4"]
+    family = family_for(loaded.model)
+    runner = ModelRunner(loaded.model, pool_for(family, 4, 16), "auto", "auto", family)
+    sliding, full = runner.fused_layer_of(0).spec, runner.fused_layer_of(2).spec
+    k0, v0 = runner.pool.writable(0, mx.float32)
+    k2, v2 = runner.pool.writable(runner.layer_kv[2].pool_layer, mx.float32)
+    x = mx.random.normal((1, sliding.qkv.weight.shape[1] * 32 // sliding.qkv.bits))
+    one = [mx.array(a, dtype=mx.int32) for a in ([3], [3], [[0]], [4], [1])]
+    with pytest.raises(ValueError, match="share the pool's slots, the block size and the window"):
+        runner.layer_kernel(x, [sliding, full], [k0, k2], [v0, v2], *one)
+    with pytest.raises(ValueError, match="one k_pool and one v_pool for each"):
+        runner.layer_kernel(x, [sliding, sliding], [k0], [v0], *one)
 
 
 @pytest.mark.parametrize("half", [mx.float16, mx.bfloat16])
@@ -178,7 +205,7 @@ def bad_call(loaded, **change):
     args.update(change)
     x = mx.random.normal((1, layer.input_layernorm.weight.shape[0]))
     before = [np.array(k_pool), np.array(v_pool)]
-    out = runner.layer_kernel(x, spec, k_pool, v_pool, args["slots"], args["positions"],
+    out = runner.layer_kernel(x, [spec], [k_pool], [v_pool], args["slots"], args["positions"],
                               args["tables"], args["lens"], args["qlens"])
     return out, before, (k_pool, v_pool)
 
