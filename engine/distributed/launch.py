@@ -7,14 +7,16 @@ MLX_RANK/MLX_HOSTFILE set before they initialise MLX's distributed group, and jo
 sets those two variables itself.
 
 The ring backend never gives up on a peer that does not connect (the accepting side waits in
-accept forever), so every join here runs under a timeout: the error names the ranks that did
-not join and whether their process started at all. Each child marks in a run folder that it
-started and that it joined; rank 0 reads the marks to name the ones missing. Children die with
-their parent (Linux: PR_SET_PDEATHSIG) and are stopped by `RankProcesses.stop`.
+accept forever, holding the interpreter lock), so start-up is bounded twice: rank 0 joins only
+once every child has marked in the run folder that it started (a DistributedError names the
+ranks that did not within the timeout, or exited), and the join itself is bounded by a
+watchdog that ends the process (`_init`). Children die with their parent (Linux:
+PR_SET_PDEATHSIG) and are stopped by `RankProcesses.stop`.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -22,9 +24,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,33 +59,20 @@ def write_hostfile(path: Path, ports: Sequence[int]) -> Path:
     return path
 
 
-def _init_within(timeout: float, why_not: Callable[[], str | None] = lambda: None,
-                 late: Callable[[], str] = lambda: "") -> mx.distributed.Group:
-    """mx.distributed.init(ring) in a thread, waited for at most `timeout` seconds;
-    why_not() is asked every 50 ms for a reason to stop waiting (a child that exited), late()
-    for who is missing when the time is up."""
-    done: dict[str, object] = {}
-
-    def init() -> None:
-        try:
-            done["group"] = mx.distributed.init(strict=True, backend="ring")
-        except Exception as e:  # noqa: BLE001 - handed to the waiting thread
-            done["error"] = e
-
-    # A daemon thread: a peer that never connects leaves it blocked in accept for good.
-    thread = threading.Thread(target=init, name="ring-init", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while thread.is_alive() and time.monotonic() < deadline:
-        thread.join(0.05)
-        reason = why_not()
-        if reason is not None and thread.is_alive():
-            raise DistributedError(reason)
-    if "error" in done:
-        raise DistributedError(f"joining the ring failed: {done['error']}") from done["error"]
-    if "group" not in done:
-        raise DistributedError(f"the ring did not form within {timeout:g} s{late()}")
-    return done["group"]
+def _init(timeout: float, rank: int) -> mx.distributed.Group:
+    """mx.distributed.init(ring) for at most `timeout` seconds. init holds the interpreter
+    lock while it waits for peers (no Python thread runs meanwhile), so the limit is
+    faulthandler's watchdog, which runs without it: past the limit it prints every thread's
+    stack and ends the process with status 1, after the line below says why."""
+    print(f"rank {rank}: joining the ring; past {timeout:g} s without every peer this process "
+          "exits", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        return mx.distributed.init(strict=True, backend="ring")
+    except RuntimeError as e:
+        raise DistributedError(f"rank {rank}: joining the ring failed: {e}") from e
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _set_rank_env(rank: int, hostfile: Path | str) -> None:
@@ -95,17 +83,14 @@ def _set_rank_env(rank: int, hostfile: Path | str) -> None:
 
 def join(rank: int, hostfile: Path | str, run_dir: Path | str | None = None,
          timeout: float = DEFAULT_START_TIMEOUT) -> mx.distributed.Group:
-    """Join the ring as `rank` (a child started by start_ranks: it marks in run_dir that it
-    started, then that it joined)."""
-    marks = Path(run_dir) if run_dir is not None else None
-    if marks is not None:
-        (marks / f"rank{rank}.started").touch()
+    """Join the ring as `rank` (a child started by start_ranks marks in run_dir that it
+    started, just before)."""
+    if run_dir is not None:
+        (Path(run_dir) / f"rank{rank}.started").touch()
     _set_rank_env(rank, hostfile)
-    group = _init_within(timeout)
+    group = _init(timeout, rank)
     if group.rank() != rank:
         raise DistributedError(f"joined as rank {group.rank()}, expected {rank}")
-    if marks is not None:
-        (marks / f"rank{rank}.joined").touch()
     return group
 
 
@@ -115,11 +100,7 @@ def join_from_env(timeout: float = DEFAULT_START_TIMEOUT) -> mx.distributed.Grou
     if missing:
         raise DistributedError(f"{' and '.join(missing)} not set: start the ranks with "
                                "mlx.launch --backend ring, or set both before starting")
-    try:
-        return _init_within(timeout)
-    except DistributedError as e:
-        raise DistributedError(f"rank {os.environ['MLX_RANK']} "
-                               f"(hostfile {os.environ['MLX_HOSTFILE']}): {e}") from e
+    return _init(timeout, int(os.environ["MLX_RANK"]))
 
 
 def _die_with_parent() -> None:
@@ -148,15 +129,23 @@ class RankProcesses:
             return None
         return "; ".join(f"rank {r} exited ({_status(code)})" for r, code in sorted(exited.items()))
 
-    def not_joined(self) -> str:
-        """The children that did not join, and whether their process started at all."""
-        missing = []
-        for r in sorted(self.processes):
-            if not (self.run_dir / f"rank{r}.joined").exists():
-                started = (self.run_dir / f"rank{r}.started").exists()
-                how = "started, not connected" if started else "never started"
-                missing.append(f"rank {r} ({how})")
-        return ", ".join(missing) or "none"
+    def not_started(self) -> list[int]:
+        """The children that have not marked that they started."""
+        return [r for r in sorted(self.processes)
+                if not (self.run_dir / f"rank{r}.started").exists()]
+
+    def wait_started(self, timeout: float) -> None:
+        """Until every child has started: DistributedError naming those that exited first,
+        or those that did not start within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.not_started():
+            exits = self.describe_exits()
+            if exits is not None:
+                raise DistributedError(f"{exits} before the ring formed")
+            if time.monotonic() > deadline:
+                names = ", ".join(f"rank {r}" for r in self.not_started())
+                raise DistributedError(f"{names} did not start within {timeout:g} s")
+            time.sleep(0.05)
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> dict[int, int]:
         """Wait up to `timeout` s for every child to exit, then kill the rest; returns
@@ -184,8 +173,8 @@ def start_ranks(size: int, command: Sequence[str], timeout: float = DEFAULT_STAR
                 env: dict[str, str] | None = None) -> tuple[mx.distributed.Group, RankProcesses]:
     """Start ranks 1..size-1 as `command` + ["--rank", r, "--hostfile", h, "--run-dir", d]
     (engine/distributed/worker.py's arguments) and join as rank 0. Within `timeout` seconds
-    every rank must join, else DistributedError naming the ranks that did not (and every child
-    is stopped); a child that exits first is named at once."""
+    every child must start, else DistributedError naming those that did not (and every child
+    is stopped); a child that exits first is named at once. Then the join (`_init`)."""
     if size < 2:
         raise ValueError(f"tensor parallelism needs at least 2 ranks, got {size}")
     tmp = tempfile.TemporaryDirectory(prefix="batchscope-ranks-")
@@ -199,13 +188,10 @@ def start_ranks(size: int, command: Sequence[str], timeout: float = DEFAULT_STAR
                 [*command, "--rank", str(r), "--hostfile", str(hostfile), "--run-dir",
                  str(run_dir)], env=child_env,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        t0 = time.monotonic()
+        ranks.wait_started(timeout)
         _set_rank_env(0, hostfile)
-
-        def why_not() -> str | None:
-            exits = ranks.describe_exits()
-            return None if exits is None else f"{exits} before the ring formed"
-
-        group = _init_within(timeout, why_not, lambda: f"; not joined: {ranks.not_joined()}")
+        group = _init(max(1.0, timeout - (time.monotonic() - t0)), 0)
     except BaseException:
         for p in ranks.processes.values():
             p.kill()

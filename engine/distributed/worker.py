@@ -13,8 +13,12 @@ rank > 0 (start_ranks adds the last three arguments).
 from __future__ import annotations
 
 import argparse
+import queue
 import sys
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -59,49 +63,94 @@ def _gather_times(group: mx.distributed.Group, mine: list[float]) -> np.ndarray:
 
 
 class Coordinator:
-    """Rank 0's side: each step's plan out to every rank, then the step here."""
+    """Rank 0's side: each step's plan out to every rank, then the step here.
+
+    MLX's ring backend does not reliably fail a collective whose peer is gone: after its first
+    errors a later one can wait forever (it releases the interpreter lock meanwhile). So the
+    steps run on a thread of their own, and the caller waits while watching the children: a
+    child that exits, or (`step_timeout`) a step that does not finish, raises DistributedError
+    naming why, and the coordinator refuses every later step (its thread may be stuck)."""
 
     def __init__(self, group: mx.distributed.Group, runner: ModelRunner,
-                 ranks: RankProcesses | None = None):
+                 ranks: RankProcesses | None = None, step_timeout: float | None = None):
         """ranks: the children start_ranks started (None: started by mlx.launch)."""
         if group.rank() != 0:
             raise ValueError(f"the coordinator is rank 0, this is rank {group.rank()}")
         self.group, self.runner, self.ranks = group, runner, ranks
+        self.step_timeout = step_timeout
+        # A daemon thread: one stuck in a collective must not keep the process from exiting.
+        self._calls: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, name="rank0-step", daemon=True).start()
+        self._broken: str | None = None
 
     def step(self, groups: list[RowGroup],
              path: str = KernelPath.GEMM) -> tuple[StepOutput, StepTimes]:
         plan = encode(groups, path)
-        try:
-            t0 = time.perf_counter()
-            broadcast(self.group, plan)
-            t1 = time.perf_counter()
-            out = self.runner.run(groups, path)
-            t2 = time.perf_counter()
-            times = _gather_times(self.group, [t1 - t0, t2 - t1, out.model_time])
-            gather = time.perf_counter() - t2
-        except RuntimeError as e:
-            raise self._lost(e) from e
+        return self._wait(self._submit(self._step, plan, groups, path))
+
+    def _submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            if fn is None:
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                future.set_exception(e)
+
+    def _step(self, plan, groups, path) -> tuple[StepOutput, StepTimes]:
+        t0 = time.perf_counter()
+        broadcast(self.group, plan)
+        t1 = time.perf_counter()
+        out = self.runner.run(groups, path)
+        t2 = time.perf_counter()
+        times = _gather_times(self.group, [t1 - t0, t2 - t1, out.model_time])
+        gather = time.perf_counter() - t2
         return out, StepTimes(*(times[:, i].tolist() for i in range(_TIMES)), gather)
+
+    def _wait(self, future: Future):
+        if self._broken is not None:
+            raise DistributedError(f"the ranks stopped: {self._broken}")
+        start = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=0.05)
+            except FutureTimeout:
+                pass
+            except RuntimeError as e:  # a collective failed, or the step itself
+                lost = self._lost(str(e))
+                if lost is None:
+                    raise
+                raise lost from e
+            if self.ranks is not None and self.ranks.exited():
+                raise self._lost("")
+            if self.step_timeout is not None and time.monotonic() - start > self.step_timeout:
+                raise self._lost(f"the step did not finish within {self.step_timeout:g} s")
 
     def stop(self) -> dict[int, int]:
         """The stop plan to every rank, then their exit (rank -> status; {} under
-        mlx.launch, which reaps its own)."""
-        try:
-            broadcast(self.group, encode_stop())
-        except RuntimeError as e:
-            if self.ranks is None:
-                raise self._lost(e) from e
+        mlx.launch, which reaps its own). Children still running after that are killed."""
+        if self._broken is None:
+            self._wait(self._submit(broadcast, self.group, encode_stop()))
+            self._calls.put((None, None, ()))
         return self.ranks.stop() if self.ranks is not None else {}
 
-    def _lost(self, e: RuntimeError) -> Exception:
+    def _lost(self, why: str) -> DistributedError | None:
+        """The error of a step the ranks could not complete, after which the coordinator is
+        broken; None for the step's own error (a rank was not lost)."""
+        exits = None
         if self.ranks is not None:
             time.sleep(0.2)  # a killed child's exit is seen a moment after its socket closes
             exits = self.ranks.describe_exits()
-            if exits is not None:
-                return DistributedError(f"{exits}: the step could not complete ({e})")
-        if "[ring]" in str(e):
-            return DistributedError(f"a rank was lost: the step could not complete ({e})")
-        return e
+        if exits is None and "[ring]" not in why and "within" not in why:
+            return None
+        self._broken = "; ".join(w for w in (exits, why) if w)
+        return DistributedError(f"{self._broken}: the step could not complete")
 
 
 def worker_loop(group: mx.distributed.Group, runner: ModelRunner) -> int:
