@@ -4,11 +4,14 @@ llama.cpp is optional: ./scripts/build-llama-cpp.sh builds llama-bench, llama-ba
 llama-server (a long C++ build, cached outside the repository; BATCHSCOPE_LLAMA_CPP names
 another build). Without it this script says so and exits with code 3.
 
-    .venv/bin/python benchmarks/llama_cpp_peer.py [--sections decode serve] [--threads 2]
+    .venv/bin/python benchmarks/llama_cpp_peer.py [--sections decode serve1 serve] [--threads 2]
 
 decode  the engine's aggregate decode tok/s (weights q4 and f32; benchmarks/engine_batching.py's
         prompts and method: decode from the extra time of a 33-token call) at 1, 4, 8 and 16
         sequences, against `llama-batched-bench -npp 64 -ntg 32 -npl 1,4,8,16` (its S_TG).
+serve1  one person's view: `batchscope serve` and `llama-server` (-np 1), each driven twice
+        (cold, warm) by `batchscope bench serve --num-prompts 12 --max-concurrency 1 --seed 0
+        --ignore-eos on`, one request at a time: output tok/s, median TPOT, median TTFT.
 serve   `batchscope serve` (its default weights: q4 where the native kernel is built),
         `llama-server -np 8` on the GGUF, and `mlx_lm.server` on the folder `batchscope
         export-model --weights f32` writes (its fastest format on the CPU: at q4 MLX's CPU
@@ -56,6 +59,10 @@ DECODE_GOAL = {1: 1.0, 4: 1.3, 8: 1.3, 16: 1.3}  # the open goal: ahead at every
 SERVE_STREAMS = 8
 BENCH_SERVE = ["--num-prompts", "32", "--max-concurrency", str(SERVE_STREAMS), "--seed", "0",
                "--ignore-eos", "on"]
+# One stream: fewer prompts, each served alone (the goal: batchscope / llama-server >= 1.3).
+BENCH_SERVE_ONE = ["--num-prompts", "12", "--max-concurrency", "1", "--seed", "0",
+                   "--ignore-eos", "on"]
+SERVE_ONE_GOAL = 1.3
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
 
 
@@ -228,19 +235,41 @@ def section_decode(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dic
 # ---- serve ------------------------------------------------------------------------------------
 
 
-def llama_server_command(bin_dir: Path, gguf: Path, port: int, threads: int) -> list[str]:
-    return [str(bin_dir / "llama-server"), "-m", str(gguf), "-np", str(SERVE_STREAMS), "-c",
+def llama_server_command(bin_dir: Path, gguf: Path, port: int, threads: int,
+                         slots: int = SERVE_STREAMS) -> list[str]:
+    return [str(bin_dir / "llama-server"), "-m", str(gguf), "-np", str(slots), "-c",
             "16384", "-t", str(threads), "--host", "127.0.0.1", "--port", str(port)]
 
 
-def bench_serve(url: str, out: Path) -> dict:
+def bench_serve(url: str, out: Path, flags: list[str] = BENCH_SERVE) -> dict:
     cmd = [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())",
-           "bench", "serve", "--url", url, *BENCH_SERVE, "--no-record", "--save-result", str(out)]
+           "bench", "serve", "--url", url, *flags, "--no-record", "--save-result", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     s = json.loads(out.read_text())["summary"]
     return {"output_tps": s["output_throughput"], "output_tokens": s["total_output_tokens"],
             "tpot_median_ms": s["tpot"]["median_ms"], "ttft_p99_ms": s["ttft"]["p99_ms"],
-            "failed": s["failed"]}
+            "ttft_median_ms": s["ttft"]["median_ms"], "failed": s["failed"]}
+
+
+def section_serve_one(bin_dir: Path, gguf: Path, threads: int, workdir: Path) -> dict:
+    """batchscope serve and llama-server, one request at a time (see the module docstring)."""
+    servers = {}
+    for name in ("batchscope", "llama-server"):
+        port = free_port()
+        cmd = (llama_server_command(bin_dir, gguf, port, threads, slots=1)
+               if name == "llama-server"
+               else server_commands(name, port, "auto", workdir, workdir / "bench.db"))
+        with running_server(name, cmd, port, workdir / f"{name}-one.log", log) as (url, _):
+            runs = {}
+            for phase in ("cold", "warm"):
+                log(f"serve1: {name}, {phase}...")
+                runs[phase] = bench_serve(url, workdir / f"{name}-one-{phase}.json",
+                                          BENCH_SERVE_ONE)
+                log(f"serve1: {name}, {phase}: {runs[phase]['output_tps']:.1f} output tok/s")
+        servers[name] = runs
+    ratios = {phase: servers["batchscope"][phase]["output_tps"]
+              / servers["llama-server"][phase]["output_tps"] for phase in ("cold", "warm")}
+    return {"servers": servers, "ratios": ratios, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def section_serve(bin_dir: Path, gguf: Path, threads: int, workdir: Path) -> dict:
@@ -281,7 +310,7 @@ def render(data: dict) -> str:
     lines = [f"# batchscope and llama.cpp on {data['gguf']}", "",
              "`.venv/bin/python benchmarks/llama_cpp_peer.py` (llama.cpp built by "
              "`./scripts/build-llama-cpp.sh`); each section is a run of its own "
-             "(`--sections decode serve`), on the host it names.", ""]
+             "(`--sections decode serve1 serve`), on the host it names.", ""]
     if "decode" in data:
         d = data["decode"]
         q4 = d["engines"]["q4"]
@@ -302,6 +331,24 @@ def render(data: dict) -> str:
             lines.append(f"| {r['sequences']} | {r['llama_cpp']:.1f} | {r['q4']:.1f} | "
                          f"{r['f32']:.1f} | {r['ratio']:.2f}x | >= {r['goal']:.1f}x: "
                          f"{'met' if r['goal_met'] else 'not met'} | {int8} |")
+        lines.append("")
+    if "serve1" in data:
+        s = data["serve1"]
+        lines += ["## Serving, one stream", "", f"Run {s['started']}: {host_text(s['host'])}.",
+                  "", f"`batchscope bench serve {' '.join(BENCH_SERVE_ONE)}` against "
+                  "`batchscope serve` (its default weights, q4) and `llama-server -np 1` on the "
+                  "Q4_1 GGUF, twice each (cold, then warm).", "",
+                  "| server | run | output tok/s | median TPOT ms | median TTFT ms | failed |",
+                  "|---|---|---|---|---|---|"]
+        for name, runs in s["servers"].items():
+            for phase, r in runs.items():
+                lines.append(f"| {name} | {phase} | {r['output_tps']:.1f} | "
+                             f"{r['tpot_median_ms']:.1f} | {r['ttft_median_ms']:.0f} | "
+                             f"{r['failed']} |")
+        lines += ["", "| run | batchscope / llama-server | goal |", "|---|---|---|"]
+        for phase, ratio in s["ratios"].items():
+            lines.append(f"| {phase} | {ratio:.2f}x | >= {SERVE_ONE_GOAL:.1f}x: "
+                         f"{'met' if ratio >= SERVE_ONE_GOAL else 'not met'} |")
         lines.append("")
     if "serve" in data:
         s = data["serve"]
@@ -340,7 +387,7 @@ def kept_sections(saved: Path) -> dict:
     if not saved.is_file():
         return {}
     previous = json.loads(saved.read_text())
-    kept = {k: previous[k] for k in ("decode", "serve") if k in previous}
+    kept = {k: previous[k] for k in ("decode", "serve1", "serve") if k in previous}
     for name, section in kept.items():
         if "host" not in section:  # written before sections recorded their host
             section["host"] = legacy_host(previous)
@@ -351,8 +398,8 @@ def kept_sections(saved: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--sections", nargs="+", default=["decode", "serve"],
-                    choices=["decode", "serve"])
+    ap.add_argument("--sections", nargs="+", default=["decode", "serve1", "serve"],
+                    choices=["decode", "serve1", "serve"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                     help="llama.cpp threads (default: all CPUs, as the engine uses)")
     ap.add_argument("--repeats", type=int, default=3, help="engine rounds per sequence count")
@@ -374,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     if "decode" in args.sections:
         data["decode"] = section_decode(bin_dir, gguf, args.threads, args.repeats) | {
             "host": host}
+        saved.write_text(json.dumps(data, indent=1) + "\n")
+    if "serve1" in args.sections:
+        with tempfile.TemporaryDirectory(prefix="batchscope-llama-cpp-") as tmp:
+            data["serve1"] = section_serve_one(bin_dir, gguf, args.threads, Path(tmp)) | {
+                "host": host}
         saved.write_text(json.dumps(data, indent=1) + "\n")
     if "serve" in args.sections:
         with tempfile.TemporaryDirectory(prefix="batchscope-llama-cpp-") as tmp:

@@ -140,6 +140,25 @@ def test_sections_from_before_hosts_were_recorded_say_so(peer, tmp_path):
     assert "| 1 | 100.0 | 90.0 | 50.0 | 0.90x | >= 0.8x: met |" in md
 
 
+def test_the_one_stream_section_gives_each_run_and_the_goal(peer):
+    run = {"output_tps": 100.0, "output_tokens": 1536, "tpot_median_ms": 9.5,
+           "ttft_p99_ms": 40.0, "ttft_median_ms": 21.0, "failed": 0}
+    section = {"servers": {"batchscope": {"cold": run, "warm": run},
+                           "llama-server": {"cold": dict(run, output_tps=80.0),
+                                            "warm": dict(run, output_tps=70.0)}},
+               "ratios": {"cold": 1.25, "warm": 100 / 70}, "started": "2026-12-03 17:00:00",
+               "host": {"cpu": "a CPU", "cores": 2, "system": "Linux x86_64",
+                        "backend": "cpu", "blas": "bundled", "quantized_isa": "avx512",
+                        "threads": 2, "llama_cpp": {"llama_cpp_python": "0.3.36",
+                                                    "version": "version: 1 (x)",
+                                                    "options": {"NATIVE": "OFF"}}}}
+    md = peer.render({"gguf": "model.gguf", "serve1": section})
+    assert "## Serving, one stream" in md
+    assert "| llama-server | warm | 70.0 | 9.5 | 21 | 0 |" in md
+    assert "| cold | 1.25x | >= 1.3x: not met |" in md
+    assert "| warm | 1.43x | >= 1.3x: met |" in md
+
+
 @pytest.mark.slow
 def test_its_quickest_run_measures_against_the_build_and_names_the_host(peer, tmp_path):
     bin_dir = peer.llama_cpp_bin()
