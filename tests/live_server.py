@@ -36,7 +36,7 @@ def serving(app, timeout: float = 20.0) -> Iterator[str]:
         assert not thread.is_alive(), "server did not stop"
 
 
-def sqlite_recorder(path):
+def runs_recorder(path):
     """A recorder_factory for create_app: a Recorder on the SQLite file at `path`, closed (with
     its database) when the app shuts down."""
 

@@ -50,8 +50,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 
 @contextlib.contextmanager
-def sqlite_recorder(settings):
-    """The runs database at settings.db_path and its writer thread, for the app's lifespan."""
+def runs_recorder(settings):
+    """The runs database at settings.db_path (a SQLite file or a PostgreSQL URL) and its
+    writer thread, for the app's lifespan."""
     from app.db import Recorder, open_database
 
     with open_database(settings.db_path) as db:
@@ -88,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"batchscope: error: {problem}", file=sys.stderr)
         return 2
-    app = create_app(settings, recorder_factory=sqlite_recorder)
+    app = create_app(settings, recorder_factory=runs_recorder)
     warning = exposure_warning(settings.host, settings.api_key)
     if warning:
         logging.getLogger("batchscope").warning(warning)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from headless_chromium import chromium, require_chromium
-from live_server import serving, sqlite_recorder
+from live_server import runs_recorder, serving
 from starlette.applications import Starlette
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
@@ -51,7 +51,7 @@ def live(tmp_path_factory) -> Iterator[tuple[str, Any]]:
 
     app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128), api_key=KEY),
                      engine_factory=lambda config: Engine(config, loader=payload_model),
-                     recorder_factory=sqlite_recorder(db_dir / "runs.db"))
+                     recorder_factory=runs_recorder(db_dir / "runs.db"))
     with serving(app, WAIT) as url:
         yield url, app
 

@@ -24,7 +24,7 @@ from app.web.pages.divergence import lab_for
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.testing import tiny_model
-from tests.live_server import sqlite_recorder
+from tests.live_server import runs_recorder
 
 JSON = {"accept": "application/json"}
 FORM = {"prompt": "Hello <b>world</b>", "max_tokens": "6", "top_k": "3",
@@ -55,7 +55,7 @@ def db_path(db_target):
 
 def open_client(db_path, loader=two_models) -> TestClient:
     """An app recording into db_path (None: without a database); enter it with `with`."""
-    factory = sqlite_recorder(db_path) if db_path is not None else None
+    factory = runs_recorder(db_path) if db_path is not None else None
     app = create_app(Settings(engine=EngineConfig(num_kv_blocks=128)),
                      engine_factory=lambda config: Engine(config, loader=tiny_model),
                      recorder_factory=factory, divergence_loader=loader)

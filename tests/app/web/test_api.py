@@ -547,12 +547,12 @@ def test_serve_records_into_sqlite(tmp_path):
     """`batchscope serve`'s recorder: runs land in the database by the time the app stops."""
     from sqlalchemy import create_engine, select
 
-    from app.cli.serve import sqlite_recorder
+    from app.cli.serve import runs_recorder
     from app.db.models import Run
 
     settings = Settings(db_path=str(tmp_path / "runs.db"), engine=EngineConfig(num_kv_blocks=128))
     app = create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_model),
-                     recorder_factory=sqlite_recorder)
+                     recorder_factory=runs_recorder)
     with TestClient(app) as c:
         run_id = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3,
                                                  "ignore_eos": True}).json()["id"]

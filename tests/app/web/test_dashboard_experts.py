@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from bs4 import BeautifulSoup
-from live_server import serving, sqlite_recorder
+from live_server import runs_recorder, serving
 from mlx_lm.models import qwen3_moe
 
 from app.db import open_database
@@ -66,7 +66,7 @@ def live(tmp_path_factory) -> Iterator[Live]:
     db_path = tmp_path_factory.mktemp("db") / "runs.db"
     settings = Settings(engine=EngineConfig(num_kv_blocks=64, block_size=4))
     app = create_app(settings, engine_factory=lambda config: Engine(config, loader=tiny_moe),
-                     recorder_factory=sqlite_recorder(db_path))
+                     recorder_factory=runs_recorder(db_path))
     with serving(app, TIMEOUT) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         yield Live(app, app.state.engine, http, db_path)
 

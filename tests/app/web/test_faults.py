@@ -19,7 +19,7 @@ import httpx
 import pytest
 from live_server import serving
 
-from app.cli.serve import sqlite_recorder
+from app.cli.serve import runs_recorder
 from app.settings import Settings
 from app.web.app import create_app
 from engine.config import EngineConfig
@@ -110,7 +110,7 @@ def test_a_failed_step_errors_its_requests_records_them_and_the_server_goes_on(t
 
     settings = Settings(db_path=str(db_path),
                         engine=EngineConfig(num_kv_blocks=128, max_num_seqs=IN_STEP))
-    app = create_app(settings, engine_factory=engine_factory, recorder_factory=sqlite_recorder)
+    app = create_app(settings, engine_factory=engine_factory, recorder_factory=runs_recorder)
     body = {"prompt": "reference prompt", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as client:

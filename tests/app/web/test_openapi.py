@@ -19,7 +19,7 @@ from live_server import serving
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from app.cli.serve import sqlite_recorder
+from app.cli.serve import runs_recorder
 from app.settings import Settings
 from app.web.app import create_app
 from engine.config import EngineConfig
@@ -141,7 +141,7 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(tmp_path):
     settings_ = Settings(db_path=str(tmp_path / "runs.db"), max_tokens_limit=4,
                          max_waiting_requests=8, engine=EngineConfig(num_kv_blocks=128))
     app = create_app(settings_, engine_factory=lambda c: Engine(c, loader=tiny_model),
-                     recorder_factory=sqlite_recorder)
+                     recorder_factory=runs_recorder)
     checks = _checks()
     summary: dict[str, int] = {}
     statuses: dict[str, Counter] = {}
@@ -198,7 +198,7 @@ def test_a_runs_page_past_the_end_is_empty_not_a_500(tmp_path):
     """page=10**30 made SQLite's OFFSET overflow (OverflowError, a 500)."""
     settings = Settings(db_path=str(tmp_path / "runs.db"), engine=EngineConfig(num_kv_blocks=128))
     app = create_app(settings, engine_factory=lambda c: Engine(c, loader=tiny_model),
-                     recorder_factory=sqlite_recorder)
+                     recorder_factory=runs_recorder)
     with TestClient(app) as c:
         for page in (10**30, 2**62, 3):
             r = c.get(f"/runs.json?page={page}&per_page=500")
