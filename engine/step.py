@@ -49,19 +49,21 @@ class Step:
         self.path = KernelPath(path)
         self.tile = runner.tile
         bs = runner.pool.block_size
-        tokens, positions, write_slots, self.contexts = [], [], [], []
+        tokens, positions, write, self.contexts = [], [], [], []
         for g in groups:
             tokens.extend(g.token_ids)
-            positions.extend(range(g.start, g.start + g.num_rows))
-            ctx_len = g.start + g.num_rows
-            write_slots.append(slots(g.block_table, ctx_len, bs)[g.start:])
-            self.contexts.append((g.num_rows, ctx_len, g.block_table))
+            rows = range(g.start, g.start + g.num_rows)
+            positions.extend(rows)
+            table = g.block_table
+            # Plain Python, not numpy: a decode step writes one slot per row, and this runs on
+            # caches the previous step's weights have just flushed.
+            write.extend([table[p // bs] * bs + p % bs for p in rows])
+            self.contexts.append((g.num_rows, g.start + g.num_rows, table))
         self.tokens = mx.array(tokens)
         self.rows = len(tokens)
         self.tally = PathTally(self.path, self.rows, self.tile)
         self.pos = mx.array(positions, dtype=mx.int32)
-        write = np.concatenate(write_slots)
-        self.write = mx.array(write.astype(np.int32))  # pool slots (int32: the fused op's)
+        self.write = mx.array(write, dtype=mx.int32)  # pool slots (int32: the fused op's)
         self._plans: dict[tuple[int | None, bool], StepAttention] = {}  # (window, sinks)
         self.expert_choices: list[tuple[int, int, mx.array]] = []  # (layer, experts, indices)
         self.state_groups: list[tuple[int, int]] = []  # (rows, slot) per group
