@@ -134,6 +134,9 @@ class EngineConfig:
     state_slots: int | None = None
     state_checkpoint_interval: int = 256
     state_checkpoint_mib: int = 256
+    # Ranks on this machine that each hold a shard of the model (engine/distributed/): rank 0
+    # runs the scheduler and sends each step's plan to the others. 1: this process alone.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -143,7 +146,7 @@ class EngineConfig:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                     "step_history", "invariant_tile"):
+                     "step_history", "invariant_tile", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -163,6 +166,9 @@ class EngineConfig:
         if not isinstance(self.state_checkpoint_mib, int) or self.state_checkpoint_mib < 0:
             raise ValueError("state_checkpoint_mib must be a non-negative integer, got "
                              f"{self.state_checkpoint_mib!r}")
+        if self.tensor_parallel_size > 1 and self.speculative == "draft":
+            # The draft model would run on rank 0 alone, over layers the ranks shard.
+            raise ValueError("speculative draft is not supported with tensor_parallel_size > 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
 

@@ -24,12 +24,13 @@ import mlx.core as mx
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, KernelPath, KernelPolicy
+from engine.distributed.launch import DistributedError
 from engine.draft import draft_proposer
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
 from engine.kernels import PathTally
 from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, StepOutput, pool_for, state_pool_for
+from engine.model_runner import StepOutput, state_pool_for
 from engine.models import family_for
 from engine.output import OutputText
 from engine.penalties import penalty_processors
@@ -38,6 +39,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import GroupUpdate, Phase, RowGroup, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, LogitsProcessor, Sequence
 from engine.speculative import Proposer, propose, proposer_for
+from engine.startup import build_runner, log_model, pool_dtype, rank_times, stop_ranks
 from engine.structured import MaskClock, grammar_processors
 from engine.telemetry import StepEntry, StepLog, StepRecord
 from engine.thresholds import ThresholdTable, resolve_threshold
@@ -113,6 +115,7 @@ class Engine:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._stopped = False
+        self._lost: str | None = None  # why the engine stopped itself (a tensor-parallel rank)
         self._ids = itertools.count()
         # Events produced inside a step wait here until its StepRecord is published, so a
         # consumer that sees a finish can already see the step that produced it.
@@ -181,7 +184,8 @@ class Engine:
         finished), so they join it at a chosen point of its generation. All are validated
         before any is queued: a RequestError queues none."""
         if not self.running:
-            raise EngineError("engine is not running")
+            raise EngineError(f"engine is not running: {self._lost}" if self._lost
+                              else "engine is not running")
         prepared = []
         for sub in submissions:
             params = sub.params or SamplingParams()
@@ -273,6 +277,7 @@ class Engine:
             self._setup()
         except BaseException as e:  # reported to start()
             self._load_error = e
+            stop_ranks(self.runner)
             self._ready.set()
             mx.clear_streams()
             return
@@ -285,7 +290,11 @@ class Engine:
         finally:
             self._stopped = True
             for req in list(self._requests.values()):
-                self._finish(req, FinishReason.CANCELLED, error="engine stopped")
+                if self._lost:  # a lost rank: the requests' error, as a failed step's
+                    self._emit(req, ErrorEvent(req.seq.seq_id, self._lost))
+                self._finish(req, FinishReason.ERROR if self._lost else FinishReason.CANCELLED,
+                             error=self._lost or "engine stopped")
+            stop_ranks(self.runner)
             # MLX wants each thread to destroy its own streams before it ends; otherwise the
             # process aborts at exit ("terminate called without an active exception").
             mx.clear_streams()
@@ -305,11 +314,9 @@ class Engine:
         self.state_slots, states = state_pool_for(family, cfg) or (None, None)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.state_slots)
-        kv_dtype = None if cfg.kv_dtype == "auto" else getattr(mx, cfg.kv_dtype)
-        self.pool = pool_for(family, cfg.num_kv_blocks, cfg.block_size, kv_dtype)
-        self.runner = ModelRunner(self.loaded.model, self.pool, cfg.attention,
-                                  cfg.row_kernels, family, tile=cfg.invariant_tile,
-                                  states=states, activations=cfg.activations)
+        self.runner = build_runner(cfg, self.loaded, family, states,
+                                   self._loader != self._default_loader)
+        self.pool = self.runner.pool
         threshold, self.kernel_threshold_source = resolve_threshold(
             cfg, self.loaded.name, self.loaded.weights, backend_info(), self._thresholds)
         self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)
@@ -323,20 +330,9 @@ class Engine:
         # The model's and tokenizer's objects live as long as the engine: out of the
         # collector's sight, a full collection no longer walks them (~25 ms between two steps).
         gc.freeze()
-        if states is not None:
-            log.info("state pool: %s; the recurrence on %s", states.describe(self.state_slots),
-                     "the native kernel" if self.runner.recurrence_kernel is not None
-                     and states.conv_dtype == mx.float32 else "MLX ops")
-        info = backend_info()
-        log.info("model %s (%s family, %s weights) on %s, BLAS %s; KV pool %d blocks x %d "
-                 "tokens; context %d; attention: %s; row kernels: %s",
-                 self.loaded.name, family.name, self.loaded.weights, info["backend"],
-                 info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
-                 self.max_model_len, self.attention, self.row_kernels)
-        for line in family.describe_layers():
-            log.info("layers: %s", line)
+        log_model(self, family, states)
         if self.speculation.method == "draft" and self.proposer is None:
-            self.proposer = draft_proposer(cfg, self.loaded, self.runner, kv_dtype,
+            self.proposer = draft_proposer(cfg, self.loaded, self.runner, pool_dtype(cfg.kv_dtype),
                                            self._path_for, self._draft_loader)
         if self.speculation.enabled:
             log.info("speculative decoding: %s", self.speculation.describe())
@@ -431,7 +427,8 @@ class Engine:
             linear_calls_per_layer=taken.calls_per_layer,
             expert_rows=expert_rows, **self.runner.window_savings(plan.groups),
             **states,
-            prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error)
+            prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error,
+            ranks=rank_times(self.runner))
         t3 = time.perf_counter()
         record.wall_time = t3 - t0
         record.scheduler_time = (t1 - t0 - self._propose_time) + (t3 - t2)
@@ -450,6 +447,8 @@ class Engine:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             log.error("step %d failed: %s\n%s", self.step_count, error, traceback.format_exc())
+            if isinstance(e, DistributedError):  # no step can run any more: stop
+                self._lost, self._stopped = error, True
             return None, error
 
     def _publish(self, updates: list[GroupUpdate], traces: dict, plan: SchedulerOutput,
@@ -495,7 +494,8 @@ class Engine:
             self._emit(req, ErrorEvent(g.seq_id, error))
             entries.append(self._entry(g, sampled=False))
             self._finish(req, FinishReason.ERROR, error=error)
-        self._recover_pool()
+        if self._lost is None:  # a lost rank's pool may wait on its collectives for ever
+            self._recover_pool()
         return entries
 
     def _scheduled(self, req: _Request, started_at: float) -> None:

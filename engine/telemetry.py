@@ -26,6 +26,16 @@ class StepEntry:
 
 
 @dataclass
+class RankTimes:
+    """One rank's share of a tensor-parallel step, in seconds (engine/distributed/)."""
+
+    rank: int
+    wall_s: float  # the step after the plan broadcast: forward (its all_sums inside), sampling
+    model_s: float  # forward + sampling, evaluated (StepOutput.model_time)
+    broadcast_s: float  # in the plan broadcast (ranks > 0: waiting for rank 0's plan included)
+
+
+@dataclass
 class StepRecord:
     step: int
     started_at: float  # epoch seconds
@@ -83,6 +93,9 @@ class StepRecord:
     # milliseconds their matchers took to take the new tokens and compute the masks.
     constrained_rows: int = 0
     mask_ms: float = 0.0
+    # Tensor parallelism: every rank's times for the step, rank 0 first; empty for one rank
+    # and for a step that did not complete on every rank.
+    ranks: list[RankTimes] = field(default_factory=list)
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -99,7 +112,8 @@ STATE_POOL_FIELDS = ("state_slots_total", "state_slots_used", "state_checkpoints
 # one row per entry, its request_id under "run_id"; what a reader shows of a step takes the
 # field's name again (field_name). Fields kept only in memory (/metrics and the live dashboard
 # read them from the record itself) are left out.
-_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable")
+_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable",
+                  "ranks")
 _ENTRY_UNSTORED = ("emitted",)
 _JSON_SUFFIX = "_json"
 

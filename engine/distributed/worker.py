@@ -47,13 +47,20 @@ class StepTimes:
 
 
 def sharded_runner(loaded: LoadedModel, group: mx.distributed.Group, num_blocks: int,
-                   block_size: int, **runner_args) -> ModelRunner:
+                   block_size: int, kv_dtype: str = "auto", **runner_args) -> ModelRunner:
     """`loaded` sharded over `group` (engine/distributed/shard.py) and its runner over a
-    paged pool of the local kv heads; every rank calls it with the same arguments."""
+    paged pool of the local kv heads (kv_dtype: EngineConfig's); every rank calls it with the
+    same arguments."""
     shard_model(loaded.model, group, loaded.config)
     family = family_for(loaded.model, loaded.config)
-    return ModelRunner(loaded.model, pool_for(family, num_blocks, block_size), family=family,
-                       **runner_args)
+    return ModelRunner(loaded.model, pool_for(family, num_blocks, block_size,
+                                              pool_dtype(kv_dtype)),
+                       family=family, **runner_args)
+
+
+def pool_dtype(kv_dtype: str) -> mx.Dtype | None:
+    """EngineConfig.kv_dtype as pool_for takes it (None: the model's)."""
+    return None if kv_dtype == "auto" else getattr(mx, kv_dtype)
 
 
 def _gather_times(group: mx.distributed.Group, mine: list[float]) -> np.ndarray:
@@ -174,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", default="auto")
     p.add_argument("--num-blocks", type=int, required=True)
     p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--attention", default=NativeSetting.AUTO)
     p.add_argument("--row-kernels", default=NativeSetting.AUTO)
     p.add_argument("--tile", type=int, default=DEFAULT_TILE)
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         group = join(a.rank, a.hostfile, a.run_dir, a.start_timeout)
         runner = sharded_runner(load_model(a.model, a.weights), group, a.num_blocks,
-                                a.block_size, attention=a.attention,
+                                a.block_size, a.kv_dtype, attention=a.attention,
                                 row_kernels=a.row_kernels, tile=a.tile,
                                 activations=a.activations)
         worker_loop(group, runner)
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 def worker_args(model: str, num_blocks: int, block_size: int, *, weights: str = "auto",
                 start_timeout: float = DEFAULT_START_TIMEOUT, **settings: str | int) -> list[str]:
     """The command start_ranks runs for each rank > 0 over `model` (settings: attention,
-    row_kernels, tile, activations, as ModelRunner takes them)."""
+    kv_dtype, attention, row_kernels, tile, activations, as sharded_runner takes them)."""
     args = [sys.executable, "-m", "engine.distributed.worker", "--model", model, "--weights",
             weights, "--num-blocks", str(num_blocks), "--block-size", str(block_size),
             "--start-timeout", str(start_timeout)]

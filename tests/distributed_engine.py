@@ -1,0 +1,86 @@
+"""An Engine over two ranks on loopback, as a script tests start under `timeout`
+(tests/engine/test_distributed_engine.py): the ring lives and dies in this child process, so
+a hung collective cannot outlive the test, and every run gets fresh free ports.
+
+    python tests/distributed_engine.py greedy FOLDER OUT.json  # PROMPTS alone, then together
+    python tests/distributed_engine.py kill FOLDER OUT.json    # rank 1 killed mid-generation
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [[(7 * j) % 300 + 5 for j in range(37)], [(5 * j) % 200 + 9 for j in range(5)],
+           [(3 * j) % 250 + 2 for j in range(20)]]
+MAX_TOKENS = 8
+
+
+def config(folder: str, size: int):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=folder, weights="f32", num_kv_blocks=64, block_size=16,
+                        max_num_seqs=4, tensor_parallel_size=size)
+
+
+def greedy(engine) -> dict:
+    """Each prompt's greedy ids alone, then all of them submitted together."""
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = [engine.generate(p, params).token_ids for p in PROMPTS]
+    handles = [engine.submit(p, params) for p in PROMPTS]
+    return {"alone": alone, "together": [h.result().token_ids for h in handles]}
+
+
+def _kill(engine, ranks, out: dict) -> None:
+    """Rank 1 killed once a long request has produced tokens; what the engine then does."""
+    from engine.engine import EngineError
+    from engine.events import ErrorEvent, FinishEvent, TokenEvent
+    from engine.sampling import SamplingParams
+
+    handle = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400,
+                                                      ignore_eos=True))
+    events = []
+    for event in handle:
+        events.append(event)
+        if isinstance(event, TokenEvent) and event.index == 2:
+            ranks.processes[1].kill()
+        if isinstance(event, FinishEvent):
+            break
+    out["errors"] = [e.message for e in events if isinstance(e, ErrorEvent)]
+    out["finish"] = [[e.reason, e.error] for e in events if isinstance(e, FinishEvent)]
+    out["tokens_before"] = sum(isinstance(e, TokenEvent) for e in events)
+    time.sleep(0.5)
+    out["running"] = engine.running
+    try:
+        engine.submit(PROMPTS[1])
+    except EngineError as e:
+        out["refused"] = str(e)
+
+
+def main(argv: list[str]) -> int:
+    from engine.engine import Engine
+
+    mode, folder, out_path = argv
+    out: dict = {}
+    engine = Engine(config(folder, 2)).start(timeout=240)
+    ranks = engine.runner.coordinator.ranks
+    out["ports"] = engine.runner.ports
+    try:
+        if mode == "greedy":
+            out.update(greedy(engine))
+            out["ranks"] = [[r.rank for r in s.ranks] for s in engine.steps.recent()]
+        else:
+            _kill(engine, ranks, out)
+    finally:
+        engine.stop()
+    out["exits"] = {str(r): p.poll() for r, p in ranks.processes.items()}
+    Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

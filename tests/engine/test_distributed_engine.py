@@ -1,0 +1,94 @@
+"""The Engine over tensor-parallel ranks (engine/distributed/runner.py): refusals before any
+rank starts, and (slow) two ranks on loopback through tests/distributed_engine.py, each run
+under `timeout` in its own process on fresh free ports, so a hung ring cannot hang the suite."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from distributed_engine import config, greedy
+
+import engine.distributed.runner as sharded
+from engine.config import EngineConfig
+from engine.distributed.launch import DistributedError
+from engine.engine import Engine
+from engine.model_loader import load_model
+from engine.models import UnsupportedModelError
+from engine.testing import FAMILY_CONFIGS, make_family_folder
+
+SCRIPT = Path(__file__).parents[1] / "distributed_engine.py"
+# hidden 128, head_dim 32: 4 heads and 2 kv heads, one kv head per rank over 2
+WIDER = {"hidden_size": 128, "head_dim": 32, "intermediate_size": 256}
+
+
+def _folder(tmp_path: Path, name: str, **overrides) -> Path:
+    module_name, cfg = FAMILY_CONFIGS[name]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    return make_family_folder(tmp_path / name, module, {**cfg, **overrides})
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Starting a rank fails the test: the refusals come before any."""
+    def start_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(sharded, "start_ranks", start_ranks)
+
+
+@pytest.mark.parametrize(("name", "size", "why"), [
+    ("gemma3_text", 2, "gemma3: tensor parallelism supports llama, qwen2, qwen3 only"),
+    ("llama", 3, "4 attention heads do not split over 3 ranks"),
+])
+def test_unshardable_refused_by_name_before_ranks_start(tmp_path, no_ranks, name, size, why):
+    engine = Engine(config(str(_folder(tmp_path, name)), size))
+    with pytest.raises(UnsupportedModelError, match=why):
+        engine.start(timeout=120)
+
+
+def test_own_loader_and_draft_refused(tmp_path, no_ranks):
+    folder = str(_folder(tmp_path, "llama", **WIDER))
+    engine = Engine(config(folder, 2), loader=lambda: load_model(folder, "f32"))
+    with pytest.raises(DistributedError, match="given its own loader cannot be split"):
+        engine.start(timeout=120)
+    with pytest.raises(ValueError, match="speculative draft is not supported with tensor"):
+        EngineConfig(tensor_parallel_size=2, speculative="draft", draft_model="layers:1")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def _run(mode: str, folder: Path, out: Path, limit: int = 240) -> dict:
+    done = subprocess.run(["timeout", str(limit), sys.executable, str(SCRIPT), mode,
+                           str(folder), str(out)], capture_output=True, text=True,
+                          timeout=limit + 30)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_two_ranks_give_one_ranks_greedy_ids(tmp_path):
+    folder = _folder(tmp_path, "llama", **WIDER)
+    got = _run("greedy", folder, tmp_path / "out.json")
+    with Engine(config(str(folder), 1)) as engine:
+        want = greedy(engine)
+    assert got["alone"] == want["alone"] and got["together"] == want["together"]
+    assert got["together"] == got["alone"]
+    assert got["ranks"] and all(r == [0, 1] for r in got["ranks"])  # every step, both ranks
+    assert len(set(got["ports"])) == 2
+    assert got["exits"] == {"1": 0}  # the stop plan ended rank 1
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_requests_refuses_new_ones_and_stops(tmp_path):
+    got = _run("kill", _folder(tmp_path, "llama", **WIDER), tmp_path / "out.json")
+    named = "rank 1 exited (signal SIGKILL)"
+    assert got["tokens_before"] >= 3
+    assert len(got["errors"]) == 1 and named in got["errors"][0]
+    assert got["finish"][0][0] == "error" and named in got["finish"][0][1]
+    assert got["running"] is False
+    assert got["refused"].startswith("engine is not running") and named in got["refused"]
+    assert got["exits"] == {"1": -9}
