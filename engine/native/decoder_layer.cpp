@@ -395,8 +395,9 @@ mx::array decoder_layers(const mx::array& x, const std::vector<const LayerSpec*>
               k_pool.dtype() == mx::bfloat16,
           "the pool must be float32, float16 or bfloat16");
     check(k_pool.shape(1) % l.block_size == 0, "the pool's slots must be whole blocks");
-    check(i == 0 || (k_pool.shape(1) == k_pools[0].shape(1) && l.window == layers[0].layout.window &&
-                     l.block_size == layers[0].layout.block_size),
+    const LayerLayout& first = specs[0]->layout();
+    check(k_pool.shape(1) == k_pools[0].shape(1) && l.window == first.window &&
+              l.block_size == first.block_size,
           "the layers must share the pool's slots, the block size and the window (one step's "
           "tables serve them all)");
     layers.push_back({l, specs[i]->weights()});
@@ -427,8 +428,11 @@ mx::array decoder_layers(const mx::array& x, const std::vector<const LayerSpec*>
   for (const auto* a : {&slots, &positions, &block_tables, &context_lens, &query_lens}) {
     inputs.push_back(int32(*a));
   }
-  return mx::array(x.shape(), mx::float32,
-                   std::make_shared<DecoderLayer>(stream, std::move(layers)), std::move(inputs));
+  return mx::array(
+      x.shape(), mx::float32,
+      std::make_shared<DecoderLayer>(
+          stream, std::make_shared<const std::vector<DecoderLayer::Layer>>(std::move(layers))),
+      std::move(inputs));
 }
 
 void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
@@ -445,12 +449,13 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
                     layers = layers_]() mutable {
     const mx::array& x = in[0];
     const int rows = static_cast<int>(x.shape(x.ndim() - 2));
-    const mx::array* tables = &in[1 + 2 * layers.size()];
+    const mx::array* tables = &in[1 + 2 * layers->size()];
     float* o = out.data<float>();
     // Layer 0 reads x; each later one the previous layer's output, in place in out.
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const LayerLayout& l = layers[i].layout;
-      run_layer(l, LayerInputs{*layers[i].weights, in[1 + 2 * i], in[2 + 2 * i], tables, l.pool},
+    for (size_t i = 0; i < layers->size(); ++i) {
+      const DecoderLayer::Layer& layer = (*layers)[i];
+      const LayerLayout& l = layer.layout;
+      run_layer(l, LayerInputs{*layer.weights, in[1 + 2 * i], in[2 + 2 * i], tables, l.pool},
                 i == 0 ? x.data<float>() : o, rows, o);
     }
   });

@@ -126,7 +126,7 @@ class DecoderLayer : public mx::Primitive {
     std::shared_ptr<const std::vector<mx::array>> weights;
   };
 
-  DecoderLayer(mx::Stream stream, std::vector<Layer> layers)
+  DecoderLayer(mx::Stream stream, std::shared_ptr<const std::vector<Layer>> layers)
       : mx::Primitive(stream), layers_(std::move(layers)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -140,7 +140,7 @@ class DecoderLayer : public mx::Primitive {
   }
 
  private:
-  std::vector<Layer> layers_;
+  std::shared_ptr<const std::vector<Layer>> layers_;  // shared with the evaluating task
 };
 
 }  // namespace batchscope
