@@ -4,6 +4,7 @@ a hung collective cannot outlive the test, and every run gets fresh free ports.
 
     python tests/distributed_engine.py greedy FOLDER OUT.json  # PROMPTS alone, then together
     python tests/distributed_engine.py kill FOLDER OUT.json    # rank 1 killed mid-generation
+    python tests/distributed_engine.py serve FOLDER OUT.json   # the app: dashboard, metrics, 503
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 PROMPTS = [[(7 * j) % 300 + 5 for j in range(37)], [(5 * j) % 200 + 9 for j in range(5)],
            [(3 * j) % 250 + 2 for j in range(20)]]
 MAX_TOKENS = 8
+# The project before tests/ (run as a script, tests/ comes first: its app/ is the tests').
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def config(folder: str, size: int):
@@ -61,11 +64,43 @@ def _kill(engine, ranks, out: dict) -> None:
         out["refused"] = str(e)
 
 
+def serve(folder: str, out: dict) -> None:
+    """The app over two ranks: a completion, /dashboard.json's ranks, /metrics' rank series;
+    then rank 1 killed: the next completion fails naming it, the one after gets a 503."""
+    from starlette.testclient import TestClient
+
+    from app.settings import Settings
+    from app.web.app import create_app
+
+    body = {"model": Path(folder).name, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    with TestClient(create_app(Settings(engine=config(folder, 2)))) as client:
+        engine = client.app.state.engine
+        out["ports"] = engine.runner.ports
+        done = client.post("/v1/completions", json=body)
+        out["completion"] = [done.status_code, done.json()]
+        out["dashboard_ranks"] = client.get("/dashboard.json").json()["ranks"]
+        out["metrics"] = [line for line in client.get("/metrics").text.splitlines()
+                          if "rank=" in line]
+        ranks = engine.runner.coordinator.ranks
+        ranks.processes[1].kill()
+        ranks.processes[1].wait()
+        for key in ("failed", "refused"):
+            answer = client.post("/v1/completions", json=body)
+            out[key] = [answer.status_code, answer.json()]
+    out["exits"] = {str(r): p.poll() for r, p in ranks.processes.items()}
+
+
 def main(argv: list[str]) -> int:
     from engine.engine import Engine
 
     mode, folder, out_path = argv
-    out: dict = {}
+    if mode == "serve":
+        out: dict = {}
+        serve(folder, out)
+        Path(out_path).write_text(json.dumps(out))
+        return 0
+    out = {}
     engine = Engine(config(folder, 2)).start(timeout=240)
     ranks = engine.runner.coordinator.ranks
     out["ports"] = engine.runner.ports

@@ -137,6 +137,14 @@ class EngineMetrics:
                                     "scheduled.", REQUEST_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Rows (token positions) "
                                           "per engine step.", ROW_BUCKETS)
+        # Tensor parallelism (--tensor-parallel-size): each rank's share of every step.
+        self.rank_step = Histogram(PREFIX + "rank_step_seconds", "A step's time on each rank "
+                                   "after the plan broadcast: the forward (its all_sums "
+                                   "inside) and sampling.", ("rank",), buckets=TOKEN_BUCKETS,
+                                   registry=r)
+        self.rank_broadcast = counter("rank_plan_broadcast_seconds", "Time each rank spent in "
+                                      "the steps' plan broadcasts (ranks > 0: waiting for "
+                                      "rank 0's plan included).", ("rank",))
 
         self._lock = threading.Lock()  # steps arrive on the engine thread, backfill on the loop
         self._last_step = 0
@@ -182,6 +190,9 @@ class EngineMetrics:
         self._last_step = record.step
         self.steps.labels(record.kernel_path).inc()
         self.iteration_tokens.observe(record.total_rows)
+        for t in record.ranks:
+            self.rank_step.labels(str(t.rank)).observe(t.wall_s)
+            self.rank_broadcast.labels(str(t.rank)).inc(t.broadcast_s)
         if record.preempted:
             self.preemptions.inc(len(record.preempted))
         if record.constrained_rows:

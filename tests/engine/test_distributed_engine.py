@@ -92,3 +92,35 @@ def test_killed_rank_fails_requests_refuses_new_ones_and_stops(tmp_path):
     assert got["running"] is False
     assert got["refused"].startswith("engine is not running") and named in got["refused"]
     assert got["exits"] == {"1": -9}
+
+
+@pytest.mark.slow
+def test_serve_shows_ranks_and_answers_503_once_a_rank_is_lost(tmp_path):
+    got = _run("serve", _folder(tmp_path, "llama", **WIDER), tmp_path / "out.json")
+    status, body = got["completion"]
+    assert status == 200 and body["usage"]["completion_tokens"] == 8
+    ranks = got["dashboard_ranks"]
+    assert [(r["rank"], r["port"]) for r in ranks] == list(enumerate(got["ports"]))
+    assert all(r[k] > 0 for r in ranks for k in ("wall_s", "model_s", "broadcast_s"))
+    for rank in ("0", "1"):
+        assert f'batchscope:rank_step_seconds_count{{rank="{rank}"}} 8.0' in got["metrics"]
+        assert any(line.startswith(f'batchscope:rank_plan_broadcast_seconds_total{{rank="{rank}"}}')
+                   for line in got["metrics"])
+    named = "rank 1 exited (signal SIGKILL)"
+    status, body = got["failed"]  # the request running when the rank was lost
+    assert status == 500 and named in body["error"]["message"]
+    status, body = got["refused"]
+    assert status == 503 and body["error"]["code"] == "engine_unavailable"
+    assert named in body["error"]["message"]
+    assert got["exits"] == {"1": -9}
+
+
+def test_one_rank_dashboard_has_no_ranks(tmp_path):
+    from api_helpers import make_app
+    from starlette.testclient import TestClient
+
+    with TestClient(make_app()) as client:
+        client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi",
+                                             "max_tokens": 2})
+        assert client.get("/dashboard.json").json()["ranks"] == []
+        assert "rank=" not in client.get("/metrics").text

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import asdict, fields
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ from app.web.views import (
     Steps,
     StepSummary,
 )
-from engine.telemetry import STATE_POOL_FIELDS
+from engine.telemetry import STATE_POOL_FIELDS, RankTimes
 
 CHART_STEPS = 300  # steps the charts and the kernel-path strip show
 EXPERT_STEPS = 32  # recent steps the expert-load strip sums (mixture-of-experts models)
@@ -48,6 +49,7 @@ FRAMES_PER_S = 10  # the most updates a client gets; steps in between ride in th
 PING_S = 15  # SSE keep-alive comment while the engine is idle
 IDLE_FRAME_S = RATE_WINDOW_S + 0.1  # after the last step: the frame that shows it idle
 MAX_STEPS_PAGE = 2048  # most records one /steps.json answer holds
+RANK_TIMES = tuple(f.name for f in fields(RankTimes) if f.name != "rank")  # seconds, per rank
 
 # ---- the state -------------------------------------------------------------------------------
 def hue(request_id: str) -> int:
@@ -188,6 +190,18 @@ def dashboard_state(engine: Any) -> dict[str, Any]:
             "experts": expert_load(engine)}
 
 
+def rank_state(engine: Any) -> list[dict[str, Any]]:
+    """Tensor parallelism: each rank, its loopback port and its times in the latest step that
+    ran on every rank (null before one); empty for one rank."""
+    ports = getattr(getattr(engine, "runner", None), "ports", None)
+    if not ports:
+        return []
+    latest = next((r.ranks for r in reversed(engine.steps.recent()) if r.ranks), [])
+    times = {t.rank: asdict(t) for t in latest}
+    return [{"rank": rank, "port": port, **times.get(rank, dict.fromkeys(RANK_TIMES))}
+            for rank, port in enumerate(ports)]
+
+
 def speculation_setting(engine: Any) -> SpeculationSetting:
     """The engine's speculative decoding as configured (each step says whether it ran)."""
     spec = getattr(engine, "speculation", None)
@@ -206,6 +220,7 @@ def dashboard_context(engine: Any) -> Dashboard:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             block_size=config.block_size, num_kv_blocks=config.num_kv_blocks),
         speculation=speculation_setting(engine),
+        ranks=rank_state(engine),
         frames_per_s=FRAMES_PER_S,
         chart_steps=CHART_STEPS,
         acceptance_steps=ACCEPTANCE_STEPS,
