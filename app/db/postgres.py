@@ -14,6 +14,9 @@ What one SQLite file and BEGIN IMMEDIATE give, made explicit for several servers
 - Interrupted runs: a server holds a session-level advisory lock on its engine session for as
   long as it runs; at start-up only the running runs of sessions nobody holds are marked
   interrupted, never those of another server that is still serving.
+- Text: PostgreSQL's text cannot hold NUL (U+0000), which a byte-level token's text can be;
+  every string a statement sends has it as U+2400 (SYMBOL FOR NULL) instead, so the run is
+  kept, its text shows where the NUL was, and its token ids stay exact.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from sqlalchemy import (
     cast,
     column,
     create_engine,
+    event,
     exists,
     func,
     select,
@@ -82,7 +86,7 @@ def create_postgres_engine(url: str, busy_timeout: float = 5.0) -> Engine:
     if not parsed.database:
         raise DatabaseError(f"cannot use database {name}: the URL names no database")
     try:
-        return create_engine(
+        engine = create_engine(
             parsed.set(drivername=DRIVER), pool_pre_ping=True,
             isolation_level="REPEATABLE READ",
             connect_args={"connect_timeout": CONNECT_TIMEOUT,
@@ -91,6 +95,27 @@ def create_postgres_engine(url: str, busy_timeout: float = 5.0) -> Engine:
         raise DatabaseError(
             f"cannot use database {name}: the PostgreSQL driver is missing ({e}); install "
             "it with pip install 'batchscope[postgres]'") from e
+
+    @event.listens_for(engine, "before_cursor_execute", retval=True)
+    def _no_nul(conn, cursor, statement, parameters, context, executemany):
+        return statement, without_nul(parameters)
+
+    return engine
+
+
+def without_nul(value):
+    """`value` (a statement's parameters: strings, or dicts and sequences of them) with every
+    NUL in its strings as U+2400; the same object where there is none."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\u2400") if "\x00" in value else value
+    if isinstance(value, dict | list | tuple):
+        items = value.values() if isinstance(value, dict) else value
+        if all(without_nul(v) is v for v in items):
+            return value
+        if isinstance(value, dict):
+            return {k: without_nul(v) for k, v in value.items()}
+        return type(value)(without_nul(v) for v in value)
+    return value
 
 
 def lock_migrations(conn: Connection) -> None:

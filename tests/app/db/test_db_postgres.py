@@ -12,7 +12,9 @@ import threading
 import pytest
 
 from app.db import DatabaseError, Recorder, open_database
+from app.db.postgres import without_nul
 from app.db.runs import get_run, list_runs
+from engine.events import TokenEvent
 from tests.postgres import record_as_a_server
 
 
@@ -103,6 +105,29 @@ def test_a_starting_server_leaves_a_live_servers_runs_alone(pg_url):
     with open_database(pg_url) as third:  # the first server is gone
         assert third.mark_interrupted() == 1
         assert get_run(third, "live")["status"] == "interrupted"
+
+
+def test_a_nul_in_a_tokens_text_keeps_the_run_with_the_symbol_for_null(pg_url):
+    with open_database(pg_url) as db:
+        recorder = Recorder(db, flush_interval=0.01)
+        recorder.start()
+        try:
+            session = recorder.start_session("m", "q4", "auto", {})
+            start_run(recorder, "nul", session)
+            recorder.token(TokenEvent("nul", 0, 7, "a\x00b", -0.5, [], 1001.0, 1))
+            assert recorder.flush()
+            run = get_run(db, "nul")
+        finally:
+            recorder.close()
+    assert [(t["token_id"], t["text"]) for t in run["tokens"]] == [(7, "a\u2400b")]
+    assert run["output_text"] == "a\u2400b"
+
+
+def test_statements_send_no_nul():
+    assert without_nul({"a": "x\x00y", "b": 3}) == {"a": "x\u2400y", "b": 3}
+    assert without_nul([{"t": "\x00"}, {"t": "ok"}]) == [{"t": "\u2400"}, {"t": "ok"}]
+    clean = {"a": "x", "b": b"\x00"}  # bytes are not text: left as they are
+    assert without_nul(clean) is clean
 
 
 def test_two_servers_record_into_one_database_and_see_each_others_runs(pg_url):
