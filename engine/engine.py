@@ -582,7 +582,8 @@ class Engine:
             completion_tokens=len(seq.output_ids), cached_prompt_tokens=seq.num_cached_prompt,
             preemptions=seq.num_preemptions, arrival_time=req.arrival_wall,
             first_scheduled_time=req.first_scheduled_wall, first_token_time=req.first_token_time,
-            finish_time=time.time(), error=error, steps=req.steps, trace=req.trace))
+            finish_time=time.time(), error=error, steps=req.steps, trace=req.trace,
+            interrupted=self._lost is not None))
 
     def _recover_pool(self) -> None:
         """After a failed step, make sure the pool's pending writes can still be evaluated."""

@@ -47,6 +47,9 @@ class FinishEvent:
     # accepted, kv, logits} (see engine/model_runner.py's StepTrace; a verify step's rows are
     # those it kept and its logits one row per emitted token); None otherwise.
     trace: list[dict] | None = None
+    # The engine lost part of itself under the request (a tensor-parallel rank): it could not
+    # finish, as a server that died under it could not (its run is recorded "interrupted").
+    interrupted: bool = False
 
 
 @dataclass

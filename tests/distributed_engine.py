@@ -54,7 +54,8 @@ def _kill(engine, ranks, out: dict) -> None:
         if isinstance(event, FinishEvent):
             break
     out["errors"] = [e.message for e in events if isinstance(e, ErrorEvent)]
-    out["finish"] = [[e.reason, e.error] for e in events if isinstance(e, FinishEvent)]
+    out["finish"] = [[e.reason, e.error, e.interrupted] for e in events
+                     if isinstance(e, FinishEvent)]
     out["tokens_before"] = sum(isinstance(e, TokenEvent) for e in events)
     time.sleep(0.5)
     out["running"] = engine.running

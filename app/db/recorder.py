@@ -360,7 +360,8 @@ def _write_tokens(conn: Connection, events: list) -> None:
 
 def _write_finish(conn: Connection, e) -> None:
     result = conn.execute(update(Run).where(Run.id == e.request_id).values(
-        status="finished", finish_reason=e.reason, error=e.error, output_text=e.text,
+        status="interrupted" if e.interrupted else "finished", finish_reason=e.reason,
+        error=e.error, output_text=e.text,
         output_token_ids_json=list(e.token_ids), prompt_tokens=e.prompt_tokens,
         completion_tokens=e.completion_tokens, cached_prompt_tokens=e.cached_prompt_tokens,
         preemptions=e.preemptions, first_scheduled_at=e.first_scheduled_time,

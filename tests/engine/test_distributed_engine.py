@@ -89,6 +89,7 @@ def test_killed_rank_fails_requests_refuses_new_ones_and_stops(tmp_path):
     assert got["tokens_before"] >= 3
     assert len(got["errors"]) == 1 and named in got["errors"][0]
     assert got["finish"][0][0] == "error" and named in got["finish"][0][1]
+    assert got["finish"][0][2]  # interrupted: its run is recorded as a dead server's would be
     assert got["running"] is False
     assert got["refused"].startswith("engine is not running") and named in got["refused"]
     assert got["exits"] == {"1": -9}

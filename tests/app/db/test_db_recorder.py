@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from sqlalchemy import event, text
@@ -79,6 +80,27 @@ def test_many_events_are_written_in_few_transactions(db, commits):
     assert run["output_text"] == "".join(f"{i}," for i in range(1000))
     assert rec.written == 1002 and rec.dropped == 0
     rec.close()
+
+
+def test_a_request_the_engine_lost_under_it_is_recorded_interrupted(db):
+    """A tensor-parallel rank lost mid-request: the engine finishes it with an error and
+    interrupted=True, and its run is recorded as a dead server's would be."""
+    rec = Recorder(db, flush_interval=0.01)
+    rec.start()
+    try:
+        session = rec.start_session("m", "q4", "auto", {})
+        for run_id, interrupted in (("lost", True), ("failed", False)):
+            start_run(rec, run_id, session)
+            rec.token(token(run_id, 0))
+            rec.run_finished(replace(finish(run_id, 1), reason="error", interrupted=interrupted,
+                                     error="rank 1 exited (signal SIGKILL)"))
+        assert rec.flush()
+    finally:
+        rec.close()
+    lost, failed = get_run(db, "lost"), get_run(db, "failed")
+    assert (lost["status"], lost["finish_reason"]) == ("interrupted", "error")
+    assert lost["error"] == "rank 1 exited (signal SIGKILL)" and lost["output_text"] == "0,"
+    assert failed["status"] == "finished"
 
 
 def test_events_arriving_over_time_are_grouped_by_interval(db, commits):
