@@ -1,5 +1,6 @@
 // The live dashboard: the page embeds the state and recent steps, then /dashboard/stream sends
-// at most ~10 `frame` events a second, each with every step since the last frame + the state.
+// at most ~10 `frame` events a second, each with every step since the last frame + the state
+// (and, under tensor parallelism, each rank's times in the latest step).
 // Charts are plain inline SVG, redrawn at most once per animation frame.
 (() => {
   "use strict";
@@ -9,6 +10,7 @@
   const SPEC = data.speculation; // the engine's setting; each step says whether it speculated
   let steps = data.steps;
   let state = data.state;
+  let ranks = data.ranks; // tensor parallelism: each rank's times in the latest step ([]: one)
   let queued = false;
 
   const $ = (id) => document.getElementById(id);
@@ -139,6 +141,19 @@
     $("state-ckpt-bar").style.setProperty("--f", (sp.checkpoint_capacity
       ? sp.checkpoints / sp.checkpoint_capacity : 0).toFixed(3));
     $("state-hits").textContent = sp.checkpoint_hits;
+  }
+
+  // ---- tensor-parallel ranks (a server with --tensor-parallel-size > 1) -------------------
+  function renderRanks() {
+    if (!$("rank-rows") || !ranks.length) return; // one rank: the page has no such section
+    const ms = (s) => (s === null ? "–" : (s * 1000).toFixed(2));
+    const slowest = Math.max(0, ...ranks.map((r) => r.wall_s || 0));
+    $("rank-rows").replaceChildren(...ranks.map((r) => el("tr", {"data-rank": r.rank},
+      el("td", {}, String(r.rank)), el("td", {class: "num"}, String(r.port)),
+      el("td", {class: "num"}, ms(r.wall_s)), el("td", {class: "num"}, ms(r.model_s)),
+      el("td", {class: "num"}, ms(r.broadcast_s)),
+      el("td", {}, el("span", {class: "meter"}, el("i", {style: "--f: " +
+        (slowest && r.wall_s !== null ? r.wall_s / slowest : 0).toFixed(3)}))))));
   }
 
   // ---- kernel-path strip ------------------------------------------------------------------
@@ -330,6 +345,7 @@
     renderBatch();
     renderKV();
     renderStatePool();
+    renderRanks();
     renderStrip();
     renderExperts();
     renderCharts();
@@ -342,6 +358,7 @@
   source.addEventListener("frame", (ev) => {
     const frame = JSON.parse(ev.data);
     state = frame.state;
+    ranks = frame.ranks;
     if (frame.steps.length) steps = steps.concat(frame.steps).slice(-MAX);
     schedule();
   });

@@ -10,6 +10,7 @@ a hung collective cannot outlive the test, and every run gets fresh free ports.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,10 @@ def serve(folder: str, out: dict) -> None:
         done = client.post("/v1/completions", json=body)
         out["completion"] = [done.status_code, done.json()]
         out["dashboard_ranks"] = client.get("/dashboard.json").json()["ranks"]
+        # The page's ranks table: (rank, port, step ms) per row.
+        out["dashboard_rows"] = re.findall(
+            r'<tr data-rank="(\d+)">\s*<td>\d+</td><td class="num">(\d+)</td>\s*'
+            r'<td class="num">([\d.]+)</td>', client.get("/dashboard").text)
         out["metrics"] = [line for line in client.get("/metrics").text.splitlines()
                           if "rank=" in line]
         ranks = engine.runner.coordinator.ranks

@@ -103,6 +103,10 @@ def test_serve_shows_ranks_and_answers_503_once_a_rank_is_lost(tmp_path):
     ranks = got["dashboard_ranks"]
     assert [(r["rank"], r["port"]) for r in ranks] == list(enumerate(got["ports"]))
     assert all(r[k] > 0 for r in ranks for k in ("wall_s", "model_s", "broadcast_s"))
+    assert [(int(r), int(p)) for r, p, _ in got["dashboard_rows"]] == list(
+        enumerate(got["ports"]))  # the page's ranks table, with each rank's step time
+    assert [float(ms) for *_, ms in got["dashboard_rows"]] == [
+        pytest.approx(r["wall_s"] * 1000, abs=0.006) for r in ranks]
     for rank in ("0", "1"):
         assert f'batchscope:rank_step_seconds_count{{rank="{rank}"}} 8.0' in got["metrics"]
         assert any(line.startswith(f'batchscope:rank_plan_broadcast_seconds_total{{rank="{rank}"}}')

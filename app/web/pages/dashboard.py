@@ -286,7 +286,8 @@ def _frame(engine: Any, client: FeedClient) -> tuple[ServerSentEvent, bool]:
     """The frame, and whether it shows the engine settled (idle, its decode rate 0)."""
     steps = client.take()
     state = dashboard_state(engine)
-    data = {"steps": steps, "dropped": client.dropped, "state": state}
+    data = {"steps": steps, "dropped": client.dropped, "state": state,
+            "ranks": rank_state(engine)}
     # The id is the last step sent: a reconnecting EventSource resumes from it.
     event = ServerSentEvent(json.dumps(data, separators=(",", ":")), event="frame",
                             id=str(client.last_step))
