@@ -112,8 +112,7 @@ STATE_POOL_FIELDS = ("state_slots_total", "state_slots_used", "state_checkpoints
 # one row per entry, its request_id under "run_id"; what a reader shows of a step takes the
 # field's name again (field_name). Fields kept only in memory (/metrics and the live dashboard
 # read them from the record itself) are left out.
-_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable",
-                  "ranks")
+_STEP_UNSTORED = ("entries", "propose_time", "window_blocks_behind", "window_bytes_reclaimable")
 _ENTRY_UNSTORED = ("emitted",)
 _JSON_SUFFIX = "_json"
 
@@ -165,6 +164,8 @@ def step_row(record: StepRecord | dict) -> dict[str, Any]:
     # Older records may hold None for these; a dense model's expert rows are NULL.
     row["preempted_json"] = list(row["preempted_json"] or [])
     row["expert_rows_json"] = row["expert_rows_json"] or None
+    row["ranks_json"] = [t if isinstance(t, dict) else asdict(t)
+                         for t in row["ranks_json"]] or None  # one rank: NULL
     row["speculation"] = row["speculation"] or ""
     return row
 

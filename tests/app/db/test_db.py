@@ -7,6 +7,7 @@ import json
 import os
 import sqlite3
 import stat
+from dataclasses import asdict
 
 import pytest
 import sqlalchemy.exc
@@ -23,7 +24,7 @@ from app.db.database import alembic_config, create_database_engine, run_migratio
 from app.db.models import Base
 from app.db.runs import distinct_values, get_run, list_runs, run_metrics
 from engine.events import FinishEvent, TokenEvent
-from engine.telemetry import StepEntry, StepRecord
+from engine.telemetry import RankTimes, StepEntry, StepRecord
 
 
 @pytest.fixture
@@ -255,6 +256,17 @@ def test_upgrade_from_0005_adds_the_state_pool_and_old_steps_read_as_none(db_tar
     assert {k: step[k] for k in STATE_POOL if k in step} == \
         {k: v for k, v in STATE_POOL.items() if k != "state_checkpoint_hits"}
     assert "state_checkpoint_hits" not in step
+
+
+def test_upgrade_from_0008_adds_the_ranks_and_old_steps_read_as_none(db_target):
+    path = db_target
+    old_database(path, "0008", "ranks_json")  # written before tensor parallelism's ranks
+    sharded = step_record(2, 1000.0, [("R", "decode", 1)])
+    sharded.ranks = [RankTimes(0, 0.02, 0.019, 0.001), RankTimes(1, 0.021, 0.02, 0.003)]
+    stored, step = record_after_upgrade(path, "R", sharded, ["ranks_json"])
+    assert [(n, None if v is None else json.loads(v)) for n, v in stored] == [
+        (1, None), (2, [asdict(t) for t in sharded.ranks])]
+    assert step["ranks"] == [asdict(t) for t in sharded.ranks]  # the run page's steps
 
 
 def test_upgrade_from_0006_adds_constrained_rows_and_mask_time(db_target):
@@ -577,13 +589,14 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
     full.verify_rows, full.draft_tokens, full.accepted_tokens = 3, 2, 1
     full.speculation, full.propose_time, full.prefix_cache_queries = "on", 0.5, 9
     full.constrained_rows, full.mask_ms = 3, 0.25
+    full.ranks = [RankTimes(0, 0.04, 0.035, 0.001), RankTimes(1, 0.041, 0.036, 0.002)]
     for name, value in STATE_POOL.items():
         setattr(full, name, value)
     old = step_record(2, 1000.1, [("A", "decode", 1)]).to_dict()
     for newer in ("verify_rows", "draft_tokens", "accepted_tokens", "speculation", "kernel_path",
                   "linear_calls_per_layer", "prefix_cache_queries", "prefix_cache_hits",
                   "expert_rows", "preempted", "error", *STATE_POOL, "constrained_rows",
-                  "mask_ms"):
+                  "mask_ms", "ranks"):
         del old[newer]
     for entry in old["entries"]:
         del entry["drafted"], entry["accepted"], entry["emitted"]
@@ -602,6 +615,10 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
                      "speculation": "on", "state_slots_total": 4, "state_slots_used": 3,
                      "state_checkpoints": 5, "state_checkpoint_capacity": 16,
                      "state_slot_bytes": 3 * 2**31, "constrained_rows": 3, "mask_ms": 0.25,
+                     "ranks": [{"rank": 0, "wall_s": 0.04, "model_s": 0.035,
+                                "broadcast_s": 0.001},
+                               {"rank": 1, "wall_s": 0.041, "model_s": 0.036,
+                                "broadcast_s": 0.002}],
                      "entry": {"run_id": "A", "phase": "verify", "rows": 3, "context_len": 11,
                                "blocks_held": 1, "sampled": True, "drafted": 2, "accepted": 1}}
     assert second == {**common, "step": 2, "started_at": 1000.1, "decode_rows": 1,
@@ -610,7 +627,7 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
                       "draft_tokens": 0, "accepted_tokens": 0, "speculation": "",
                       "state_slots_total": 0, "state_slots_used": 0, "state_checkpoints": 0,
                       "state_checkpoint_capacity": 0, "state_slot_bytes": 0,
-                      "constrained_rows": 0, "mask_ms": 0.0,
+                      "constrained_rows": 0, "mask_ms": 0.0, "ranks": None,
                       "entry": {"run_id": "A", "phase": "decode", "rows": 1, "context_len": 12,
                                 "blocks_held": 1, "sampled": True, "drafted": 0, "accepted": 0}}
     with db.read() as conn:
