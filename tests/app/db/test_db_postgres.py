@@ -8,6 +8,8 @@ import multiprocessing
 import re
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -89,36 +91,36 @@ def test_servers_starting_together_migrate_once(pg_url):
             db.close()
 
 
+@contextmanager
+def recording(db) -> Iterator[tuple[Recorder, int]]:
+    """A started recorder on db with an engine session of its own; closed afterwards."""
+    recorder = Recorder(db, flush_interval=0.01)
+    recorder.start()
+    try:
+        yield recorder, recorder.start_session("m", "q4", "auto", {})
+    finally:
+        recorder.close()
+
+
 def test_a_starting_server_leaves_a_live_servers_runs_alone(pg_url):
     with open_database(pg_url) as first:
-        recorder = Recorder(first, flush_interval=0.01)
-        recorder.start()
-        try:
-            session = recorder.start_session("m", "q4", "auto", {})
+        with recording(first) as (recorder, session):
             start_run(recorder, "live", session)
             assert recorder.flush()
             with open_database(pg_url) as second:
                 assert second.mark_interrupted() == 0  # the first server still serves it
                 assert get_run(second, "live")["status"] == "running"
-        finally:
-            recorder.close()
     with open_database(pg_url) as third:  # the first server is gone
         assert third.mark_interrupted() == 1
         assert get_run(third, "live")["status"] == "interrupted"
 
 
 def test_a_nul_in_a_tokens_text_keeps_the_run_with_the_symbol_for_null(pg_url):
-    with open_database(pg_url) as db:
-        recorder = Recorder(db, flush_interval=0.01)
-        recorder.start()
-        try:
-            session = recorder.start_session("m", "q4", "auto", {})
-            start_run(recorder, "nul", session)
-            recorder.token(TokenEvent("nul", 0, 7, "a\x00b", -0.5, [], 1001.0, 1))
-            assert recorder.flush()
-            run = get_run(db, "nul")
-        finally:
-            recorder.close()
+    with open_database(pg_url) as db, recording(db) as (recorder, session):
+        start_run(recorder, "nul", session)
+        recorder.token(TokenEvent("nul", 0, 7, "a\x00b", -0.5, [], 1001.0, 1))
+        assert recorder.flush()
+        run = get_run(db, "nul")
     assert [(t["token_id"], t["text"]) for t in run["tokens"]] == [(7, "a\u2400b")]
     assert run["output_text"] == "a\u2400b"
 
