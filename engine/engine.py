@@ -278,6 +278,7 @@ class Engine:
         except BaseException as e:  # reported to start()
             self._load_error = e
             stop_ranks(self.runner)
+            gc.unfreeze()
             self._ready.set()
             mx.clear_streams()
             return
@@ -295,6 +296,7 @@ class Engine:
                 self._finish(req, FinishReason.ERROR if self._lost else FinishReason.CANCELLED,
                              error=self._lost or "engine stopped")
             stop_ranks(self.runner)
+            gc.unfreeze()  # what a stopped engine held is garbage now: collectible again
             # MLX wants each thread to destroy its own streams before it ends; otherwise the
             # process aborts at exit ("terminate called without an active exception").
             mx.clear_streams()
@@ -327,9 +329,7 @@ class Engine:
         self.runner.run([RowGroup("warmup", [0], 0, [0], sample=False, state_slot=0)])
         log.info("KV pool allocated: %.0f MiB (%s) in %.1f s", self.pool.nbytes() / 2**20,
                  self.pool.dtype, time.perf_counter() - t0)
-        # The model's and tokenizer's objects live as long as the engine: out of the
-        # collector's sight, a full collection no longer walks them (~25 ms between two steps).
-        gc.freeze()
+        gc.freeze()  # setup's objects out of full collections (~25 ms a step); _run unfreezes
         log_model(self, family, states)
         if self.speculation.method == "draft" and self.proposer is None:
             self.proposer = draft_proposer(cfg, self.loaded, self.runner, pool_dtype(cfg.kv_dtype),

@@ -5,6 +5,7 @@ batching must not change a single token)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -231,6 +232,17 @@ def test_idle_engine_blocks_instead_of_spinning(make_engine):
     threading.Event().wait(0.3)
     assert engine.step_count == before  # no steps while idle
     assert engine.running
+
+
+def test_a_running_engine_keeps_setup_out_of_full_collections_and_a_stopped_one_frees_it(
+        make_engine):
+    """Setup's objects are frozen while the engine runs (a full collection would walk the
+    model and tokenizer between two steps); once it stops they are garbage like any other,
+    or every engine a process started would stay in memory."""
+    engine = make_engine()
+    assert gc.get_freeze_count() > 0
+    engine.stop()
+    assert gc.get_freeze_count() == 0
 
 
 def test_float32_model_gives_the_same_tokens_batched_as_alone(make_engine):
