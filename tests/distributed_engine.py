@@ -5,6 +5,7 @@ a hung collective cannot outlive the test, and every run gets fresh free ports.
     python tests/distributed_engine.py greedy FOLDER OUT.json  # PROMPTS alone, then together
     python tests/distributed_engine.py kill FOLDER OUT.json    # rank 1 killed mid-generation
     python tests/distributed_engine.py serve FOLDER OUT.json   # the app: dashboard, metrics, 503
+    python tests/distributed_engine.py prefix FOLDER OUT.json  # or preemption, ngram: FEATURES
 """
 
 from __future__ import annotations
@@ -22,11 +23,51 @@ MAX_TOKENS = 8
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def config(folder: str, size: int):
+def config(folder: str, size: int, **changes):
     from engine.config import EngineConfig
 
-    return EngineConfig(model=folder, weights="f32", num_kv_blocks=64, block_size=16,
-                        max_num_seqs=4, tensor_parallel_size=size)
+    return EngineConfig(**{"model": folder, "weights": "f32", "num_kv_blocks": 64,
+                           "block_size": 16, "max_num_seqs": 4, "tensor_parallel_size": size,
+                           **changes})
+
+
+# What the scheduler decides on rank 0 alone, each with its engine settings: the same prompt
+# twice (the second hits the prefix cache), more requests than a small pool holds at once
+# (preemption), and n-gram speculation on a prompt that repeats itself (verify rows).
+FEATURES = {
+    "prefix": {"block_size": 4},
+    "preemption": {"block_size": 4, "num_kv_blocks": 20, "enable_prefix_caching": False},
+    "ngram": {"speculative": "ngram", "num_speculative_tokens": 3},
+}
+REPEATING = [5, 6, 7, 8, 9] * 6
+
+
+def feature_run(engine, name: str) -> dict:
+    """The feature's requests on `engine`: each one's greedy ids, and the steps' counters that
+    show the feature ran."""
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    if name == "prefix":
+        ids = [engine.generate(PROMPTS[0], params).token_ids for _ in range(2)]
+    else:
+        prompts = [REPEATING] if name == "ngram" else PROMPTS * 2
+        ids = [h.result().token_ids for h in [engine.submit(p, params) for p in prompts]]
+    steps = engine.steps.recent()
+    return {"ids": ids, "prefix_hits": engine.block_manager.stats.hits,
+            "preempted": sum(len(s.preempted) for s in steps),
+            "drafted": sum(s.draft_tokens for s in steps)}
+
+
+def feature(folder: str, size: int, name: str) -> dict:
+    """A feature's run on an engine over `size` ranks (one such engine a process: MLX keeps
+    one distributed group per process)."""
+    from engine.engine import Engine
+
+    with Engine(config(folder, size, **FEATURES[name])).start(timeout=240) as engine:
+        out = feature_run(engine, name)
+        out["ranks"] = sorted({t.rank for s in engine.steps.recent() for t in s.ranks})
+    return out
 
 
 def greedy(engine) -> dict:
@@ -101,9 +142,12 @@ def main(argv: list[str]) -> int:
     from engine.engine import Engine
 
     mode, folder, out_path = argv
-    if mode == "serve":
+    if mode == "serve" or mode in FEATURES:
         out: dict = {}
-        serve(folder, out)
+        if mode == "serve":
+            serve(folder, out)
+        else:
+            out = feature(folder, 2, mode)
         Path(out_path).write_text(json.dumps(out))
         return 0
     out = {}

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed_engine import config, greedy
+from distributed_engine import FEATURES, config, feature, greedy
 
 import engine.distributed.runner as sharded
 from engine.config import EngineConfig
@@ -26,10 +26,10 @@ SCRIPT = Path(__file__).parents[1] / "distributed_engine.py"
 WIDER = {"hidden_size": 128, "head_dim": 32, "intermediate_size": 256}
 
 
-def _folder(tmp_path: Path, name: str, **overrides) -> Path:
+def _folder(tmp_path: Path, name: str, scale: float = 3.0, **overrides) -> Path:
     module_name, cfg = FAMILY_CONFIGS[name]
     module = importlib.import_module(f"mlx_lm.models.{module_name}")
-    return make_family_folder(tmp_path / name, module, {**cfg, **overrides})
+    return make_family_folder(tmp_path / name, module, {**cfg, **overrides}, scale=scale)
 
 
 @pytest.fixture
@@ -80,6 +80,22 @@ def test_two_ranks_give_one_ranks_greedy_ids(tmp_path):
     assert got["ranks"] and all(r == [0, 1] for r in got["ranks"])  # every step, both ranks
     assert len(set(got["ports"])) == 2
     assert got["exits"] == {"1": 0}  # the stop plan ended rank 1
+
+
+@pytest.mark.slow
+def test_prefix_cache_preemption_and_ngram_speculation_under_two_ranks(tmp_path):
+    """What the scheduler decides on rank 0 alone (a prefix-cache hit, preemption, n-gram
+    drafts verified) gives one rank's greedy ids under two."""
+    # Small weights: the model repeats itself, so the prompt lookup finds drafts to verify.
+    folder = _folder(tmp_path, "llama", scale=0.3, **WIDER)
+    got = {name: _run(name, folder, tmp_path / f"{name}.json") for name in FEATURES}
+    for name in FEATURES:
+        assert got[name]["ids"] == feature(str(folder), 1, name)["ids"], name
+        assert got[name]["ranks"] == [0, 1], name
+    assert got["prefix"]["prefix_hits"] > 0
+    assert got["preemption"]["preempted"] > 0
+    assert got["ngram"]["drafted"] > 0
+    assert got["prefix"]["ids"][0] == got["prefix"]["ids"][1]
 
 
 @pytest.mark.slow
