@@ -22,7 +22,7 @@ from engine.kernels import PathTaken
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
 from engine.native_ops import WIDENS_EXACTLY, NativeLayer, NativeOps, recurrence_kernel
-from engine.sampler import Sampled, sample
+from engine.sampler import Draw, Sampled, draw
 from engine.scheduler import RowGroup
 from engine.state_pool import StatePool
 from engine.state_slots import StateSlots
@@ -60,6 +60,40 @@ class StepTrace:
     state: np.ndarray | None = None
 
 
+@dataclass
+class PendingStep:
+    """A launched step (ModelRunner.launch): its graph is queued; result() waits for it."""
+
+    runner: ModelRunner
+    groups: list[RowGroup]
+    step: Step
+    logits_rows: mx.array | None
+    sampled: list[RowGroup]
+    samples: Draw | None  # None: no group samples (the step was evaluated at launch)
+    launched: float  # perf_counter at launch
+
+    def result(self, since: float | None = None) -> StepOutput:
+        """What the step emits. since: when its computation could start (perf_counter; a step
+        launched behind another starts when that one ends), for model_time; default: launch."""
+        out = self.samples.read() if self.samples is not None else {}
+        groups = self.groups
+        traces = (self.runner._traces(groups, self.logits_rows, self.sampled, out)
+                  if any(g.trace for g in groups) else {})
+        start = self.launched if since is None else max(since, self.launched)
+        return StepOutput(sampled=out, model_time=time.perf_counter() - start, traces=traces,
+                          expert_rows=self.step.expert_rows(), taken=self.step.tally.taken())
+
+
+@dataclass
+class FinishedStep:
+    """A step computed at launch, as a PendingStep reads (a runner that cannot queue steps)."""
+
+    output: StepOutput
+
+    def result(self, since: float | None = None) -> StepOutput:
+        return self.output
+
+
 def pool_for(family: Family, num_blocks: int, block_size: int,
              dtype: mx.Dtype | None = None) -> KVPool:
     """The paged pool a family's layers need: one pool layer per layer that writes keys and
@@ -91,6 +125,8 @@ def state_pool_for(family: Family, cfg: EngineConfig) -> tuple[StateSlots, State
 class ModelRunner(NativeOps):
     """A model over its paged pool: runs groups of rows (RowGroup) and returns what they emit;
     the native ops it computes with are its base (engine/native_ops.py)."""
+
+    queues_steps = True  # launch() queues a step behind one still computing (engine/lookahead.py)
 
     def __init__(self, model, pool: KVPool, attention: str = NativeSetting.AUTO,
                  row_kernels: str = NativeSetting.AUTO, family: Family | None = None, *,
@@ -183,15 +219,19 @@ class ModelRunner(NativeOps):
     def run(self, groups: list[RowGroup], path: str = KernelPath.GEMM) -> StepOutput:
         """One forward over the groups' rows, every linear layer along `path` (or the native
         kernels where they take it: StepOutput.taken says which)."""
+        return self.launch(groups, path).result()
+
+    def launch(self, groups: list[RowGroup], path: str = KernelPath.GEMM,
+               tokens: mx.array | None = None) -> PendingStep:
+        """`run`'s step with its graph built and queued for evaluation, not waited for.
+        tokens: the rows' input tokens as an array, which may still be computing (the samples
+        of a step launched before: engine/lookahead.py); None: the groups' token_ids."""
         t0 = time.perf_counter()
-        step = Step(self, groups, path)
+        step = Step(self, groups, path, tokens)
         logits_rows, sampled = self._forward(step, groups)
-        out = (sample(logits_rows, sampled, self.logsumexp, self._state_arrays())
-               if sampled else {})
-        traces = (self._traces(groups, logits_rows, sampled, out)
-                  if any(g.trace for g in groups) else {})
-        return StepOutput(sampled=out, model_time=time.perf_counter() - t0, traces=traces,
-                          expert_rows=step.expert_rows(), taken=step.tally.taken())
+        samples = (draw(logits_rows, sampled, self.logsumexp, self._state_arrays())
+                   if sampled else None)
+        return PendingStep(self, groups, step, logits_rows, sampled, samples, t0)
 
     def _state_arrays(self) -> list[mx.array]:
         """The pools a step writes, evaluated with it."""

@@ -49,6 +49,63 @@ def sample(logits: mx.array, groups: list[RowGroup],
     """logits: (sampled rows, vocab), each group's `sampled_rows` in order; logsumexp: (rows,
     vocab) -> (rows, 1); evaluate: arrays to evaluate with the samples (the pool's writes).
     Returns seq_id -> what the group emits."""
+    return draw(logits, groups, logsumexp, evaluate).read()
+
+
+@dataclass
+class Draw:
+    """A step's samples as arrays queued for evaluation (mx.async_eval): `token_ids` can feed
+    the next step's graph before they are computed (engine/lookahead.py); read() waits."""
+
+    groups: list[RowGroup]
+    token_ids: mx.array  # (sampled rows,) each row's chosen token
+    token_lp: mx.array
+    draft_lp: mx.array
+    checks: mx.array | None  # sampling verify rows: (p(draft), u) per draft
+    top_ids: mx.array | None
+    top_lp: mx.array | None
+
+    def read(self) -> dict[str, Sampled]:
+        """seq_id -> what the group emits (waits for the evaluation)."""
+        groups = self.groups
+        ids_list = self.token_ids.tolist()
+        lp_list = self.token_lp.astype(mx.float32).tolist()
+        draft_lp_list = self.draft_lp.astype(mx.float32).tolist()
+        checks_list = (self.checks.astype(mx.float32).tolist() if self.checks is not None
+                       else [])
+        top_ids_l = self.top_ids.tolist() if self.top_ids is not None else None
+        top_lp_l = self.top_lp.astype(mx.float32).tolist() if self.top_lp is not None else None
+
+        def top(row: int, want: int) -> list[tuple[int, float]]:
+            if not want:
+                return []
+            pairs = sorted(zip(top_ids_l[row], top_lp_l[row], strict=True),
+                           key=lambda t: -t[1])
+            return pairs[:want]
+
+        out, at, check = {}, 0, 0
+        for g in groups:
+            want = g.params.logprobs if g.params else 0
+            drafts = g.drafts
+            if g.params is None or g.params.greedy:
+                accepted = accepted_prefix(drafts, ids_list[at:at + len(drafts)])
+            else:
+                accepted = next((j for j, (prob, u) in
+                                 enumerate(checks_list[check:check + len(drafts)])
+                                 if u >= prob), len(drafts))
+                check += len(drafts)
+            emitted = [Sample(drafts[j], draft_lp_list[at + j], top(at + j, want), drafted=True)
+                       for j in range(accepted)]
+            last = at + accepted
+            emitted.append(Sample(ids_list[last], lp_list[last], top(last, want)))
+            out[g.seq_id] = Sampled(emitted, accepted)
+            at += g.sampled_rows
+        return out
+
+
+def draw(logits: mx.array, groups: list[RowGroup],
+         logsumexp: Callable[[mx.array], mx.array], evaluate: list) -> Draw:
+    """`sample`'s graph, queued for evaluation with `evaluate`, not waited for."""
     logits = _processed(logits, groups)
     logprobs = logits - logsumexp(logits)
     greedy = mx.argmax(logprobs, axis=-1)
@@ -89,38 +146,8 @@ def sample(logits: mx.array, groups: list[RowGroup],
         top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
         top_lp = mx.take_along_axis(logprobs, top_ids, axis=-1)
         wanted += [top_ids, top_lp]
-    mx.eval(*wanted, *([checks] if checks is not None else []))
-    ids_list = token_ids.tolist()
-    lp_list = token_lp.astype(mx.float32).tolist()
-    draft_lp_list = draft_lp.astype(mx.float32).tolist()
-    checks_list = checks.astype(mx.float32).tolist() if checks is not None else []
-    top_ids_l = top_ids.tolist() if k else None
-    top_lp_l = top_lp.astype(mx.float32).tolist() if k else None
-
-    def top(row: int, want: int) -> list[tuple[int, float]]:
-        if not want:
-            return []
-        pairs = sorted(zip(top_ids_l[row], top_lp_l[row], strict=True), key=lambda t: -t[1])
-        return pairs[:want]
-
-    out, at, check = {}, 0, 0
-    for g in groups:
-        want = g.params.logprobs if g.params else 0
-        drafts = g.drafts
-        if g.params is None or g.params.greedy:
-            accepted = accepted_prefix(drafts, ids_list[at:at + len(drafts)])
-        else:
-            accepted = next((j for j, (prob, u) in
-                             enumerate(checks_list[check:check + len(drafts)])
-                             if u >= prob), len(drafts))
-            check += len(drafts)
-        emitted = [Sample(drafts[j], draft_lp_list[at + j], top(at + j, want), drafted=True)
-                   for j in range(accepted)]
-        last = at + accepted
-        emitted.append(Sample(ids_list[last], lp_list[last], top(last, want)))
-        out[g.seq_id] = Sampled(emitted, accepted)
-        at += g.sampled_rows
-    return out
+    mx.async_eval(*wanted, *([checks] if checks is not None else []))
+    return Draw(groups, token_ids, token_lp, draft_lp, checks, top_ids, top_lp)
 
 
 def _processed(logits: mx.array, groups: list[RowGroup]) -> mx.array:

@@ -44,14 +44,16 @@ class Step:
     """One step's rows in (1, rows, hidden) order and everything per step: positions, pool
     slots written, attention plans, expert choices."""
 
-    def __init__(self, runner: Runner, groups: list[RowGroup], path: str = KernelPath.GEMM):
+    def __init__(self, runner: Runner, groups: list[RowGroup], path: str = KernelPath.GEMM,
+                 tokens: mx.array | None = None):
+        """tokens: the rows' input tokens as an array (None: the groups' token_ids)."""
         self.runner = runner
         self.path = KernelPath(path)
         self.tile = runner.tile
         bs = runner.pool.block_size
-        tokens, positions, write, self.contexts = [], [], [], []
+        ids, positions, write, self.contexts = [], [], [], []
         for g in groups:
-            tokens.extend(g.token_ids)
+            ids.extend(g.token_ids)
             rows = range(g.start, g.start + g.num_rows)
             positions.extend(rows)
             table = g.block_table
@@ -59,8 +61,8 @@ class Step:
             # caches the previous step's weights have just flushed.
             write.extend([table[p // bs] * bs + p % bs for p in rows])
             self.contexts.append((g.num_rows, g.start + g.num_rows, table))
-        self.tokens = mx.array(tokens)
-        self.rows = len(tokens)
+        self.rows = len(ids)
+        self.tokens = mx.array(ids) if tokens is None else tokens
         self.tally = PathTally(self.path, self.rows, self.tile)
         self.pos = mx.array(positions, dtype=mx.int32)
         self.write = mx.array(write, dtype=mx.int32)  # pool slots (int32: the fused op's)

@@ -28,6 +28,9 @@ log = logging.getLogger("batchscope.engine")
 class ShardedRunner:
     """ModelRunner.run over the ranks; `times` holds the last step's StepTimes."""
 
+    # Every rank runs each plan when it is broadcast: a step is never queued behind another.
+    queues_steps = False
+
     def __init__(self, runner: ModelRunner, coordinator: Coordinator, ports: list[int]):
         self.runner, self.coordinator, self.ports = runner, coordinator, ports
         self.times: StepTimes | None = None
