@@ -134,6 +134,9 @@ class EngineConfig:
     state_slots: int | None = None
     state_checkpoint_interval: int = 256
     state_checkpoint_mib: int = 256
+    # Async scheduling (engine/lookahead.py): a step of plain decode rows has the next one
+    # built and queued while it computes, fed its sampled tokens as they are computed.
+    async_scheduling: bool = True
     # Ranks on this machine that each hold a shard of the model (engine/distributed/): rank 0
     # runs the scheduler and sends each step's plan to the others. 1: this process alone.
     tensor_parallel_size: int = 1

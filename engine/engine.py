@@ -29,8 +29,9 @@ from engine.draft import draft_proposer
 from engine.errors import RequestError
 from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
 from engine.kernels import PathTally
+from engine.lookahead import Ahead, continues, next_groups, resume
 from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import StepOutput, state_pool_for
+from engine.model_runner import FinishedStep, StepOutput, state_pool_for
 from engine.models import family_for
 from engine.output import OutputText
 from engine.penalties import penalty_processors
@@ -120,6 +121,10 @@ class Engine:
         # Events produced inside a step wait here until its StepRecord is published, so a
         # consumer that sees a finish can already see the step that produced it.
         self._outbox: list[tuple[RequestHandle, object]] | None = None
+        # Async scheduling (engine/lookahead.py): the step launched behind the one computing,
+        # and when the last step's computation ended (perf_counter), where the next began.
+        self._ahead: Ahead | None = None
+        self._computed_at = 0.0
         # Test hook: called with the scheduled step before the forward (may raise).
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
 
@@ -285,11 +290,12 @@ class Engine:
         self._ready.set()
         try:
             while not self._stopped:
-                self._drain_inbox(block=not self.scheduler.has_work())
-                if not self._stopped and self.scheduler.has_work():
+                self._drain_inbox(block=not self._has_work())
+                if not self._stopped and self._has_work():
                     self._step()
         finally:
             self._stopped = True
+            self._drop_ahead()
             for req in list(self._requests.values()):
                 if self._lost:  # a lost rank: the requests' error, as a failed step's
                     self._emit(req, ErrorEvent(req.seq.seq_id, self._lost))
@@ -300,6 +306,11 @@ class Engine:
             # MLX wants each thread to destroy its own streams before it ends; otherwise the
             # process aborts at exit ("terminate called without an active exception").
             mx.clear_streams()
+
+    def _has_work(self) -> bool:
+        """Requests to schedule, or a step launched ahead to book (its rows may all be of
+        requests that ended meanwhile: it is still a step that ran)."""
+        return self.scheduler.has_work() or self._ahead is not None
 
     def _setup(self) -> None:
         self.loaded = self._loader()
@@ -387,19 +398,36 @@ class Engine:
             req.handle.push(event)
 
     def _run_step(self, started_at: float, t0: float) -> None:
-        """schedule -> run -> update (the scheduler books the KV kept) -> publish."""
-        drafts, speculation = self._proposals()
-        plan = self.scheduler.schedule(drafts)
+        """schedule (or take the step launched ahead) -> launch -> launch the next one ahead
+        where it is known -> wait -> update (the scheduler books the KV kept) -> publish."""
+        ahead, self._ahead = self._ahead, None
+        discarded = 0
         self.step_count += 1
-        for g in plan.groups:
-            g.trace = self._traced(g.seq_id)
-        path = self._path_for(plan.num_rows)
+        if ahead is not None:  # launched during the last step, behind it
+            groups, discarded = resume(ahead, set(self._requests))
+            plan, path, speculation = SchedulerOutput(groups), ahead.path, ""
+            pending, error, self._propose_time = ahead.pending, ahead.error, 0.0
+        else:
+            drafts, speculation = self._proposals()
+            plan = self.scheduler.schedule(drafts)
+            for g in plan.groups:
+                g.trace = self._traced(g.seq_id)
+            path = self._path_for(plan.num_rows)
+            pending, error = self._launch(plan, path, self.step_count)
         t1 = time.perf_counter()
-        output, error = self._run_model(plan, path)
-        t2 = time.perf_counter()
+        if pending is not None:
+            self._ahead = self._look_ahead(plan, pending)
+        if pending is None:
+            output = None if error is not None else StepOutput({}, 0.0)
+        else:
+            output, error = self._wait(pending, self._computed_at if ahead else None)
+        t2 = self._computed_at = time.perf_counter()
+        if error is not None:
+            self._drop_ahead()  # it was built on this step's tokens
         # What the calls took ("native" where every one ran on a native kernel); else planned.
+        rows = plan.num_rows + discarded
         taken = output.taken if output is not None and output.taken else PathTally(
-            path, plan.num_rows, self.config.invariant_tile).taken()
+            path, rows, self.config.invariant_tile).taken()
         model_time = output.model_time if output is not None else t2 - t1
         bm = self.block_manager
         # KV usage as the step ran, before finished requests give their blocks back.
@@ -413,9 +441,10 @@ class Engine:
             entries, expert_rows = self._fail(plan, error, started_at), {}
         record = StepRecord(
             step=self.step_count, started_at=started_at, wall_time=0.0, model_time=model_time,
-            scheduler_time=0.0, entries=entries, total_rows=plan.num_rows,
+            scheduler_time=0.0, entries=entries, total_rows=rows,
             prefill_rows=sum(g.num_rows for g in plan.groups if g.phase == Phase.PREFILL),
-            decode_rows=sum(g.num_rows for g in plan.groups if g.phase == Phase.DECODE),
+            decode_rows=discarded + sum(g.num_rows for g in plan.groups
+                                        if g.phase == Phase.DECODE),
             verify_rows=sum(g.num_rows for g in plan.groups if g.phase == Phase.VERIFY),
             draft_tokens=sum(len(g.drafts) for g in plan.groups),
             accepted_tokens=sum(e.accepted for e in entries), speculation=speculation,
@@ -428,28 +457,77 @@ class Engine:
             expert_rows=expert_rows, **self.runner.window_savings(plan.groups),
             **states,
             prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits, error=error,
-            ranks=rank_times(self.runner))
+            ranks=rank_times(self.runner), overlapped=ahead is not None,
+            discarded_rows=discarded)
         t3 = time.perf_counter()
         record.wall_time = t3 - t0
         record.scheduler_time = (t1 - t0 - self._propose_time) + (t3 - t2)
         self.steps.append(record)
 
-    def _run_model(self, plan: SchedulerOutput,
-                   path: KernelPath) -> tuple[StepOutput | None, str | None]:
-        """The forward and sampling of the plan's groups: (output, None), or (None, the error
-        in words) when the step failed."""
+    def _launch(self, plan: SchedulerOutput, path: KernelPath, step: int,
+                tokens: mx.array | None = None) -> tuple[object | None, str | None]:
+        """The plan's forward and sampling, queued (the runner's PendingStep): (pending, None),
+        or (None, the error in words) when it failed; (None, None) for an empty plan. step:
+        the number its record will have."""
         if not plan.groups:
-            return StepOutput({}, 0.0), None
+            return None, None
+        plan.step = step
         try:
             if self.before_forward is not None:
                 self.before_forward(plan)
-            return self.runner.run(plan.groups, path), None
+            if self.runner.queues_steps:
+                return self.runner.launch(plan.groups, path, tokens), None
+            return FinishedStep(self.runner.run(plan.groups, path)), None
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-            log.error("step %d failed: %s\n%s", self.step_count, error, traceback.format_exc())
-            if isinstance(e, DistributedError):  # no step can run any more: stop
-                self._lost, self._stopped = error, True
-            return None, error
+            return None, self._step_error(e, step)
+
+    def _wait(self, pending, since: float | None) -> tuple[StepOutput | None, str | None]:
+        """A launched step's output, or (None, the error in words) when it failed."""
+        try:
+            return pending.result(since), None
+        except Exception as e:
+            return None, self._step_error(e, self.step_count)
+
+    def _step_error(self, e: Exception, step: int) -> str:
+        error = f"{type(e).__name__}: {e}"
+        log.error("step %d failed: %s\n%s", step, error, traceback.format_exc())
+        if isinstance(e, DistributedError):  # no step can run any more: stop
+            self._lost, self._stopped = error, True
+        return error
+
+    def _look_ahead(self, plan: SchedulerOutput, pending) -> Ahead | None:
+        """The step after this one launched now, behind it, where it is known before this
+        step's tokens are (engine/lookahead.py); None where it is not, or not wanted: another
+        request is waiting, arriving or held for one of these (submit_many's `after`): it
+        joins the step the scheduler plans instead."""
+        if (not self.config.async_scheduling or not self.runner.queues_steps
+                or self.speculation.enabled or self.state_slots is not None
+                or self.scheduler.waiting or not self._inbox.empty()
+                or any(g.seq_id in self._held for g in plan.groups)
+                or not continues(plan.groups)):
+            return None
+        found = next_groups(plan.groups, self.block_manager, self.max_model_len)
+        if found is None:
+            return None
+        groups, sources = found
+        at = {id(g): i for i, g in enumerate(pending.groups)}
+        rows = [at[id(plan.groups[i])] for i in sources]
+        tokens = pending.samples.token_ids
+        if rows != list(range(tokens.shape[0])):
+            tokens = tokens[mx.array(rows)]
+        path = self._path_for(len(groups))
+        launched, error = self._launch(SchedulerOutput(groups), path, self.step_count + 1,
+                                       tokens)
+        return Ahead(groups, path, launched, error)
+
+    def _drop_ahead(self) -> None:
+        """Wait out and forget a step launched ahead (its tokens are not wanted)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.pending is not None:
+            try:
+                ahead.pending.result()
+            except Exception:  # noqa: BLE001 - built on a failed step: its error is that one's
+                pass
 
     def _publish(self, updates: list[GroupUpdate], traces: dict, plan: SchedulerOutput,
                  path: KernelPath, started_at: float) -> list[StepEntry]:

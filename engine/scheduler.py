@@ -112,6 +112,7 @@ class GroupUpdate:
 class SchedulerOutput:
     groups: list[RowGroup] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    step: int = 0  # the number of the step that runs it (set by the engine at launch)
 
     @property
     def num_rows(self) -> int:

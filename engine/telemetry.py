@@ -40,7 +40,9 @@ class StepRecord:
     step: int
     started_at: float  # epoch seconds
     wall_time: float  # seconds, whole step
-    model_time: float  # forward + sampling, evaluated
+    # Forward + sampling, evaluated. An overlapped step's began when the step before it had
+    # computed, during that step's bookkeeping: it can exceed wall_time (steps tile time).
+    model_time: float
     scheduler_time: float  # scheduling + bookkeeping + events (all else but propose_time)
     entries: list[StepEntry]
     total_rows: int
@@ -96,6 +98,11 @@ class StepRecord:
     # Tensor parallelism: every rank's times for the step, rank 0 first; empty for one rank
     # and for a step that did not complete on every rank.
     ranks: list[RankTimes] = field(default_factory=list)
+    # Async scheduling (engine/lookahead.py): the step was built and queued while the one
+    # before it computed; rows it computed for requests that ended on the step before (their
+    # tokens are discarded; counted in total_rows and decode_rows, in no entry).
+    overlapped: bool = False
+    discarded_rows: int = 0
     error: str | None = None
 
     def to_dict(self) -> dict:

@@ -80,6 +80,10 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
 RENAMED = {"decode_matmul": "row_kernels"}
 SWITCHES = {  # boolean fields: the flag flips the default
     "enable_prefix_caching": ("--no-prefix-caching", "turn prefix caching off"),
+    "async_scheduling": ("--no-async-scheduling", "build each decode step only after the one "
+                         "before it has computed (default: a step of plain decode rows has the "
+                         "next built and queued while it computes; same tokens, see "
+                         "docs/engine.md)"),
     "batch_invariant": ("--batch-invariant", "a request's output does not depend on what shares "
                         "its batch: linear layers take the native kernels (each row alone) at "
                         "every step size, and the rest gets calls of exactly --invariant-tile rows "

@@ -200,6 +200,10 @@ class Step(Base):
     # Tensor parallelism: per rank {"rank", "wall_s", "model_s", "broadcast_s"}
     # (StepRecord.ranks); NULL for one rank.
     ranks_json: Mapped[list | None] = mapped_column(NullableJSON)
+    # Async scheduling: built and queued while the step before computed, and the rows it
+    # computed for requests that had ended (StepRecord.overlapped, discarded_rows).
+    overlapped: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    discarded_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (Index("ix_steps_started_at", "started_at"),)
 

@@ -148,11 +148,15 @@ def test_step_records_describe_the_batch(make_engine):
     assert all(r.total_rows == r.prefill_rows + r.decode_rows for r in records)
     shared = [r for r in records if len(r.entries) == 2]
     assert shared, "the two requests never shared a step"
+    # A step that launched the next one ahead holds the block each of its rows writes there.
+    ahead = {r.step - 1: {e.request_id for e in r.entries} for r in records if r.overlapped}
+    assert ahead, "no step was launched ahead of the next"
     for r in shared:
         assert r.kv_blocks_used == sum(e.blocks_held for e in r.entries)
         assert r.kv_blocks_used + r.kv_blocks_free + r.kv_blocks_cached == r.kv_blocks_total
         for e in r.entries:
-            assert e.blocks_held == -(-e.context_len // 4)
+            context = e.context_len + (e.request_id in ahead.get(r.step, ()))
+            assert e.blocks_held == -(-context // 4)
             if e.phase == "decode":
                 assert e.rows == 1
     # Each request's prefill rows add up to its prompt, then it decodes one row per step.
@@ -166,8 +170,11 @@ def test_step_records_describe_the_batch(make_engine):
     # The tiny 4-bit model's every layer and head take the native kernel where it is built.
     native = "native" if engine.runner.native_quantized_applies else "gemm"
     assert last.decode_rows == len(last.entries) and last.kernel_path == native
-    assert last.wall_time >= last.model_time > 0
     assert [r.step for r in records] == list(range(1, len(records) + 1))
+    for before, r in zip(records, records[1:], strict=False):
+        assert r.model_time > 0
+        # An overlapped step began computing while the one before was still booking.
+        assert r.model_time <= r.wall_time + (before.wall_time if r.overlapped else 0)
 
 
 def test_subscribers_follow_steps_live(make_engine):

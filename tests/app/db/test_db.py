@@ -589,6 +589,7 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
     full.verify_rows, full.draft_tokens, full.accepted_tokens = 3, 2, 1
     full.speculation, full.propose_time, full.prefix_cache_queries = "on", 0.5, 9
     full.constrained_rows, full.mask_ms = 3, 0.25
+    full.overlapped, full.discarded_rows = True, 2
     full.ranks = [RankTimes(0, 0.04, 0.035, 0.001), RankTimes(1, 0.041, 0.036, 0.002)]
     for name, value in STATE_POOL.items():
         setattr(full, name, value)
@@ -596,7 +597,7 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
     for newer in ("verify_rows", "draft_tokens", "accepted_tokens", "speculation", "kernel_path",
                   "linear_calls_per_layer", "prefix_cache_queries", "prefix_cache_hits",
                   "expert_rows", "preempted", "error", *STATE_POOL, "constrained_rows",
-                  "mask_ms", "ranks"):
+                  "mask_ms", "ranks", "overlapped", "discarded_rows"):
         del old[newer]
     for entry in old["entries"]:
         del entry["drafted"], entry["accepted"], entry["emitted"]
@@ -619,6 +620,7 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
                                 "broadcast_s": 0.001},
                                {"rank": 1, "wall_s": 0.041, "model_s": 0.036,
                                 "broadcast_s": 0.002}],
+                     "overlapped": True, "discarded_rows": 2,
                      "entry": {"run_id": "A", "phase": "verify", "rows": 3, "context_len": 11,
                                "blocks_held": 1, "sampled": True, "drafted": 2, "accepted": 1}}
     assert second == {**common, "step": 2, "started_at": 1000.1, "decode_rows": 1,
@@ -628,6 +630,7 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
                       "state_slots_total": 0, "state_slots_used": 0, "state_checkpoints": 0,
                       "state_checkpoint_capacity": 0, "state_slot_bytes": 0,
                       "constrained_rows": 0, "mask_ms": 0.0, "ranks": None,
+                      "overlapped": False, "discarded_rows": 0,
                       "entry": {"run_id": "A", "phase": "decode", "rows": 1, "context_len": 12,
                                 "blocks_held": 1, "sampled": True, "drafted": 0, "accepted": 0}}
     with db.read() as conn:

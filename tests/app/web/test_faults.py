@@ -74,16 +74,23 @@ class Fault:
             engine.before_forward = self.check
         else:  # after the model wrote this step's keys and values into the KV pool
             runner = engine.runner
-            real_run = runner.run
+            real_launch = runner.launch
 
-            def run_then_fail(*args, **kwargs):
-                result = real_run(*args, **kwargs)
-                self.check(None)
-                return result
+            def launch_then_fail(*args, **kwargs):
+                pending = real_launch(*args, **kwargs)
+                real_result = pending.result
 
-            runner.run = run_then_fail
+                def result(since=None):
+                    out = real_result(since)
+                    self.check(None)
+                    return out
 
-    def check(self, _plan) -> None:
+                pending.result = result
+                return pending
+
+            runner.launch = launch_then_fail
+
+    def check(self, plan) -> None:
         if not self.armed or self.fired_step is not None:
             return
         scheduler = self.engine.scheduler
@@ -93,7 +100,9 @@ class Fault:
         if ready:
             self.decoding.set()
         if ready and scheduler.waiting:
-            self.fired_step = self.engine.step_count
+            # The plan's own number: a step launched ahead (engine/lookahead.py) is launched
+            # while the one before it still runs.
+            self.fired_step = plan.step if plan is not None else self.engine.step_count
             self.victims = {s.seq_id for s in running}
             raise RuntimeError(FAULT)
         time.sleep(0.01)  # slow the steps down so the test's fifth request arrives in time
