@@ -62,12 +62,16 @@
         "rows held to a grammar (structured outputs, forced tool calls); their matchers " +
         `took ${b.mask_ms.toFixed(2)} ms to compute the masks`},
         `${b.constrained_rows} constrained, mask ${b.mask_ms.toFixed(2)} ms`)] : [];
+      const overlap = b.overlapped ? [" · ", el("span", {class: "overlapped", title:
+        "async scheduling: built and queued while the step before computed; discarded rows " +
+        "were computed for requests that ended on that step"}, "overlapped"),
+        ...(b.discarded_rows ? [`, ${b.discarded_rows} discarded`] : [])] : [];
       caption.replaceChildren(
         "step ", el("b", {}, b.step),
         ` · ${b.total_rows} rows (${b.prefill_rows} prefill, ${b.decode_rows} decode, ` +
         `${b.verify_rows} verify) · `,
         el("span", {class: `path path-${b.kernel_path}`}, b.kernel_path),
-        ` · ${(b.wall_time * 1000).toFixed(1)} ms`, ...spec, ...mask);
+        ` · ${(b.wall_time * 1000).toFixed(1)} ms`, ...spec, ...mask, ...overlap);
     } else {
       caption.replaceChildren("no step yet");
     }

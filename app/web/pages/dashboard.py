@@ -174,6 +174,7 @@ def dashboard_state(engine: Any) -> dict[str, Any]:
                  "accepted_tokens": record.accepted_tokens,
                  "speculation": record.speculation, "error": record.error,
                  "constrained_rows": record.constrained_rows, "mask_ms": record.mask_ms,
+                 "overlapped": record.overlapped, "discarded_rows": record.discarded_rows,
                  "entries": [{**_request(e.request_id), "phase": e.phase, "rows": e.rows,
                               "context_len": e.context_len, "blocks_held": e.blocks_held,
                               "sampled": e.sampled, "drafted": e.drafted,

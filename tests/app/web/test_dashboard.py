@@ -367,6 +367,20 @@ def test_constrained_steps_are_marked_with_their_rows_and_mask_time(live, ran):
         [r.constrained_rows for r in records]
 
 
+def test_overlapped_steps_are_marked_in_the_caption_and_the_json(live):
+    """Async scheduling: the requests decode plain rows, so their last step was launched while
+    the one before it computed; the caption and /dashboard.json say so."""
+    complete(live, PROMPTS[:3], 12)
+    last = live.engine.steps.recent(1)[0]
+    assert last.overlapped and last.discarded_rows == 0
+    batch = live.http.get("/dashboard.json").json()["state"]["batch"]
+    assert (batch["overlapped"], batch["discarded_rows"]) == (True, 0)
+    soup = BeautifulSoup(live.http.get("/dashboard").text, "html.parser")
+    caption = " ".join(soup.select_one("#batch-caption").get_text(" ").split())
+    assert caption.endswith(" · overlapped")
+    assert soup.select_one("#batch-caption .overlapped")["title"].startswith("async scheduling")
+
+
 # ---- the bridge, without a server ------------------------------------------------------------
 def record(step: int, start: float, wall: float = 0.01, decode: int = 1) -> StepRecord:
     return StepRecord(step=step, started_at=start, wall_time=wall, model_time=wall / 2,
