@@ -9,8 +9,12 @@ step calls them: q/k/v and gate/up stacked), the head, attention with its KV wri
 norms and RoPE. Scheduling (the engine's own bookkeeping per step, outside the model) comes
 from the step records of an engine run. Medians of --rounds.
 
-The last line is the share of a step spent in Python outside evaluation: building the graph
-plus the engine's scheduling, over the step plus scheduling.
+"Python share" is the share of a step spent in Python outside evaluation: building the graph
+plus the engine's scheduling, over the step plus scheduling, where each step is built after the
+one before has computed. Then the engine's own decode steps (prompts of CONTEXT tokens, 33 new
+tokens each), built one after another (--no-async-scheduling) and with async scheduling (the
+next step built and queued while one computes, engine/lookahead.py); with it, the Python share
+is what a step takes beyond evaluating its graph alone.
 
     .venv/bin/python benchmarks/step_profile.py [--weights q4] [--rows 1 4 8 16]
         [--activations float32|int8]
@@ -43,6 +47,7 @@ from engine.scheduler import RowGroup
 from engine.step import Step
 
 CONTEXT = 100
+TOKENS = 33  # decode steps per request in the engine's runs
 
 
 def median_ms(fn, rounds: int) -> float:
@@ -70,26 +75,27 @@ def decode_groups(rows: int) -> tuple[list[RowGroup], list[RowGroup]]:
 def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, float]:
     prefill, decode = decode_groups(rows)
     runner.run(prefill)
-    in_eval = [0.0]
-    real_eval = mx.eval
+    # The step's graph is queued with mx.async_eval (engine/sampler.py) and waited for when
+    # its samples are read: graph building is the time before that call, evaluation after.
+    queued = [0.0]
+    real_async_eval = mx.async_eval
 
-    def timed_eval(*args):
-        t0 = time.perf_counter()
-        real_eval(*args)
-        in_eval[0] += time.perf_counter() - t0
+    def timed_async_eval(*args):
+        queued[0] = time.perf_counter()
+        real_async_eval(*args)
 
     steps, evals = [], []
-    mx.eval = timed_eval
+    mx.async_eval = timed_async_eval
     try:
         runner.run(decode)
         for _ in range(rounds):
-            in_eval[0] = 0.0
             t0 = time.perf_counter()
             runner.run(decode)
-            steps.append(time.perf_counter() - t0)
-            evals.append(in_eval[0])
+            t1 = time.perf_counter()
+            steps.append(t1 - t0)
+            evals.append(t1 - queued[0])
     finally:
-        mx.eval = real_eval
+        mx.async_eval = real_async_eval
     step, evaluated = statistics.median(steps) * 1e3, statistics.median(evals) * 1e3
     # The same step with every layer op by op (no fused decoder layer), for comparison.
     fused, runner.layer_kernel = runner.layer_kernel, None
@@ -160,21 +166,30 @@ def weight_bytes(model) -> int:
                for k in ("weight", "scales", "biases") if getattr(m, k, None) is not None)
 
 
-def scheduling(weights: str, rows: list[int], activations: str) -> dict[int, float]:
-    """Per step, the engine's time outside the model (scheduler, bookkeeping, records), ms."""
+def engine_steps(weights: str, rows: list[int], activations: str) -> dict[bool, dict]:
+    """The engine's own decode steps, steps built one after another (async_scheduling off)
+    and with async scheduling: per row count, the median step (wall_time: consecutive steps'
+    tile the timeline) and the engine's time outside the model (scheduler_time), ms, over
+    requests whose prompts are decode_groups' (context CONTEXT to CONTEXT + TOKENS)."""
     out = {}
-    config = eb.engine_config(weights, rows)
-    config.activations = activations
-    eng = Engine(config).start()
-    try:
-        for n in rows:
-            prompts = eb.make_prompts(eng.loaded.tokenizer, n)
-            first = eng.step_count + 1
-            eb.run_engine(eng, prompts, 17)
-            recs = [r for r in eng.steps.recent() if r.step >= first and not r.prefill_rows]
-            out[n] = statistics.median(r.scheduler_time for r in recs) * 1e3
-    finally:
-        eng.stop()
+    for overlap in (False, True):
+        config = eb.engine_config(weights, rows)
+        config.activations, config.async_scheduling = activations, overlap
+        eng = Engine(config).start()
+        try:
+            out[overlap] = {}
+            for n in rows:
+                prompts = [g.token_ids for g in decode_groups(n)[0]]
+                first = eng.step_count + 1
+                eb.run_engine(eng, prompts, TOKENS)
+                recs = [r for r in eng.steps.recent() if r.step >= first and not r.prefill_rows]
+                recs = recs[2:]  # the first decode steps follow the prefill's own
+                out[overlap][n] = {
+                    "step": statistics.median(r.wall_time for r in recs) * 1e3,
+                    "scheduling": statistics.median(r.scheduler_time for r in recs) * 1e3,
+                    "overlapped": sum(r.overlapped for r in recs) / len(recs)}
+        finally:
+            eng.stop()
     return out
 
 
@@ -194,7 +209,8 @@ def main() -> int:
     for n in args.rows:
         print(f"# {n} rows...", file=sys.stderr, flush=True)
         table[n] = profile(runner, family, n, args.rounds)
-    sched = scheduling(args.weights, args.rows, args.activations)
+    engine = engine_steps(args.weights, args.rows, args.activations)
+    sched = {n: engine[False][n]["scheduling"] for n in args.rows}
     names = list(next(iter(table.values())))
     lines = [f"A decode step of {loaded.name} ({args.weights}), context {CONTEXT}, backend "
              f"{backend_info()['backend']}, native quantized path "
@@ -203,15 +219,28 @@ def main() -> int:
              f"of {args.rounds}. The parts are timed alone (see the script's docstring).", "",
              "| ms | " + " | ".join(f"{n} rows" for n in args.rows) + " |",
              "|---|" + "---|" * len(args.rows)]
-    for name in names:
-        lines.append(f"| {name} | " + " | ".join(f"{table[n][name]:.1f}" for n in args.rows)
+
+    def row(name: str, values: dict[int, float], form: str = "{:.1f}") -> None:
+        lines.append(f"| {name} | " + " | ".join(form.format(values[n]) for n in args.rows)
                      + " |")
-    lines.append("| scheduling (engine, outside the model) | "
-                 + " | ".join(f"{sched[n]:.1f}" for n in args.rows) + " |")
-    python = {n: (table[n]["graph building"] + sched[n]) / (table[n]["step"] + sched[n])
-              for n in args.rows}
-    lines.append("| Python share (graph building + scheduling) | "
-                 + " | ".join(f"{python[n]:.0%}" for n in args.rows) + " |")
+
+    for name in names:
+        row(name, {n: table[n][name] for n in args.rows})
+    row("scheduling (engine, outside the model)", sched)
+    row("Python share (graph building + scheduling)",
+        {n: (table[n]["graph building"] + sched[n]) / (table[n]["step"] + sched[n])
+         for n in args.rows}, "{:.0%}")
+    row("engine step, built after the one before", {n: engine[False][n]["step"]
+                                                    for n in args.rows})
+    row("engine step, async scheduling", {n: engine[True][n]["step"] for n in args.rows})
+    row("steps overlapped, async scheduling", {n: engine[True][n]["overlapped"]
+                                               for n in args.rows}, "{:.0%}")
+    # What a step costs beyond evaluating its graph: Python and scheduling not hidden.
+    row("Python share, async scheduling (engine step beyond evaluation)",
+        {n: max(0.0, engine[True][n]["step"] - table[n]["evaluation"]) / engine[True][n]["step"]
+         for n in args.rows}, "{:.0%}")
+    row("async scheduling / built after (step time)",
+        {n: engine[False][n]["step"] / engine[True][n]["step"] for n in args.rows}, "{:.2f}x")
     if 1 in table:
         mb = weight_bytes(loaded.model) / 1e6
         lin = table[1]["linear layers, alone op by op"] + table[1]["head, alone op by op"]
