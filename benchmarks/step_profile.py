@@ -209,8 +209,8 @@ def main() -> int:
     for n in args.rows:
         print(f"# {n} rows...", file=sys.stderr, flush=True)
         table[n] = profile(runner, family, n, args.rounds)
-    engine = engine_steps(args.weights, args.rows, args.activations)
-    sched = {n: engine[False][n]["scheduling"] for n in args.rows}
+    steps = engine_steps(args.weights, args.rows, args.activations)
+    sched = {n: steps[False][n]["scheduling"] for n in args.rows}
     names = list(next(iter(table.values())))
     lines = [f"A decode step of {loaded.name} ({args.weights}), context {CONTEXT}, backend "
              f"{backend_info()['backend']}, native quantized path "
@@ -230,17 +230,17 @@ def main() -> int:
     row("Python share (graph building + scheduling)",
         {n: (table[n]["graph building"] + sched[n]) / (table[n]["step"] + sched[n])
          for n in args.rows}, "{:.0%}")
-    row("engine step, built after the one before", {n: engine[False][n]["step"]
+    row("engine step, built after the one before", {n: steps[False][n]["step"]
                                                     for n in args.rows})
-    row("engine step, async scheduling", {n: engine[True][n]["step"] for n in args.rows})
-    row("steps overlapped, async scheduling", {n: engine[True][n]["overlapped"]
+    row("engine step, async scheduling", {n: steps[True][n]["step"] for n in args.rows})
+    row("steps overlapped, async scheduling", {n: steps[True][n]["overlapped"]
                                                for n in args.rows}, "{:.0%}")
     # What a step costs beyond evaluating its graph: Python and scheduling not hidden.
     row("Python share, async scheduling (engine step beyond evaluation)",
-        {n: max(0.0, engine[True][n]["step"] - table[n]["evaluation"]) / engine[True][n]["step"]
+        {n: max(0.0, steps[True][n]["step"] - table[n]["evaluation"]) / steps[True][n]["step"]
          for n in args.rows}, "{:.0%}")
     row("async scheduling / built after (step time)",
-        {n: engine[False][n]["step"] / engine[True][n]["step"] for n in args.rows}, "{:.2f}x")
+        {n: steps[False][n]["step"] / steps[True][n]["step"] for n in args.rows}, "{:.2f}x")
     if 1 in table:
         mb = weight_bytes(loaded.model) / 1e6
         lin = table[1]["linear layers, alone op by op"] + table[1]["head, alone op by op"]
