@@ -413,8 +413,9 @@ class Engine:
             for g in plan.groups:
                 g.trace = self._traced(g.seq_id)
             path = self._path_for(plan.num_rows)
+        t1 = time.perf_counter()  # scheduled: the rest until booking is the model's
+        if ahead is None:
             pending, error = self._launch(plan, path, self.step_count)
-        t1 = time.perf_counter()
         if pending is not None:
             self._ahead = self._look_ahead(plan, pending)
         if pending is None:
