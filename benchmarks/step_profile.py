@@ -11,10 +11,11 @@ from the step records of an engine run. Medians of --rounds.
 
 "Python share" is the share of a step spent in Python outside evaluation: building the graph
 plus the engine's scheduling, over the step plus scheduling, where each step is built after the
-one before has computed. Then the engine's own decode steps (prompts of CONTEXT tokens, 33 new
-tokens each), built one after another (--no-async-scheduling) and with async scheduling (the
-next step built and queued while one computes, engine/lookahead.py); with it, the Python share
-is what a step takes beyond evaluating its graph alone.
+one before has computed. Then the engine's own decode steps (33 new tokens a request), built
+one after another (--no-async-scheduling) and with async scheduling (the next step built and
+queued while one computes, engine/lookahead.py), at a median context of CONTEXT, in
+alternating runs; with async scheduling, the Python share is what a step takes beyond
+evaluating its graph alone.
 
     .venv/bin/python benchmarks/step_profile.py [--weights q4] [--rows 1 4 8 16]
         [--activations float32|int8]
@@ -166,31 +167,38 @@ def weight_bytes(model) -> int:
                for k in ("weight", "scales", "biases") if getattr(m, k, None) is not None)
 
 
-def engine_steps(weights: str, rows: list[int], activations: str) -> dict[bool, dict]:
+def engine_steps(weights: str, rows: list[int], activations: str,
+                 rounds: int = 5) -> dict[bool, dict]:
     """The engine's own decode steps, steps built one after another (async_scheduling off)
-    and with async scheduling: per row count, the median step (wall_time: consecutive steps'
-    tile the timeline) and the engine's time outside the model (scheduler_time), ms, over
-    requests whose prompts are decode_groups' (context CONTEXT to CONTEXT + TOKENS)."""
-    out = {}
+    and with async scheduling, in alternating runs of two engines (`rounds` each): per row
+    count, the median step (wall_time: consecutive steps' tile the timeline), the engine's time
+    outside the model (scheduler_time), ms, and the share of steps overlapped, over requests
+    whose prompts are decode_groups' (a median context of CONTEXT)."""
+    engines = {}
     for overlap in (False, True):
         config = eb.engine_config(weights, rows)
         config.activations, config.async_scheduling = activations, overlap
-        eng = Engine(config).start()
-        try:
-            out[overlap] = {}
+        engines[overlap] = Engine(config).start()
+    samples = {overlap: {n: [] for n in rows} for overlap in engines}
+    try:
+        for _ in range(rounds):
             for n in rows:
-                prompts = [g.token_ids for g in decode_groups(n)[0]]
-                first = eng.step_count + 1
-                eb.run_engine(eng, prompts, TOKENS)
-                recs = [r for r in eng.steps.recent() if r.step >= first and not r.prefill_rows]
-                recs = recs[2:]  # the first decode steps follow the prefill's own
-                out[overlap][n] = {
-                    "step": statistics.median(r.wall_time for r in recs) * 1e3,
-                    "scheduling": statistics.median(r.scheduler_time for r in recs) * 1e3,
-                    "overlapped": sum(r.overlapped for r in recs) / len(recs)}
-        finally:
+                # Prompts TOKENS / 2 short of CONTEXT: the decode steps' median context.
+                prompts = [g.token_ids[:CONTEXT - TOKENS // 2] for g in decode_groups(n)[0]]
+                for overlap, eng in engines.items():
+                    first = eng.step_count + 1
+                    eb.run_engine(eng, prompts, TOKENS)
+                    recs = [r for r in eng.steps.recent()
+                            if r.step >= first and not r.prefill_rows]
+                    samples[overlap][n] += recs[2:]  # the first follow the prefill's own
+    finally:
+        for eng in engines.values():
             eng.stop()
-    return out
+    return {overlap: {n: {"step": statistics.median(r.wall_time for r in recs) * 1e3,
+                          "scheduling": statistics.median(r.scheduler_time for r in recs) * 1e3,
+                          "overlapped": sum(r.overlapped for r in recs) / len(recs)}
+                      for n, recs in by_rows.items()}
+            for overlap, by_rows in samples.items()}
 
 
 def main() -> int:
