@@ -11,6 +11,7 @@ a hung collective cannot outlive the test, and every run gets fresh free ports.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -78,6 +79,20 @@ def greedy(engine) -> dict:
     alone = [engine.generate(p, params).token_ids for p in PROMPTS]
     handles = [engine.submit(p, params) for p in PROMPTS]
     return {"alone": alone, "together": [h.result().token_ids for h in handles]}
+
+
+def idle_cpu(pid: int, seconds: float = 1.5) -> float | None:
+    """The share of one core the process `pid` used over `seconds` of the engine being idle
+    (None where /proc does not say: not Linux)."""
+    def used() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    if not Path(f"/proc/{pid}/stat").exists():
+        return None
+    before = used()
+    time.sleep(seconds)
+    return (used() - before) / seconds
 
 
 def _kill(engine, ranks, out: dict) -> None:
@@ -158,6 +173,7 @@ def main(argv: list[str]) -> int:
         if mode == "greedy":
             out.update(greedy(engine))
             out["ranks"] = [[r.rank for r in s.ranks] for s in engine.steps.recent()]
+            out["idle_cpu"] = idle_cpu(ranks.processes[1].pid)
         else:
             _kill(engine, ranks, out)
     finally:

@@ -116,7 +116,19 @@ class RankProcesses:
 
     run_dir: Path
     processes: dict[int, subprocess.Popen] = field(default_factory=dict)
+    # rank -> the write end of its doorbell: a pipe the child blocks on before each plan
+    # broadcast (worker.py), since the ring's sockets busy-poll while a collective waits.
+    doorbells: dict[int, int] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory | None = None
+
+    def ring(self) -> None:
+        """Wake every child for the plan broadcast that follows (one byte each). A child that
+        is gone is left to the caller's watch on exits."""
+        for fd in self.doorbells.values():
+            try:
+                os.write(fd, b"\x01")
+            except OSError:  # BrokenPipeError: the child exited
+                pass
 
     def exited(self) -> dict[int, int]:
         """rank -> exit status (negative: the signal) of the children that have exited."""
@@ -157,6 +169,9 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for fd in self.doorbells.values():
+            os.close(fd)
+        self.doorbells.clear()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -171,8 +186,9 @@ def _status(code: int) -> str:
 
 def start_ranks(size: int, command: Sequence[str], timeout: float = DEFAULT_START_TIMEOUT,
                 env: dict[str, str] | None = None) -> tuple[mx.distributed.Group, RankProcesses]:
-    """Start ranks 1..size-1 as `command` + ["--rank", r, "--hostfile", h, "--run-dir", d]
-    (engine/distributed/worker.py's arguments) and join as rank 0. Within `timeout` seconds
+    """Start ranks 1..size-1 as `command` + ["--rank", r, "--hostfile", h, "--run-dir", d,
+    "--doorbell", fd] (engine/distributed/worker.py's arguments; fd: the read end of the
+    child's doorbell pipe, RankProcesses.ring) and join as rank 0. Within `timeout` seconds
     every child must start, else DistributedError naming those that did not (and every child
     is stopped); a child that exits first is named at once. Then the join (`_init`)."""
     if size < 2:
@@ -184,10 +200,14 @@ def start_ranks(size: int, command: Sequence[str], timeout: float = DEFAULT_STAR
     child_env = {**os.environ, **(env or {})}
     try:
         for r in range(1, size):
-            ranks.processes[r] = subprocess.Popen(
-                [*command, "--rank", str(r), "--hostfile", str(hostfile), "--run-dir",
-                 str(run_dir)], env=child_env,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            bell, ranks.doorbells[r] = os.pipe()
+            try:
+                ranks.processes[r] = subprocess.Popen(
+                    [*command, "--rank", str(r), "--hostfile", str(hostfile), "--run-dir",
+                     str(run_dir), "--doorbell", str(bell)], env=child_env, pass_fds=(bell,),
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            finally:
+                os.close(bell)  # the child's end
         t0 = time.monotonic()
         ranks.wait_started(timeout)
         _set_rank_env(0, hostfile)

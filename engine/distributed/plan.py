@@ -29,7 +29,7 @@ from engine.scheduler import Phase, RowGroup
 HEADER = 8  # words: MAGIC, kind, path, groups, payload length, 3 spare (zero)
 FRAME = 1024  # words in the first broadcast (4 KiB): header + the payload's head
 MAGIC = 0x7B5C0001  # the layout's version: a rank on another layout fails loudly
-STEP, STOP = 1, 2
+STEP, STOP, SLEEP = 1, 2, 3
 _PATHS = (KernelPath.GEMM, KernelPath.GEMV, KernelPath.TILED)
 _PHASES = tuple(Phase)
 _INT64 = 2**63
@@ -40,11 +40,12 @@ _SAMPLE, _TRACE, _PARAMS, _SLOT, _RESTORE, _SEED = (1 << i for i in range(6))
 
 @dataclass
 class Plan:
-    """A decoded plan: the groups and path of a step, or a stop (groups empty)."""
+    """A decoded plan: the groups and path of a step, or a stop or a sleep (groups empty)."""
 
     stop: bool
     groups: list[RowGroup]
     path: KernelPath = KernelPath.GEMM
+    sleep: bool = False  # no step: block on the doorbell until rank 0 rings it
 
 
 class PlanError(ValueError):
@@ -67,14 +68,19 @@ def encode_stop() -> np.ndarray:
     return _framed(STOP, 0, 0, [])
 
 
+def encode_sleep() -> np.ndarray:
+    """The plan after which every worker blocks on its doorbell until the next plan."""
+    return _framed(SLEEP, 0, 0, [])
+
+
 def decode(words: np.ndarray) -> Plan:
     """The plan encoded in `words` (header + payload), on any rank."""
     header = words[:HEADER]
     if int(header[0]) != MAGIC:
         raise PlanError(f"not a plan of this layout (first word {int(header[0]):#x})")
     kind, path, n_groups, length = (int(v) for v in header[1:5])
-    if kind == STOP:
-        return Plan(True, [])
+    if kind in (STOP, SLEEP):
+        return Plan(kind == STOP, [], sleep=kind == SLEEP)
     if kind != STEP or len(words) != HEADER + length:
         raise PlanError(f"a malformed plan (kind {kind}, {len(words)} words for {length})")
     reader = _Reader(words[HEADER:])

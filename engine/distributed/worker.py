@@ -7,12 +7,13 @@ collectives cost (StepTimes). A rank that is lost turns rank 0's next collective
 error, raised as DistributedError naming the ranks that exited.
 
 Run as `python -m engine.distributed.worker --model FOLDER ... --rank R --hostfile H`: one
-rank > 0 (start_ranks adds the last three arguments).
+rank > 0 (start_ranks adds those, the run folder and the doorbell).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import sys
 import threading
@@ -26,7 +27,7 @@ import numpy as np
 
 from engine.config import DEFAULT_TILE, KernelPath, NativeSetting
 from engine.distributed.launch import DEFAULT_START_TIMEOUT, DistributedError, RankProcesses, join
-from engine.distributed.plan import broadcast, decode, encode, encode_stop
+from engine.distributed.plan import broadcast, decode, encode, encode_sleep, encode_stop
 from engine.distributed.shard import shard_model
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, StepOutput, pool_for
@@ -34,6 +35,9 @@ from engine.models import family_for
 from engine.scheduler import RowGroup
 
 _TIMES = 3  # per rank: broadcast, wall after it, model time
+# Seconds without a step after which rank 0 puts the children to sleep on their doorbells:
+# longer than the gaps between a busy server's steps, so their latency stays the ring's.
+IDLE_S = 0.1
 
 
 @dataclass
@@ -87,8 +91,9 @@ class Coordinator:
         self.step_timeout = step_timeout
         # A daemon thread: one stuck in a collective must not keep the process from exiting.
         self._calls: queue.Queue = queue.Queue()
-        threading.Thread(target=self._serve, name="rank0-step", daemon=True).start()
         self._broken: str | None = None
+        self._asleep = False  # the children sleep on their doorbells (start_ranks' only)
+        threading.Thread(target=self._serve, name="rank0-step", daemon=True).start()
 
     def step(self, groups: list[RowGroup],
              path: str = KernelPath.GEMM) -> tuple[StepOutput, StepTimes]:
@@ -102,7 +107,12 @@ class Coordinator:
 
     def _serve(self) -> None:
         while True:
-            future, fn, args = self._calls.get()
+            try:
+                future, fn, args = self._calls.get(timeout=IDLE_S)
+            except queue.Empty:
+                if self.ranks is not None and not self._asleep:
+                    self._sleep()
+                continue
             if fn is None:
                 return
             try:
@@ -110,9 +120,24 @@ class Coordinator:
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 future.set_exception(e)
 
+    def _broadcast(self, plan) -> None:
+        if self._asleep:  # wake the children, blocked on their doorbells
+            self.ranks.ring()
+            self._asleep = False
+        broadcast(self.group, plan)
+
+    def _sleep(self) -> None:
+        """No step for IDLE_S: the children block on their doorbells, not in the next
+        broadcast, whose ring sockets busy-poll (a core per rank while the server idles)."""
+        try:
+            self._broadcast(encode_sleep())
+        except RuntimeError:  # a lost rank: the next step's wait names it
+            pass
+        self._asleep = True
+
     def _step(self, plan, groups, path) -> tuple[StepOutput, StepTimes]:
         t0 = time.perf_counter()
-        broadcast(self.group, plan)
+        self._broadcast(plan)
         t1 = time.perf_counter()
         out = self.runner.run(groups, path)
         t2 = time.perf_counter()
@@ -143,7 +168,7 @@ class Coordinator:
         """The stop plan to every rank, then their exit (rank -> status; {} under
         mlx.launch, which reaps its own). Children still running after that are killed."""
         if self._broken is None:
-            self._wait(self._submit(broadcast, self.group, encode_stop()))
+            self._wait(self._submit(self._broadcast, encode_stop()))
             self._calls.put((None, None, ()))
         return self.ranks.stop() if self.ranks is not None else {}
 
@@ -160,15 +185,23 @@ class Coordinator:
         return DistributedError(f"{self._broken}: the step could not complete")
 
 
-def worker_loop(group: mx.distributed.Group, runner: ModelRunner) -> int:
+def worker_loop(group: mx.distributed.Group, runner: ModelRunner,
+                doorbell: int | None = None) -> int:
     """A rank > 0: run every plan rank 0 broadcasts, until the stop plan; returns the steps
-    run."""
+    run. doorbell: a pipe rank 0 writes a byte to before the first broadcast after a sleep
+    plan (start_ranks): once the server idles the rank blocks on it, not in a broadcast whose
+    ring sockets busy-poll. Without one (mlx.launch) rank 0 sends no sleep plan, and an idle
+    rank waits in the broadcast."""
     steps = 0
     while True:
         t0 = time.perf_counter()
         plan = decode(broadcast(group))
         if plan.stop:
             return steps
+        if plan.sleep:
+            if doorbell is not None and not os.read(doorbell, 1):
+                raise DistributedError("rank 0 closed the doorbell without a stop plan")
+            continue
         t1 = time.perf_counter()
         out = runner.run(plan.groups, plan.path)
         _gather_times(group, [t1 - t0, time.perf_counter() - t1, out.model_time])
@@ -190,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--hostfile", required=True)
     p.add_argument("--run-dir")
+    p.add_argument("--doorbell", type=int, help="the read end of the doorbell pipe")
     a = p.parse_args(argv)
     try:
         group = join(a.rank, a.hostfile, a.run_dir, a.start_timeout)
@@ -197,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                                 a.block_size, a.kv_dtype, attention=a.attention,
                                 row_kernels=a.row_kernels, tile=a.tile,
                                 activations=a.activations)
-        worker_loop(group, runner)
+        worker_loop(group, runner, a.doorbell)
     except Exception as e:  # noqa: BLE001 - a rank's failure, reported and its exit status
         print(f"rank {a.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
