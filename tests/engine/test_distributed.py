@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 from distributed_ranks import BLOCK_SIZE, NUM_BLOCKS, generate
 
-from engine.distributed.plan import FRAME, HEADER, PlanError, decode, encode, encode_stop
+from engine.distributed.plan import (
+    FRAME,
+    HEADER,
+    PlanError,
+    decode,
+    encode,
+    encode_sleep,
+    encode_stop,
+)
 from engine.distributed.shard import check_shardable
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, pool_for
@@ -53,8 +61,9 @@ def test_plan_round_trip():
         plan = decode(encode(GROUPS, path))
         assert not plan.stop and plan.path == path
         assert [_fields(g) for g in plan.groups] == [_fields(g) for g in GROUPS]
-    assert decode(encode_stop()).stop
-    assert decode(encode([])).groups == []
+    stop, sleep = decode(encode_stop()), decode(encode_sleep())
+    assert (stop.stop, stop.sleep, sleep.stop, sleep.sleep) == (True, False, False, True)
+    assert decode(encode([])).groups == [] and not decode(encode([])).sleep
 
 
 def test_plan_longer_than_a_frame_and_refusals():
