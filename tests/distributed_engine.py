@@ -6,6 +6,7 @@ a hung collective cannot outlive the test, and every run gets fresh free ports.
     python tests/distributed_engine.py kill FOLDER OUT.json    # rank 1 killed mid-generation
     python tests/distributed_engine.py serve FOLDER OUT.json   # the app: dashboard, metrics, 503
     python tests/distributed_engine.py prefix FOLDER OUT.json  # or preemption, ngram: FEATURES
+    python tests/distributed_engine.py embedded 3 OUT.json     # the embedded model, f32, 3 ranks
 """
 
 from __future__ import annotations
@@ -153,14 +154,54 @@ def serve(folder: str, out: dict) -> None:
     out["exits"] = {str(r): p.poll() for r, p in ranks.processes.items()}
 
 
+def api_greedy(client, model: str, prompts: list[str], max_tokens: int = 32) -> dict:
+    """Through /v1/completions: each prompt alone, then 8 requests at once (the prompts in
+    turn); per request its token ids, their logprobs and the two best alternatives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete(prompt: str) -> list:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "logprobs": 2, "return_tokens_as_token_ids": True}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        lp = answer.json()["choices"][0]["logprobs"]
+        ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        tops = [{int(t.removeprefix("token_id:")): v for t, v in top.items()}
+                for top in lp["top_logprobs"]]
+        return [ids, lp["token_logprobs"], tops]
+
+    alone = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(complete, [prompts[i % len(prompts)] for i in range(8)]))
+    return {"alone": alone, "together": together}
+
+
+def embedded(size: int, out: dict) -> None:
+    """The embedded model at f32 over `size` ranks (9 heads, 3 kv heads: 3 ranks split them)
+    through the app: the reference prompts' greedy tokens alone and 8 at once."""
+    from starlette.testclient import TestClient
+
+    from app.settings import Settings
+    from app.web.app import create_app
+    from engine.testing import REFERENCE_PROMPTS
+
+    settings = Settings(engine=config("embedded", size, num_kv_blocks=256, max_num_seqs=8))
+    with TestClient(create_app(settings)) as client:
+        engine = client.app.state.engine
+        out.update(api_greedy(client, engine.loaded.name, REFERENCE_PROMPTS))
+        out["ranks"] = sorted({t.rank for s in engine.steps.recent() for t in s.ranks})
+
+
 def main(argv: list[str]) -> int:
     from engine.engine import Engine
 
     mode, folder, out_path = argv
-    if mode == "serve" or mode in FEATURES:
+    if mode in ("serve", "embedded") or mode in FEATURES:
         out: dict = {}
         if mode == "serve":
             serve(folder, out)
+        elif mode == "embedded":  # folder: the number of ranks
+            embedded(int(folder), out)
         else:
             out = feature(folder, 2, mode)
         Path(out_path).write_text(json.dumps(out))

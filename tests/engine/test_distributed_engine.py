@@ -86,6 +86,43 @@ def test_two_ranks_give_one_ranks_greedy_ids(tmp_path):
         assert got["idle_cpu"] < 0.2, got["idle_cpu"]
 
 
+def assert_same_greedy(got: list, want: list, bound: float = 1e-4) -> None:
+    """Token ids equal, logprobs within `bound`; where the ids part, only at a near-tie:
+    each side's token is the other's runner-up, their logprobs within 1e-3 of each other."""
+    got_ids, got_lp, got_top = got
+    want_ids, want_lp, want_top = want
+    fork = next((i for i, (a, b) in enumerate(zip(got_ids, want_ids, strict=True)) if a != b),
+                len(want_ids))
+    assert got_lp[:fork] == pytest.approx(want_lp[:fork], abs=bound)
+    if fork < len(want_ids):
+        a, b = got_ids[fork], want_ids[fork]
+        assert set(got_top[fork]) == set(want_top[fork]) == {a, b}, (fork, got_top, want_top)
+        assert abs(want_top[fork][a] - want_top[fork][b]) < 1e-3, (fork, want_top[fork])
+
+
+@pytest.mark.slow
+def test_the_embedded_model_over_three_ranks_through_the_api(tmp_path):
+    """The embedded model at f32 (9 heads and 3 kv heads: 3 ranks, one kv head each) gives one
+    process's greedy tokens on the reference prompts through /v1/completions, alone and 8 at
+    once."""
+    from distributed_engine import api_greedy
+    from starlette.testclient import TestClient
+
+    from app.settings import Settings
+    from app.web.app import create_app
+    from engine.testing import REFERENCE_PROMPTS
+
+    got = _run("embedded", Path("3"), tmp_path / "out.json", limit=540)
+    assert got["ranks"] == [0, 1, 2]
+    settings = Settings(engine=config("embedded", 1, num_kv_blocks=256, max_num_seqs=8))
+    with TestClient(create_app(settings)) as client:
+        want = api_greedy(client, client.app.state.engine.loaded.name, REFERENCE_PROMPTS)
+    for key in ("alone", "together"):
+        assert len(got[key]) == len(want[key])
+        for g, w in zip(got[key], want[key], strict=True):
+            assert_same_greedy(g, w)
+
+
 @pytest.mark.slow
 def test_prefix_cache_preemption_and_ngram_speculation_under_two_ranks(tmp_path):
     """What the scheduler decides on rank 0 alone (a prefix-cache hit, preemption, n-gram
