@@ -122,3 +122,25 @@ class _RenamedFlag(argparse.Action):
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the parsed engine flags describe."""
     return EngineConfig(**{name: getattr(args, name) for name in (*FLAGS, *SWITCHES)})
+
+
+def run_launched_rank(args: argparse.Namespace) -> int | None:
+    """Where a launcher started this process (mlx.launch runs the same command on every rank:
+    MLX_RANK and MLX_HOSTFILE set), a rank > 0 runs rank 0's plans here until it stops, and
+    its exit status is returned; None on rank 0 (it runs the command) or without a launcher.
+    Raises ValueError where the launcher's ranks are not asked for."""
+    from engine.distributed.launch import DistributedError, launched_rank
+    from engine.distributed.runner import serve_rank
+
+    try:
+        rank = launched_rank()
+    except DistributedError as e:  # a launch the engine cannot join: one clear line
+        raise ValueError(str(e)) from None
+    if rank is None:
+        return None
+    config = engine_config(args)
+    if config.tensor_parallel_size == 1:
+        raise ValueError("started by a launcher as rank "
+                         f"{rank} (MLX_RANK is set): pass --tensor-parallel-size, the number "
+                         "of ranks it started")
+    return serve_rank(config) if rank > 0 else None

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from app.cli.engine_flags import add_engine_args, engine_config
+from app.cli.engine_flags import add_engine_args, engine_config, run_launched_rank
 
 
 def add_generate_command(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +34,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.events import FinishEvent, TokenEvent
     from engine.sampling import SamplingParams
 
+    launched = run_launched_rank(args)  # mlx.launch: ranks > 0 serve rank 0's plans
+    if launched is not None:
+        return launched
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop or ()), logprobs=args.logprobs,

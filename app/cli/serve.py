@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from app.cli.engine_flags import add_engine_args, engine_config
+from app.cli.engine_flags import add_engine_args, engine_config, run_launched_rank
 from app.settings import ENV_API_KEY, ENV_HOST, ENV_PORT, Settings, resolve_db_path
 from app.web.api.tool_calls import PARSERS
 
@@ -82,6 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.web.app import create_app
     from app.web.security import exposure_warning
 
+    launched = run_launched_rank(args)  # mlx.launch: ranks > 0 serve rank 0's plans
+    if launched is not None:
+        return launched
     settings = settings_from_args(args)
     # Before loading the model: a database that cannot be used is one clear line, not a
     # traceback out of the app's lifespan after seconds of loading.

@@ -4,7 +4,7 @@
 `["127.0.0.1:port"]` entry per rank), starts ranks 1..N-1 as child processes with
 MLX_RANK/MLX_HOSTFILE set before they initialise MLX's distributed group, and joins as rank 0.
 `join` is a child's side, and `join_from_env` that of a process started by `mlx.launch`, which
-sets those two variables itself.
+sets those two variables itself (`launched_rank` tells whether it did).
 
 The ring backend never gives up on a peer that does not connect (the accepting side waits in
 accept forever, holding the interpreter lock), so start-up is bounded twice: rank 0 joins only
@@ -92,6 +92,32 @@ def join(rank: int, hostfile: Path | str, run_dir: Path | str | None = None,
     if group.rank() != rank:
         raise DistributedError(f"joined as rank {group.rank()}, expected {rank}")
     return group
+
+
+def launched_rank() -> int | None:
+    """This process's rank where a launcher (mlx.launch --backend ring, or by hand) set
+    MLX_RANK and MLX_HOSTFILE; None where it did not."""
+    rank, hostfile = os.environ.get("MLX_RANK"), os.environ.get("MLX_HOSTFILE")
+    if not rank:
+        return None
+    if not hostfile:  # JACCL, NCCL and MPI launches set a rank but no ring hostfile
+        raise DistributedError("MLX_RANK is set without MLX_HOSTFILE: ranks join over MLX's "
+                               "ring backend only (mlx.launch --backend ring); JACCL, NCCL "
+                               "and MPI launches are not supported")
+    try:
+        return int(rank)
+    except ValueError:
+        raise DistributedError(f"MLX_RANK must be an integer, got {rank!r}") from None
+
+
+def hostfile_ports(path: Path | str) -> list[int]:
+    """Each rank's port in a ring hostfile (its first address's; 0 where it names none)."""
+    ports = []
+    for entry in json.loads(Path(path).read_text(encoding="utf-8")):
+        first = entry[0] if isinstance(entry, list) and entry else entry
+        port = str(first).rsplit(":", 1)[-1] if isinstance(first, str) else ""
+        ports.append(int(port) if port.isdigit() else 0)
+    return ports
 
 
 def join_from_env(timeout: float = DEFAULT_START_TIMEOUT) -> mx.distributed.Group:

@@ -10,19 +10,38 @@ ModelRunner's.
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+import sys
+
+import mlx.core as mx
 
 from engine.config import EngineConfig, KernelPath
-from engine.distributed.launch import DEFAULT_START_TIMEOUT, start_ranks
+from engine.distributed.launch import (
+    DEFAULT_START_TIMEOUT,
+    DistributedError,
+    hostfile_ports,
+    join_from_env,
+    launched_rank,
+    start_ranks,
+)
 from engine.distributed.shard import check_shardable
-from engine.distributed.worker import Coordinator, StepTimes, sharded_runner, worker_args
-from engine.model_loader import LoadedModel
+from engine.distributed.worker import (
+    Coordinator,
+    StepTimes,
+    sharded_runner,
+    worker_args,
+    worker_loop,
+)
+from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, StepOutput
 from engine.scheduler import RowGroup
 from engine.telemetry import RankTimes
 
 log = logging.getLogger("batchscope.engine")
+# Seconds a step may take on ranks a launcher started: rank 0 cannot watch their processes, and
+# the ring may wait for ever on a rank that is gone (a long prefill chunk takes seconds).
+LAUNCHED_STEP_TIMEOUT = 300.0
 
 
 class ShardedRunner:
@@ -57,23 +76,50 @@ class ShardedRunner:
         return getattr(self.runner, name)
 
 
+def runner_settings(cfg: EngineConfig) -> dict:
+    """What every rank's runner is built with besides the pool's size (sharded_runner)."""
+    return {"kv_dtype": cfg.kv_dtype, "attention": cfg.attention,
+            "row_kernels": cfg.row_kernels, "tile": cfg.invariant_tile,
+            "activations": cfg.activations}
+
+
+def launched_group(cfg: EngineConfig, start_timeout: float) -> mx.distributed.Group:
+    """The group a launcher started this process in (mlx.launch), checked against cfg."""
+    group = join_from_env(start_timeout)
+    if group.size() != cfg.tensor_parallel_size:
+        raise DistributedError(f"the launcher started {group.size()} ranks, "
+                               f"--tensor-parallel-size is {cfg.tensor_parallel_size}: pass "
+                               "the number of ranks")
+    return group
+
+
 def start_sharded(cfg: EngineConfig, loaded: LoadedModel,
                   start_timeout: float = DEFAULT_START_TIMEOUT) -> ShardedRunner:
     """Rank 0 of cfg.tensor_parallel_size ranks over `loaded`, which must be cfg.model at
-    cfg.weights: every other rank loads that itself. UnsupportedModelError (by name) before
-    any rank starts for a model that cannot be split; DistributedError naming the rank that
-    did not start in time or exited."""
+    cfg.weights: every other rank loads that itself. The ranks are started here, or, where a
+    launcher started this process (mlx.launch: launched_rank), joined as it set them up.
+    UnsupportedModelError (by name) before any rank starts for a model that cannot be split;
+    DistributedError naming the rank that did not start in time or exited."""
     size = cfg.tensor_parallel_size
     check_shardable(loaded.model, size, loaded.config)
-    settings = {"kv_dtype": cfg.kv_dtype, "attention": cfg.attention,
-                "row_kernels": cfg.row_kernels, "tile": cfg.invariant_tile,
-                "activations": cfg.activations}
+    settings = runner_settings(cfg)
+    rank = launched_rank()
+    if rank is not None:
+        if rank != 0:
+            raise DistributedError(f"the engine runs on rank 0; this process is rank {rank} "
+                                   "(serve_rank runs the others)")
+        group = launched_group(cfg, start_timeout)
+        ports = hostfile_ports(os.environ["MLX_HOSTFILE"])
+        log.info("tensor parallel: %d ranks started by a launcher: %s", size,
+                 ", ".join(f"rank {r} port {p}" for r, p in enumerate(ports)))
+        runner = sharded_runner(loaded, group, cfg.num_kv_blocks, cfg.block_size, **settings)
+        return ShardedRunner(runner, Coordinator(group, runner, None, LAUNCHED_STEP_TIMEOUT),
+                             ports)
     command = worker_args(cfg.model, cfg.num_kv_blocks, cfg.block_size, weights=cfg.weights,
                           start_timeout=start_timeout, **settings)
     group, ranks = start_ranks(size, command, timeout=start_timeout)
     try:
-        hosts = json.loads((ranks.run_dir / "hostfile.json").read_text(encoding="utf-8"))
-        ports = [int(h[0].rsplit(":", 1)[1]) for h in hosts]
+        ports = hostfile_ports(ranks.run_dir / "hostfile.json")
         log.info("tensor parallel: %d ranks over the ring backend on 127.0.0.1: %s", size,
                  ", ".join(f"rank {r} port {p}" for r, p in enumerate(ports)))
         runner = sharded_runner(loaded, group, cfg.num_kv_blocks, cfg.block_size, **settings)
@@ -83,3 +129,21 @@ def start_sharded(cfg: EngineConfig, loaded: LoadedModel,
         ranks.stop(timeout=1)
         raise
     return ShardedRunner(runner, Coordinator(group, runner, ranks), ports)
+
+
+def serve_rank(cfg: EngineConfig, start_timeout: float = DEFAULT_START_TIMEOUT) -> int:
+    """A rank > 0 that a launcher started (mlx.launch runs the same command on every rank):
+    join, load cfg.model at cfg.weights, shard it and run rank 0's plans until its stop plan.
+    Returns the exit status."""
+    rank = launched_rank()
+    try:
+        group = launched_group(cfg, start_timeout)
+        log.info("rank %d of %d: loading %s", rank, group.size(), cfg.model)
+        runner = sharded_runner(load_model(cfg.model, cfg.weights), group, cfg.num_kv_blocks,
+                                cfg.block_size, **runner_settings(cfg))
+        steps = worker_loop(group, runner)
+    except Exception as e:  # noqa: BLE001 - a rank's failure: one line and its exit status
+        print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    log.info("rank %d: stopped after %d steps", rank, steps)
+    return 0

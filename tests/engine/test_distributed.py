@@ -66,6 +66,26 @@ def test_plan_round_trip():
     assert decode(encode([])).groups == [] and not decode(encode([])).sleep
 
 
+def test_launched_rank_and_the_hostfile_ports(tmp_path, monkeypatch):
+    from engine.distributed.launch import DistributedError, hostfile_ports, launched_rank
+
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    monkeypatch.setenv("MLX_HOSTFILE", "h.json")
+    assert launched_rank() is None
+    monkeypatch.setenv("MLX_RANK", "2")
+    monkeypatch.delenv("MLX_HOSTFILE")
+    with pytest.raises(DistributedError, match="ring backend only"):  # a JACCL launch, say
+        launched_rank()
+    monkeypatch.setenv("MLX_HOSTFILE", "h.json")
+    assert launched_rank() == 2
+    monkeypatch.setenv("MLX_RANK", "two")
+    with pytest.raises(DistributedError, match="MLX_RANK must be an integer"):
+        launched_rank()
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('[["10.0.0.1:5000", "10.0.0.1:5001"], ["10.0.0.2:5002"], "h:x"]')
+    assert hostfile_ports(hosts) == [5000, 5002, 0]
+
+
 def test_plan_longer_than_a_frame_and_refusals():
     long = [RowGroup(f"s{i}", list(range(600)), 0, list(range(40)), True) for i in range(3)]
     words = encode(long)

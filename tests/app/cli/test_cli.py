@@ -31,6 +31,24 @@ def test_engine_flags_reach_the_config():
         "q4", 3, False, True, "auto", 0)
 
 
+def test_no_async_scheduling_flag():
+    assert engine_config(build_parser().parse_args(["serve"])).async_scheduling
+    args = build_parser().parse_args(["serve", "--no-async-scheduling"])
+    assert not engine_config(args).async_scheduling
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"]])
+def test_a_launched_rank_without_tensor_parallel_size_is_refused(tmp_path, monkeypatch, capsys,
+                                                                  command):
+    """mlx.launch sets MLX_RANK and MLX_HOSTFILE on every rank: serving alone there would
+    leave the other ranks waiting for a ring that never forms."""
+    monkeypatch.setenv("MLX_RANK", "1")
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "hosts.json"))
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert "started by a launcher as rank 1" in err and "--tensor-parallel-size" in err
+
+
 def test_row_kernels_flag_and_its_old_name(capsys):
     args = build_parser().parse_args(["generate", "--row-kernels", "mlx", "hello"])
     assert engine_config(args).row_kernels == "mlx"
