@@ -17,8 +17,9 @@ test:
 	BATCHSCOPE_EXTRA_APT="chromium chromium-driver postgresql" ./scripts/setup.sh
 	.venv/bin/python -m pytest -q --durations=20
 
+# Two workers (pytest-xdist): the fast tests are mostly Python, one process each core.
 test-fast: setup
-	.venv/bin/python -m pytest -q -m "not slow"
+	.venv/bin/python -m pytest -q -m "not slow" -n 2
 
 bench: setup
 	.venv/bin/python benchmarks/engine_batching.py --repeats 5
