@@ -31,7 +31,7 @@ from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
 from engine.kernels import PathTally
 from engine.lookahead import Ahead, continues, next_groups, resume
 from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import FinishedStep, StepOutput, state_pool_for
+from engine.model_runner import StepOutput, state_pool_for
 from engine.models import family_for
 from engine.output import OutputText
 from engine.penalties import penalty_processors
@@ -476,9 +476,7 @@ class Engine:
         try:
             if self.before_forward is not None:
                 self.before_forward(plan)
-            if self.runner.queues_steps:
-                return self.runner.launch(plan.groups, path, tokens), None
-            return FinishedStep(self.runner.run(plan.groups, path)), None
+            return self.runner.launch(plan.groups, path, tokens), None
         except Exception as e:
             return None, self._step_error(e, step)
 

@@ -122,11 +122,11 @@ def hostfile_ports(path: Path | str) -> list[int]:
 
 def join_from_env(timeout: float = DEFAULT_START_TIMEOUT) -> mx.distributed.Group:
     """Join as the rank mlx.launch (or a hand-written launch) set in MLX_RANK / MLX_HOSTFILE."""
-    missing = [k for k in ("MLX_RANK", "MLX_HOSTFILE") if not os.environ.get(k)]
-    if missing:
-        raise DistributedError(f"{' and '.join(missing)} not set: start the ranks with "
-                               "mlx.launch --backend ring, or set both before starting")
-    return _init(timeout, int(os.environ["MLX_RANK"]))
+    rank = launched_rank()
+    if rank is None:
+        raise DistributedError("MLX_RANK not set: start the ranks with mlx.launch --backend "
+                               "ring, or set MLX_RANK and MLX_HOSTFILE before starting")
+    return _init(timeout, rank)
 
 
 def _die_with_parent() -> None:

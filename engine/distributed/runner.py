@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import mlx.core as mx
 
@@ -26,15 +25,9 @@ from engine.distributed.launch import (
     start_ranks,
 )
 from engine.distributed.shard import check_shardable
-from engine.distributed.worker import (
-    Coordinator,
-    StepTimes,
-    sharded_runner,
-    worker_args,
-    worker_loop,
-)
-from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, StepOutput
+from engine.distributed.worker import Coordinator, StepTimes, run_rank, sharded_runner, worker_args
+from engine.model_loader import LoadedModel
+from engine.model_runner import FinishedStep, ModelRunner, StepOutput
 from engine.scheduler import RowGroup
 from engine.telemetry import RankTimes
 
@@ -59,6 +52,13 @@ class ShardedRunner:
         self.times = None  # a failed step has no times
         out, self.times = self.coordinator.step(groups, path)
         return out
+
+    def launch(self, groups: list[RowGroup], path: str = KernelPath.GEMM,
+               tokens: None = None) -> FinishedStep:
+        """`run`, as ModelRunner.launch reads: the step is computed before this returns."""
+        if tokens is not None:
+            raise ValueError("a step over ranks takes its tokens from its plan")
+        return FinishedStep(self.run(groups, path))
 
     def rank_times(self) -> list[RankTimes]:
         """The last step's times per rank, for its StepRecord (empty: it failed)."""
@@ -133,17 +133,8 @@ def start_sharded(cfg: EngineConfig, loaded: LoadedModel,
 
 def serve_rank(cfg: EngineConfig, start_timeout: float = DEFAULT_START_TIMEOUT) -> int:
     """A rank > 0 that a launcher started (mlx.launch runs the same command on every rank):
-    join, load cfg.model at cfg.weights, shard it and run rank 0's plans until its stop plan.
-    Returns the exit status."""
-    rank = launched_rank()
-    try:
-        group = launched_group(cfg, start_timeout)
-        log.info("rank %d of %d: loading %s", rank, group.size(), cfg.model)
-        runner = sharded_runner(load_model(cfg.model, cfg.weights), group, cfg.num_kv_blocks,
-                                cfg.block_size, **runner_settings(cfg))
-        steps = worker_loop(group, runner)
-    except Exception as e:  # noqa: BLE001 - a rank's failure: one line and its exit status
-        print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
-    log.info("rank %d: stopped after %d steps", rank, steps)
-    return 0
+    engine/distributed/worker.py's run_rank over the launcher's group. Returns the exit
+    status."""
+    settings = runner_settings(cfg)
+    return run_rank(launched_rank(), lambda: launched_group(cfg, start_timeout), cfg.model,
+                    cfg.weights, cfg.num_kv_blocks, cfg.block_size, **settings)

@@ -18,6 +18,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -107,11 +108,12 @@ class Coordinator:
 
     def _serve(self) -> None:
         while True:
+            # Only children with doorbells are put to sleep, and only once per pause.
+            wait = IDLE_S if self.ranks is not None and not self._asleep else None
             try:
-                future, fn, args = self._calls.get(timeout=IDLE_S)
+                future, fn, args = self._calls.get(timeout=wait)
             except queue.Empty:
-                if self.ranks is not None and not self._asleep:
-                    self._sleep()
+                self._sleep()
                 continue
             if fn is None:
                 return
@@ -225,16 +227,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir")
     p.add_argument("--doorbell", type=int, help="the read end of the doorbell pipe")
     a = p.parse_args(argv)
+    return run_rank(a.rank, lambda: join(a.rank, a.hostfile, a.run_dir, a.start_timeout),
+                    a.model, a.weights, a.num_blocks, a.block_size, a.doorbell,
+                    kv_dtype=a.kv_dtype, attention=a.attention, row_kernels=a.row_kernels,
+                    tile=a.tile, activations=a.activations)
+
+
+def run_rank(rank: int, join_group: Callable[[], mx.distributed.Group], model: str,
+             weights: str, num_blocks: int, block_size: int, doorbell: int | None = None,
+             **settings) -> int:
+    """A rank > 0 from start to stop: join (`join_group`), load `model` at `weights`, shard it
+    over a pool like rank 0's (settings: sharded_runner's) and run rank 0's plans until the
+    stop plan. Returns the exit status; a failure is one line on stderr, status 1."""
     try:
-        group = join(a.rank, a.hostfile, a.run_dir, a.start_timeout)
-        runner = sharded_runner(load_model(a.model, a.weights), group, a.num_blocks,
-                                a.block_size, a.kv_dtype, attention=a.attention,
-                                row_kernels=a.row_kernels, tile=a.tile,
-                                activations=a.activations)
-        worker_loop(group, runner, a.doorbell)
+        group = join_group()
+        runner = sharded_runner(load_model(model, weights), group, num_blocks, block_size,
+                                **settings)
+        steps = worker_loop(group, runner, doorbell)
     except Exception as e:  # noqa: BLE001 - a rank's failure, reported and its exit status
-        print(f"rank {a.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
+    print(f"rank {rank}: stopped after {steps} steps", file=sys.stderr, flush=True)
     return 0
 
 
