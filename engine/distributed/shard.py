@@ -3,7 +3,10 @@
 mlx-lm's shard() column-shards q/k/v/gate/up ("all-to-sharded": each rank computes its slice of
 the outputs, no communication) and row-shards o/down ("sharded-to-all": each rank multiplies
 its slice of the inputs, then one all_sum), and divides each attention's n_heads and
-n_kv_heads by the group size, so each rank's paged pool holds its share of the KV heads.
+n_kv_heads by the group size, so each rank's paged pool holds its share of the KV heads. A
+mixture-of-experts block (qwen3_moe) is sharded in place: every expert's gate and up hold a
+slice of its outputs, its down the matching slice of its inputs, the router stays whole, and
+the block all_sums its weighted sum of the experts (`sharding_group`), as mlx-lm's does.
 
 The runner computes a sharded layer exactly (engine/native_ops.py): the column-sharded layers
 are turned back into plain nn.Linear / nn.QuantizedLinear over their slice (their forward is
@@ -27,8 +30,9 @@ from engine.models import UnsupportedModelError, family_for
 from engine.native_ops import ROW_SHARDED
 
 # Families whose layers are llama's block over the step's linears (engine/models/base.py
-# llama_layer) and whose mlx-lm Model.shard() shards exactly those linears.
-SHARDABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+# llama_layer), or Qwen3-MoE's block of routed experts, and whose mlx-lm Model.shard() shards
+# exactly those linears and experts.
+SHARDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _COLUMN_SHARDED = (nn.AllToShardedLinear, nn.QuantizedAllToShardedLinear)
 
 
@@ -42,14 +46,19 @@ def check_shardable(model, size: int, config: dict | None = None) -> None:
         raise UnsupportedModelError(f"{family.name}: mlx-lm's model has no shard()")
     for i, layer in enumerate(family.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        experts = getattr(mlp, "switch_mlp", None)  # a routed block: its experts' widths
+        width = (experts.gate_proj.weight.shape[-2] if experts is not None
+                 else mlp.gate_proj.weight.shape[0])
         counts = {"attention heads": attn.n_heads, "kv heads": attn.n_kv_heads,
-                  "intermediate size": mlp.gate_proj.weight.shape[0]}
+                  "expert intermediate size" if experts is not None else "intermediate size":
+                  width}
         for what, n in counts.items():
             if n % size:
                 raise UnsupportedModelError(
                     f"{family.name} layer {i}: {n} {what} do not split over {size} ranks")
-        for name, m in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
-            if isinstance(m, nn.QuantizedLinear):
+        down = experts.down_proj if experts is not None else mlp.down_proj
+        for name, m in (("o_proj", attn.o_proj), ("down_proj", down)):
+            if "scales" in m:  # quantized: each rank's slice of inputs holds whole groups
                 inputs = m.scales.shape[-1] * m.group_size
                 if (inputs // size) % m.group_size:
                     raise UnsupportedModelError(

@@ -90,7 +90,10 @@ class Qwen3Moe(_MoEFamily):
         if block.norm_topk_prob:
             scores /= mx.sum(scores, axis=-1, keepdims=True)
         y = step.experts(i, self._experts[i], x, inds, block.num_experts)
-        return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        if block.sharding_group is not None:  # tensor parallelism: each rank's share of it
+            y = mx.distributed.all_sum(y, group=block.sharding_group)
+        return y
 
 
 class Mixtral(_MoEFamily):

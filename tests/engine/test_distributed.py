@@ -128,7 +128,7 @@ def _folder(tmp_path: Path, name: str, quantize: bool, **overrides) -> Path:
 
 
 @pytest.mark.parametrize(("name", "size", "overrides", "why"), [
-    ("gemma3_text", 2, {}, "supports llama, qwen2, qwen3 only"),
+    ("gemma3_text", 2, {}, "supports llama, qwen2, qwen3, qwen3_moe only"),
     ("llama", 3, {}, "4 attention heads do not split over 3 ranks"),
     ("llama", 4, {}, "2 kv heads do not split over 4 ranks"),
 ])
@@ -145,6 +145,14 @@ def test_quantized_slice_of_partial_groups_refused(tmp_path):
         check_shardable(loaded.model, 2, loaded.config)
 
 
+def test_quantized_expert_slice_of_partial_groups_refused(tmp_path):
+    # moe_intermediate_size 64: each expert's down_proj inputs over 2 ranks are 32, half a
+    # 4-bit group of 64 (head_dim 32: o_proj's 128 inputs split into whole groups)
+    loaded = load_model(str(_folder(tmp_path, "qwen3_moe", True, head_dim=32)), "q4")
+    with pytest.raises(UnsupportedModelError, match="down_proj's 64 inputs over 2 ranks"):
+        check_shardable(loaded.model, 2, loaded.config)
+
+
 def _ranks(*args: str, limit: int = 150) -> subprocess.CompletedProcess:
     return subprocess.run(["timeout", str(limit), sys.executable, str(RANKS), *args],
                           capture_output=True, text=True, timeout=limit + 30)
@@ -152,9 +160,11 @@ def _ranks(*args: str, limit: int = 150) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["f32", "q4"])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
 def test_two_ranks_generate_one_ranks_tokens(tmp_path, name, weights):
-    folder = _folder(tmp_path, name, weights == "q4", **WIDER)
+    # qwen3_moe: every expert's 128-wide intermediate split in two whole 4-bit groups
+    experts = {"moe_intermediate_size": 128} if name == "qwen3_moe" else {}
+    folder = _folder(tmp_path, name, weights == "q4", **WIDER, **experts)
     out = tmp_path / "out.json"
     done = _ranks("run", str(folder), weights, str(out))
     assert done.returncode == 0, done.stderr[-3000:]

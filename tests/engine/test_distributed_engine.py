@@ -41,7 +41,7 @@ def no_ranks(monkeypatch):
 
 
 @pytest.mark.parametrize(("name", "size", "why"), [
-    ("gemma3_text", 2, "gemma3: tensor parallelism supports llama, qwen2, qwen3 only"),
+    ("gemma3_text", 2, "gemma3: tensor parallelism supports llama, qwen2, qwen3, qwen3_moe only"),
     ("llama", 3, "4 attention heads do not split over 3 ranks"),
 ])
 def test_unshardable_refused_by_name_before_ranks_start(tmp_path, no_ranks, name, size, why):
@@ -84,6 +84,17 @@ def test_two_ranks_give_one_ranks_greedy_ids(tmp_path):
     # (a whole core before it had one).
     if sys.platform == "linux":
         assert got["idle_cpu"] < 0.2, got["idle_cpu"]
+
+
+@pytest.mark.slow
+def test_two_ranks_of_routed_experts_give_one_ranks_greedy_ids(tmp_path):
+    # qwen3_moe: layers 0 and 2 route to 2 of 8 experts sharded in place, layer 1 is dense
+    folder = _folder(tmp_path, "qwen3_moe")
+    got = _run("greedy", folder, tmp_path / "out.json")
+    with Engine(config(str(folder), 1)) as engine:
+        want = greedy(engine)
+    assert got["alone"] == want["alone"] and got["together"] == want["together"]
+    assert got["ranks"] and all(r == [0, 1] for r in got["ranks"])
 
 
 def assert_same_greedy(got: list, want: list, bound: float = 1e-4) -> None:
