@@ -45,19 +45,18 @@ def check_shardable(model, size: int, config: dict | None = None) -> None:
     if not callable(getattr(model, "shard", None)):
         raise UnsupportedModelError(f"{family.name}: mlx-lm's model has no shard()")
     for i, layer in enumerate(family.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        experts = getattr(mlp, "switch_mlp", None)  # a routed block: its experts' widths
-        width = (experts.gate_proj.weight.shape[-2] if experts is not None
-                 else mlp.gate_proj.weight.shape[0])
+        attn = layer.self_attn
+        # The feed-forward that is split: a dense MLP, or a routed block's experts (their
+        # weights are (experts, out, in); a dense layer's (out, in): outputs are shape[-2]).
+        ffn = getattr(layer.mlp, "switch_mlp", layer.mlp)
+        expert = "expert " if ffn is not layer.mlp else ""
         counts = {"attention heads": attn.n_heads, "kv heads": attn.n_kv_heads,
-                  "expert intermediate size" if experts is not None else "intermediate size":
-                  width}
+                  f"{expert}intermediate size": ffn.gate_proj.weight.shape[-2]}
         for what, n in counts.items():
             if n % size:
                 raise UnsupportedModelError(
                     f"{family.name} layer {i}: {n} {what} do not split over {size} ranks")
-        down = experts.down_proj if experts is not None else mlp.down_proj
-        for name, m in (("o_proj", attn.o_proj), ("down_proj", down)):
+        for name, m in (("o_proj", attn.o_proj), ("down_proj", ffn.down_proj)):
             if "scales" in m:  # quantized: each rank's slice of inputs holds whole groups
                 inputs = m.scales.shape[-1] * m.group_size
                 if (inputs // size) % m.group_size:

@@ -131,6 +131,8 @@ def _folder(tmp_path: Path, name: str, quantize: bool, **overrides) -> Path:
     ("gemma3_text", 2, {}, "supports llama, qwen2, qwen3, qwen3_moe only"),
     ("llama", 3, {}, "4 attention heads do not split over 3 ranks"),
     ("llama", 4, {}, "2 kv heads do not split over 4 ranks"),
+    ("qwen3_moe", 2, {"moe_intermediate_size": 33},
+     "33 expert intermediate size do not split over 2 ranks"),
 ])
 def test_unshardable_refused_by_name(tmp_path, name, size, overrides, why):
     loaded = load_model(str(_folder(tmp_path, name, False, **overrides)), "f32")
