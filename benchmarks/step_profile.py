@@ -19,6 +19,10 @@ evaluating its graph alone.
 
     .venv/bin/python benchmarks/step_profile.py [--weights q4] [--rows 1 4 8 16]
         [--activations float32|int8]
+
+--steps N only runs N decode steps at each --rows count through ModelRunner.run and prints
+their median, writing nothing: a steady workload for a sampling profiler, e.g.
+`perf record -F 4000 .venv/bin/python benchmarks/step_profile.py --rows 1 --steps 1500`.
 """
 
 from __future__ import annotations
@@ -146,6 +150,20 @@ def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, fl
             **{f"{name}, alone op by op": ms for name, ms in parts.items()}}
 
 
+def steady_steps(runner: ModelRunner, rows: int, steps: int) -> float:
+    """The median ms of `steps` decode steps of `rows` rows, after a prefill and warm-up."""
+    prefill, decode = decode_groups(rows)
+    runner.run(prefill)
+    for _ in range(5):
+        runner.run(decode)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        runner.run(decode)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def copy_bandwidth(rounds: int = 5, size: int = 512 * 2**20) -> float:
     """The machine's memory-copy bandwidth, GB/s: bytes read plus written by a numpy copy of
     `size` bytes (one thread), the fastest of `rounds`."""
@@ -207,12 +225,19 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--activations", default="float32", choices=ACTIVATIONS)
+    ap.add_argument("--steps", type=int, default=0,
+                    help="only run this many steps per row count and print their median")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_profile.md"))
     args = ap.parse_args()
     loaded = load_model("embedded", args.weights)
     family = family_for(loaded.model)
     runner = ModelRunner(loaded.model, pool_for(family, 512, 16), "auto", "auto", family,
                          activations=args.activations)
+    if args.steps:
+        for n in args.rows:
+            ms = steady_steps(runner, n, args.steps)
+            print(f"{n} rows: median step {ms:.2f} ms over {args.steps} steps")
+        return 0
     table = {}
     for n in args.rows:
         print(f"# {n} rows...", file=sys.stderr, flush=True)
