@@ -186,12 +186,29 @@ void portable_outputs(const Job& j, int n_begin, int n_end) {
 // ---- AVX-512 VNNI: a pair of units is one register; vpdpbusd takes 4 bytes a lane ----------
 
 #if BATCHSCOPE_HAS_VNNI
+// Sixteen scales (or biases) of an output, groups g0..g0+15 from its first at `at`, as
+// float32: the values scale_at gives (exact conversions), zeros from group G on (the masked
+// load reads nothing there). Read straight from the weights' arrays where a pair or the bias
+// term needs them, so their cache misses overlap the packed weights' own.
+template <ScaleType T>
+inline __m512 scales16(const void* from, size_t at, int g0, int G) {
+  const __mmask16 in = G - g0 >= 16 ? __mmask16{0xffff} : __mmask16((1u << (G - g0)) - 1);
+  if constexpr (T == ScaleType::f32) {
+    return _mm512_maskz_loadu_ps(in, static_cast<const float*>(from) + at + g0);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(in, static_cast<const uint16_t*>(from) + at + g0);
+    return T == ScaleType::f16
+               ? _mm512_cvtph_ps(h)
+               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
 // One pair of units for outputs n0..n0+NR and rows m0..m0+MR: each output's weights are
 // unpacked once and meet each row's activations in one or two vpdpbusd. FULL: both units
 // (else the first only: the row's last, half pair).
-template <int BITS, int MR, int NR, bool FULL>
-inline void vnni_pair(const Job& j, int m0, const uint8_t* w0, size_t row_bytes, int p,
-                      const float* s, __m512 (&acc)[MR][NR]) {
+template <int BITS, ScaleType T, int MR, int NR, bool FULL>
+inline void vnni_pair(const Job& j, int m0, int n0, const uint8_t* w0, size_t row_bytes, int p,
+                      __m512 (&acc)[MR][NR]) {
   const QuantizedRows& r = j.rows;
   const __mmask64 bytes = FULL ? ~__mmask64{0} : __mmask64{0xffffffff};
   const __mmask16 lanes = FULL ? __mmask16{0xffff} : __mmask16{0x00ff};
@@ -211,7 +228,8 @@ inline void vnni_pair(const Job& j, int m0, const uint8_t* w0, size_t row_bytes,
     const uint8_t* wp = w0 + o * row_bytes + static_cast<size_t>(p) * 64;
     __builtin_prefetch(wp + NR * row_bytes);  // the next tile's weights
     const __m512i v = FULL ? _mm512_loadu_si512(wp) : _mm512_maskz_loadu_epi8(bytes, wp);
-    const __m512 sl = _mm512_permutexvar_ps(local, _mm512_loadu_ps(s + o * r.G16 + block));
+    const size_t at = static_cast<size_t>(n0 + o) * r.G;
+    const __m512 sl = _mm512_permutexvar_ps(local, scales16<T>(j.scales, at, block, r.G));
     __m512i lo = v, hi;
     if constexpr (BITS == 4) {
       const __m512i nibble = _mm512_set1_epi8(0x0f);
@@ -229,9 +247,9 @@ inline void vnni_pair(const Job& j, int m0, const uint8_t* w0, size_t row_bytes,
   }
 }
 
-// Outputs n0..n0+NR for rows m0..m0+MR; s: their scales, b: their biases (G16 each).
-template <int BITS, int MR, int NR>
-void vnni_tile(const Job& j, int m0, int n0, const float* s, const float* b) {
+// Outputs n0..n0+NR for rows m0..m0+MR.
+template <int BITS, ScaleType T, int MR, int NR>
+void vnni_tile(const Job& j, int m0, int n0) {
   const QuantizedRows& r = j.rows;
   const size_t row_bytes = static_cast<size_t>(r.K) * BITS / 8;
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + n0 * row_bytes;
@@ -239,80 +257,68 @@ void vnni_tile(const Job& j, int m0, int n0, const float* s, const float* b) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int o = 0; o < NR; ++o) acc[i][o] = _mm512_setzero_ps();
-  for (int p = 0; p < full; ++p) vnni_pair<BITS, MR, NR, true>(j, m0, w0, row_bytes, p, s, acc);
-  if (full < r.pairs) vnni_pair<BITS, MR, NR, false>(j, m0, w0, row_bytes, full, s, acc);
+  for (int p = 0; p < full; ++p) vnni_pair<BITS, T, MR, NR, true>(j, m0, n0, w0, row_bytes, p, acc);
+  if (full < r.pairs) vnni_pair<BITS, T, MR, NR, false>(j, m0, n0, w0, row_bytes, full, acc);
   for (int i = 0; i < MR; ++i) {
     const float* xs = r.xs.data() + static_cast<size_t>(m0 + i) * r.G16;
     for (int o = 0; o < NR; ++o) {
       // bias_term's lanes, sixteen at once
-      const float* bo = b + o * r.G16;
+      const size_t at = static_cast<size_t>(n0 + o) * r.G;
       __m512 bacc = _mm512_setzero_ps();
       for (int g = 0; g < r.G16; g += 16)
-        bacc = _mm512_fmadd_ps(_mm512_loadu_ps(bo + g), _mm512_loadu_ps(xs + g), bacc);
+        bacc = _mm512_fmadd_ps(scales16<T>(j.biases, at, g, r.G), _mm512_loadu_ps(xs + g), bacc);
       j.out[static_cast<size_t>(m0 + i) * j.N + n0 + o] =
           lane_sum(VecAvx512{acc[i][o]}) + lane_sum(VecAvx512{bacc});
     }
   }
 }
 
-// output_scales' values, sixteen at a time (exact conversions, zeros past G).
-template <ScaleType T>
-void vnni_output_scales(const Job& j, int n, float* s, float* b) {
-  const int G = j.rows.G;
-  for (int g = 0; g < j.rows.G16; g += 16) {
-    const __mmask16 in = G - g >= 16 ? __mmask16{0xffff} : __mmask16((1u << (G - g)) - 1);
-    const size_t at = static_cast<size_t>(n) * G + g;
-    for (int which = 0; which < 2; ++which) {
-      const void* from = which == 0 ? j.scales : j.biases;
-      __m512 v;
-      if constexpr (T == ScaleType::f32) {
-        v = _mm512_maskz_loadu_ps(in, static_cast<const float*>(from) + at);
-      } else {
-        const __m256i h = _mm256_maskz_loadu_epi16(in, static_cast<const uint16_t*>(from) + at);
-        v = T == ScaleType::f16
-                ? _mm512_cvtph_ps(h)
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      }
-      _mm512_storeu_ps((which == 0 ? s : b) + g, v);
-    }
-  }
-}
-
 // Rows in tiles of up to 4; at 3-4 rows two outputs at a time, so that the accumulators, the
 // rows' activations and the unpacked weights stay in the 32 registers.
-template <int BITS, int NT, int MR = 4>
-void vnni_rows(const Job& j, int m0, int rows, int n0, const float* s, const float* b) {
+template <int BITS, ScaleType T, int NT, int MR = 4>
+void vnni_rows(const Job& j, int m0, int rows, int n0) {
   if constexpr (MR >= 1) {
-    if (rows < MR) return vnni_rows<BITS, NT, MR - 1>(j, m0, rows, n0, s, b);
+    if (rows < MR) return vnni_rows<BITS, T, NT, MR - 1>(j, m0, rows, n0);
     constexpr int NR = MR <= 2 ? NT : (NT >= 2 ? 2 : 1);
-    const int G16 = j.rows.G16;
-    for (int o = 0; o < NT; o += NR)
-      vnni_tile<BITS, MR, NR>(j, m0, n0 + o, s + o * G16, b + o * G16);
+    for (int o = 0; o < NT; o += NR) vnni_tile<BITS, T, MR, NR>(j, m0, n0 + o);
   }
 }
 
 constexpr int VNNI_NR = 4;
 
 template <int BITS, ScaleType T, int NT>
-void vnni_outputs_nt(const Job& j, int n0, float* s) {
-  // NT outputs' scales, then their biases (G16 each), converted once for all rows
-  const int G16 = j.rows.G16;
-  float* b = s + NT * G16;
-  for (int o = 0; o < NT; ++o) vnni_output_scales<T>(j, n0 + o, s + o * G16, b + o * G16);
+void vnni_outputs_nt(const Job& j, int n0) {
   for (int m = 0; m < j.rows.M;) {
     const int rows = std::min(4, j.rows.M - m);
-    vnni_rows<BITS, NT>(j, m, rows, n0, s, b);
+    vnni_rows<BITS, T, NT>(j, m, rows, n0);
     m += rows;
+  }
+}
+
+// Prefetch the scales and biases of outputs [n, n + count): a separate stream from the packed
+// weights (which the kernel prefetches a tile ahead itself), a cold miss per tile without it.
+template <ScaleType T>
+void prefetch_scales(const Job& j, int n, int count) {
+  const size_t size = T == ScaleType::f32 ? 4 : 2;
+  const size_t begin = static_cast<size_t>(n) * j.rows.G * size;
+  const size_t end = begin + static_cast<size_t>(count) * j.rows.G * size;
+  for (const void* a : {j.scales, j.biases}) {
+    const char* base = static_cast<const char*>(a);
+    for (size_t b = begin; b < end; b += 64) __builtin_prefetch(base + b);
+    __builtin_prefetch(base + end - 1);
   }
 }
 
 template <int BITS, ScaleType T>
 void vnni_outputs(const Job& j, int n_begin, int n_end) {
-  thread_local std::vector<float> s;
-  s.resize(static_cast<size_t>(2 * VNNI_NR) * j.rows.G16);
   int n = n_begin;
-  for (; n + VNNI_NR <= n_end; n += VNNI_NR) vnni_outputs_nt<BITS, T, VNNI_NR>(j, n, s.data());
-  for (; n < n_end; ++n) vnni_outputs_nt<BITS, T, 1>(j, n, s.data());
+  prefetch_scales<T>(j, n, std::min(VNNI_NR, n_end - n));
+  for (; n + VNNI_NR <= n_end; n += VNNI_NR) {
+    const int ahead = n + VNNI_NR;
+    if (ahead < n_end) prefetch_scales<T>(j, ahead, std::min(VNNI_NR, n_end - ahead));
+    vnni_outputs_nt<BITS, T, VNNI_NR>(j, n);
+  }
+  for (; n < n_end; ++n) vnni_outputs_nt<BITS, T, 1>(j, n);
 }
 
 template <int BITS>
