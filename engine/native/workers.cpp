@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
@@ -13,6 +14,8 @@
 namespace batchscope {
 
 namespace {
+
+constexpr int MAX_THREADS = 64;  // BATCHSCOPE_NATIVE_THREADS' cap
 
 void relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -40,8 +43,8 @@ class Workers {
   }
 
   // Runs job() on the calling thread and on every worker that arrives while it is open; the
-  // job must be safe to run any number of times at once (parallel_for's takes chunks from a
-  // shared counter until none are left). Returns once the calling thread's run has ended and
+  // job must be safe to run any number of times at once (parallel_for's claims chunks until
+  // none are left). Returns once the calling thread's run has ended and
   // no worker is inside it: a worker still waking up is not waited for, it finds the job
   // closed and goes back to waiting.
   bool run(const std::function<void()>& job) {
@@ -129,11 +132,37 @@ Workers& pool() {
     int threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
     const char* env = std::getenv("BATCHSCOPE_NATIVE_THREADS");
     if (env != nullptr && *env != 0) {  // set and not empty
-      threads = std::clamp(std::atoi(env), 1, 64);
+      threads = std::clamp(std::atoi(env), 1, MAX_THREADS);
     }
     current = new Workers(threads - 1);
   }
   return *current;
+}
+
+// A thread's share of a parallel_for: [begin, end) packed in one word, so that its owner
+// (from the front) and a helper (from the back) claim chunks with one compare-exchange.
+struct alignas(64) Share {
+  std::atomic<uint64_t> range{0};
+};
+
+uint64_t pack(uint32_t begin, uint32_t end) {
+  return static_cast<uint64_t>(end) << 32 | begin;
+}
+
+// Claims up to `chunk` items of the share, from its front or its back; false when it is empty.
+bool take(Share& share, int chunk, bool front, int* begin, int* end) {
+  uint64_t now = share.range.load(std::memory_order_relaxed);
+  for (;;) {
+    const auto lo = static_cast<uint32_t>(now), hi = static_cast<uint32_t>(now >> 32);
+    if (lo >= hi) return false;
+    const uint32_t n = std::min(hi - lo, static_cast<uint32_t>(chunk));
+    const uint64_t next = front ? pack(lo + n, hi) : pack(lo, hi - n);
+    if (share.range.compare_exchange_weak(now, next, std::memory_order_relaxed)) {
+      *begin = static_cast<int>(front ? lo : hi - n);
+      *end = *begin + static_cast<int>(n);
+      return true;
+    }
+  }
 }
 
 }  // namespace
@@ -145,12 +174,26 @@ int parallel_threads() {
 bool parallel_for(int count, int chunk, const std::function<void(int, int)>& body) {
   Workers& workers = pool();
   if (workers.count() == 0 || count <= chunk) return false;
-  std::atomic<int> next{0};
+  // Each thread takes its own contiguous share front to back, then helps the others from the
+  // back of theirs. A thread's chunks follow one another in memory, so the weights it streams
+  // stay one sequential stream (chunks dealt out in turn made every chunk start cold: a
+  // one-row decode step took ~15% longer), and a thread that is late or preempted still has
+  // its share finished by the others.
+  const int threads = workers.count() + 1;
+  Share shares[MAX_THREADS];
+  for (int t = 0; t < threads; ++t) {
+    const auto begin = static_cast<uint32_t>(static_cast<int64_t>(count) * t / threads);
+    const auto end = static_cast<uint32_t>(static_cast<int64_t>(count) * (t + 1) / threads);
+    shares[t].range.store(pack(begin, end), std::memory_order_relaxed);
+  }
+  std::atomic<int> arrived{0};
   const std::function<void()> job = [&] {
-    for (;;) {
-      const int begin = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (begin >= count) return;
-      body(begin, std::min(count, begin + chunk));
+    const int me = arrived.fetch_add(1, std::memory_order_relaxed) % threads;
+    int begin, end;
+    while (take(shares[me], chunk, true, &begin, &end)) body(begin, end);
+    for (int k = 1; k < threads; ++k) {
+      Share& other = shares[(me + k) % threads];
+      while (take(other, chunk, false, &begin, &end)) body(begin, end);
     }
   };
   return workers.run(job);
