@@ -6,9 +6,11 @@ another build). Without it this script says so and exits with code 3.
 
     .venv/bin/python benchmarks/llama_cpp_peer.py [--sections decode serve1 serve] [--threads 2]
 
-decode  the engine's aggregate decode tok/s (weights q4 and f32; benchmarks/engine_batching.py's
-        prompts and method: decode from the extra time of a 33-token call) at 1, 4, 8 and 16
-        sequences, against `llama-batched-bench -npp 64 -ntg 32 -npl 1,4,8,16` (its S_TG).
+decode  the engine's aggregate decode tok/s (weights q4 and f32, and q4 with int8 activations;
+        benchmarks/engine_batching.py's prompts and method: decode from the extra time of a
+        33-token call) at 1, 4, 8 and 16 sequences, against `llama-batched-bench -npp 64
+        -ntg 32 -npl 1,4,8,16` (its S_TG), in --repeats rounds of llama.cpp then each engine
+        (started once): medians of the rounds, and each ratio the median of the rounds' own.
 serve1  one person's view: `batchscope serve` and `llama-server` (-np 1), each driven twice
         (cold, warm) by `batchscope bench serve --num-prompts 12 --max-concurrency 1 --seed 0
         --ignore-eos on`, one request at a time: output tok/s, median TPOT, median TTFT.
@@ -36,6 +38,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -188,48 +191,63 @@ def batched_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[int, float]:
     return rates
 
 
-def engine_decode(weights: str, repeats: int,
-                  activations: str = "float32") -> dict[int, list[float]]:
+# The engines measured against llama.cpp: key -> (weights, activations).
+ENGINES = {"q4": ("q4", "float32"), "f32": ("f32", "float32"), "q4_int8": ("q4", "int8")}
+
+
+def start_engine(weights: str, activations: str) -> Engine:
     config = eb.engine_config(weights, list(SEQUENCES))
     config.activations = activations
     eng = Engine(config).start()
+    eb.run_engine(eng, eb.make_prompts(eng.loaded.tokenizer, 2), 4)  # warm-up
+    return eng
+
+
+def engine_rates(eng: Engine) -> dict[int, float]:
+    """The engine's aggregate decode tok/s at each sequence count, one measurement each."""
+    tokenizer = eng.loaded.tokenizer
+    return {n: eb.rates(eb.measure(lambda p, k: eb.run_engine(eng, p, k),
+                                   eb.make_prompts(tokenizer, n), 32))["decode_tps"]
+            for n in SEQUENCES}
+
+
+def section_decode(bin_dir: Path, gguf: Path, threads: int, rounds: int) -> dict:
+    # Rounds of llama-batched-bench then each engine (started once, kept warm), so that the
+    # machine's drift (runs of one build differ by up to ~15% on a shared host) hits both sides
+    # of a round alike: a ratio is the median of the rounds' own ratios.
+    engines = {}
     try:
-        tokenizer = eng.loaded.tokenizer
-        eb.run_engine(eng, eb.make_prompts(tokenizer, 2), 4)  # warm-up
-        out = {}
-        for n in SEQUENCES:
-            prompts = eb.make_prompts(tokenizer, n)
-            out[n] = [eb.rates(eb.measure(lambda p, k: eb.run_engine(eng, p, k), prompts, 32))
-                      ["decode_tps"] for _ in range(repeats)]
-            log(f"decode: batchscope {weights}, {activations} activations, {n} sequences: "
-                f"{', '.join(f'{r:.1f}' for r in out[n])} tok/s")
-        return {"rates": out, "row_kernels": eng.row_kernels}
+        for key, (weights, activations) in ENGINES.items():
+            log(f"decode: starting the engine, {weights}, {activations} activations...")
+            engines[key] = start_engine(weights, activations)
+        runs = []
+        for r in range(1, rounds + 1):
+            log(f"decode: round {r} of {rounds}: llama-batched-bench...")
+            run = {"llama_cpp": batched_bench(bin_dir, gguf, threads)}
+            for key, eng in engines.items():
+                run[key] = engine_rates(eng)
+            log(f"decode: round {r}: " + "; ".join(
+                f"{key} " + ", ".join(f"{run[key][n]:.1f}" for n in SEQUENCES)
+                for key in ("llama_cpp", *ENGINES)) + f" tok/s at {SEQUENCES} sequences")
+            runs.append(run)
+        row_kernels = engines["q4"].row_kernels
     finally:
-        eng.stop()
-
-
-def section_decode(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dict:
-    # Interleaved: llama.cpp, then each engine, then llama.cpp again, so drift shows.
-    log("decode: llama-batched-bench...")
-    first = batched_bench(bin_dir, gguf, threads)
-    engines = {w: engine_decode(w, repeats) for w in ("q4", "f32")}
-    engines["q4_int8"] = engine_decode("q4", repeats, "int8")
-    log("decode: llama-batched-bench again...")
-    second = batched_bench(bin_dir, gguf, threads)
+        for eng in engines.values():
+            eng.stop()
     rows = []
     for n in SEQUENCES:
-        # The better of the two runs: a run slowed by something else on the machine must not
-        # make batchscope look faster.
-        peer = max(first[n], second[n])
-        q4 = sorted(engines["q4"]["rates"][n])[len(engines["q4"]["rates"][n]) // 2]
-        f32 = sorted(engines["f32"]["rates"][n])[len(engines["f32"]["rates"][n]) // 2]
-        int8 = sorted(engines["q4_int8"]["rates"][n])[len(engines["q4_int8"]["rates"][n]) // 2]
-        rows.append({"sequences": n, "llama_cpp": peer, "llama_cpp_runs": [first[n], second[n]],
-                     "q4": q4, "f32": f32, "q4_int8": int8, "ratio": q4 / peer,
-                     "int8_ratio": int8 / peer, "goal": DECODE_GOAL[n],
-                     "goal_met": q4 / peer >= DECODE_GOAL[n]})
-    return {"rows": rows, "engines": engines, "repeats": repeats,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        row = {"sequences": n, "llama_cpp_runs": [run["llama_cpp"][n] for run in runs]}
+        row["llama_cpp"] = statistics.median(row["llama_cpp_runs"])
+        for key in ENGINES:
+            row[f"{key}_runs"] = [run[key][n] for run in runs]
+            row[key] = statistics.median(row[f"{key}_runs"])
+        for key, name in (("q4", "ratio"), ("q4_int8", "int8_ratio")):
+            row[f"{name}_runs"] = [run[key][n] / run["llama_cpp"][n] for run in runs]
+            row[name] = statistics.median(row[f"{name}_runs"])
+        row |= {"goal": DECODE_GOAL[n], "goal_met": row["ratio"] >= DECODE_GOAL[n]}
+        rows.append(row)
+    return {"rows": rows, "engines": {"q4": {"row_kernels": row_kernels}}, "repeats": rounds,
+            "rounds": True, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 # ---- serve ------------------------------------------------------------------------------------
@@ -315,12 +333,20 @@ def render(data: dict) -> str:
         d = data["decode"]
         q4 = d["engines"]["q4"]
         kernels = q4.get("row_kernels") or q4["decode_matmul"]  # the key of older results
+        if d.get("rounds"):
+            method = (f"llama.cpp (`llama-batched-bench -npp 64 -ntg 32`, its S_TG) and the "
+                      f"engines in process (prompts of 20-120 tokens, decode from the extra time "
+                      f"of a 33-token call) measured in turn, {d['repeats']} rounds: each rate "
+                      f"is the median of the rounds, each ratio the median of the rounds' own "
+                      f"ratios (each round's are below the table)")
+        else:  # results from before the rounds
+            method = ("llama.cpp: `llama-batched-bench -npp 64 -ntg 32` (S_TG, the better of a "
+                      "run before and one after the engine's). batchscope: the engine in "
+                      "process, prompts of 20-120 tokens, decode from the extra time of a "
+                      f"33-token call, median of {d['repeats']}")
         lines += ["## Decode, aggregate tok/s", "",
                   f"Run {d['started']}: {host_text(d['host'])}.", "",
-                  "llama.cpp: `llama-batched-bench -npp 64 -ntg 32` (S_TG, the better of a run "
-                  "before and one after the engine's). batchscope: the engine in process, "
-                  "prompts of 20-120 tokens, decode from the extra time of a 33-token call, "
-                  f"median of {d['repeats']}. Row kernels at q4: {kernels}.", "",
+                  f"{method}. Row kernels at q4: {kernels}.", "",
                   "| sequences | llama.cpp | batchscope q4 | batchscope f32 | q4 / llama.cpp "
                   "| goal | batchscope q4, int8 activations | int8 / llama.cpp |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -331,6 +357,13 @@ def render(data: dict) -> str:
             lines.append(f"| {r['sequences']} | {r['llama_cpp']:.1f} | {r['q4']:.1f} | "
                          f"{r['f32']:.1f} | {r['ratio']:.2f}x | >= {r['goal']:.1f}x: "
                          f"{'met' if r['goal_met'] else 'not met'} | {int8} |")
+        if d.get("rounds"):
+            lines += ["", "| sequences | q4 / llama.cpp, each round | int8 / llama.cpp, each "
+                      "round |", "|---|---|---|"]
+            for r in d["rows"]:
+                lines.append(f"| {r['sequences']} | "
+                             + " | ".join(", ".join(f"{x:.2f}" for x in r[f"{name}_runs"])
+                                          for name in ("ratio", "int8_ratio")) + " |")
         lines.append("")
     if "serve1" in data:
         s = data["serve1"]
@@ -402,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["decode", "serve1", "serve"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                     help="llama.cpp threads (default: all CPUs, as the engine uses)")
-    ap.add_argument("--repeats", type=int, default=3, help="engine rounds per sequence count")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="decode: rounds of llama.cpp and the engines in turn (default 5)")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     bin_dir = llama_cpp_bin()

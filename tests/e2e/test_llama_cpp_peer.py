@@ -169,7 +169,7 @@ def test_its_quickest_run_measures_against_the_build_and_names_the_host(peer, tm
         [sys.executable, "benchmarks/llama_cpp_peer.py", "--sections", "decode", "--repeats",
          "1", "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    assert "# decode: llama-batched-bench again..." in result.stderr  # progress on stderr
+    assert "# decode: round 1 of 1: llama-batched-bench..." in result.stderr  # progress
     md = (out / "llama_cpp.md").read_text()
     data = json.loads((out / "llama_cpp.json").read_text())
     assert "## Serving" not in md and "serve" not in data  # only the section asked for
