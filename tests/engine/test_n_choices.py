@@ -120,8 +120,16 @@ def test_cancelling_midway_frees_every_block(make_engine):
 def test_cancelling_the_first_choice_before_it_samples_releases_the_others(make_engine):
     engine = make_engine(block_size=BLOCK)
     gate = threading.Event()  # the engine thread waits inside a blocker's first step
-    engine.before_forward = lambda plan: gate.wait(10)
+    inside = threading.Event()
+
+    def hold(plan):
+        inside.set()
+        gate.wait(10)
+
+    engine.before_forward = hold
     blocker = engine.submit("blocker", greedy(2))
+    # the choices arrive once the blocker's step has begun, never in the same step
+    assert inside.wait(10)
     handles = submit_choices(engine, PROMPT, greedy(6), 3)
     handles[0].cancel()  # reaches the engine with the choices, before the first one runs
     gate.set()
