@@ -73,8 +73,9 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "state_checkpoint_mib": ("hybrid models: memory for those state checkpoints (0: no "
                              "prefix caching for them)", None),
     "tensor_parallel_size": ("ranks on this machine (ring backend, loopback ports it picks), "
-                             "each holding a shard of the model: llama, qwen2, qwen3, qwen3_moe "
-                             "whose head counts divide by it (see docs/distributed.md)", None),
+                             "each holding a shard of the model: llama, qwen2, qwen3, qwen3_moe, "
+                             "mixtral whose head counts divide by it (see "
+                             "docs/distributed.md)", None),
 }
 # Old flag -> the field it sets now: still accepted, hidden from --help, warned about.
 RENAMED = {"decode_matmul": "row_kernels"}

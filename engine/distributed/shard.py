@@ -7,6 +7,8 @@ n_kv_heads by the group size, so each rank's paged pool holds its share of the K
 mixture-of-experts block (qwen3_moe) is sharded in place: every expert's gate and up hold a
 slice of its outputs, its down the matching slice of its inputs, the router stays whole, and
 the block all_sums its weighted sum of the experts (`sharding_group`), as mlx-lm's does.
+mlx-lm's Mixtral has no shard(); `shard_mixtral` splits it the same way (llama's attention
+under Mixtral's names, every layer's experts in place).
 
 The runner computes a sharded layer exactly (engine/native_ops.py): the column-sharded layers
 are turned back into plain nn.Linear / nn.QuantizedLinear over their slice (their forward is
@@ -24,15 +26,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten, tree_map
 
 from engine.models import UnsupportedModelError, family_for
 from engine.native_ops import ROW_SHARDED
 
 # Families whose layers are llama's block over the step's linears (engine/models/base.py
-# llama_layer), or Qwen3-MoE's block of routed experts, and whose mlx-lm Model.shard() shards
-# exactly those linears and experts.
-SHARDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# llama_layer), or a block of routed experts (Qwen3-MoE, Mixtral), and whose mlx-lm
+# Model.shard() (Mixtral: shard_mixtral) shards exactly those linears and experts.
+SHARDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 _COLUMN_SHARDED = (nn.AllToShardedLinear, nn.QuantizedAllToShardedLinear)
 
 
@@ -42,15 +45,17 @@ def check_shardable(model, size: int, config: dict | None = None) -> None:
     if family.name not in SHARDABLE_FAMILIES:
         raise UnsupportedModelError(
             f"{family.name}: tensor parallelism supports {', '.join(SHARDABLE_FAMILIES)} only")
-    if not callable(getattr(model, "shard", None)):
+    if family.name not in OWN_SHARD and not callable(getattr(model, "shard", None)):
         raise UnsupportedModelError(f"{family.name}: mlx-lm's model has no shard()")
     for i, layer in enumerate(family.layers):
         attn = layer.self_attn
         # The feed-forward that is split: a dense MLP, or a routed block's experts (their
         # weights are (experts, out, in); a dense layer's (out, in): outputs are shape[-2]).
-        ffn = getattr(layer.mlp, "switch_mlp", layer.mlp)
-        expert = "expert " if ffn is not layer.mlp else ""
-        counts = {"attention heads": attn.n_heads, "kv heads": attn.n_kv_heads,
+        block = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
+        ffn = getattr(block, "switch_mlp", block)
+        expert = "expert " if ffn is not block else ""
+        heads, kv_heads = _head_counts(attn)
+        counts = {"attention heads": heads, "kv heads": kv_heads,
                   f"{expert}intermediate size": ffn.gate_proj.weight.shape[-2]}
         for what, n in counts.items():
             if n % size:
@@ -69,7 +74,11 @@ def shard_model(model, group: mx.distributed.Group, config: dict | None = None) 
     """Shard `model` in place over `group` (check_shardable first), with its column-sharded
     layers made plain linears; every rank must call it on the same model."""
     check_shardable(model, group.size(), config)
-    model.shard(group)
+    own = OWN_SHARD.get(family_for(model, config).name)
+    if own is not None:
+        own(model, group)
+    else:
+        model.shard(group)
     model.update_modules(tree_map(_plain, model.leaf_modules(),
                                   is_leaf=lambda m: isinstance(m, nn.Module)))
     allowed = (nn.Linear, nn.QuantizedLinear, *ROW_SHARDED)
@@ -79,6 +88,37 @@ def shard_model(model, group: mx.distributed.Group, config: dict | None = None) 
             raise UnsupportedModelError(f"{name}: {type(m).__name__} is not computed exactly "
                                         "by the runner")
     mx.eval(model.parameters())
+
+
+def _head_counts(attn: nn.Module) -> tuple[int, int]:
+    """(attention heads, kv heads): mlx-lm's llama names, or Mixtral's."""
+    if hasattr(attn, "n_heads"):
+        return attn.n_heads, attn.n_kv_heads
+    return attn.num_heads, attn.num_key_value_heads
+
+
+def shard_mixtral(model, group: mx.distributed.Group) -> None:
+    """mlx-lm's Qwen3-MoE shard() applied to Mixtral, which has none: q/k/v column-sharded,
+    o row-sharded and each rank's share of the heads; every layer's experts sharded in place
+    (gate and up: a slice of each expert's outputs; down: the matching inputs), the router
+    whole, and the block all_summing its weighted sum (engine/models/moe.py Mixtral)."""
+    n = group.size()
+    for layer in model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+        attn.num_heads //= n
+        attn.num_key_value_heads //= n
+        block = layer.block_sparse_moe
+        block.sharding_group = group
+        for name, how in (("gate_proj", "all-to-sharded"), ("down_proj", "sharded-to-all"),
+                          ("up_proj", "all-to-sharded")):
+            shard_inplace(getattr(block.switch_mlp, name), how, group=group)
+
+
+# Families whose mlx-lm model has no shard(): how they are split instead.
+OWN_SHARD = {"mixtral": shard_mixtral}
 
 
 def _plain(m: nn.Module) -> nn.Module:

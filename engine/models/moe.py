@@ -124,7 +124,11 @@ class Mixtral(_MoEFamily):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         scores = mx.softmax(scores, axis=-1, precise=True)
         y = step.experts(i, self._experts[i], x, inds, block.num_experts)
-        return (y * scores[..., None]).sum(axis=-2)
+        y = (y * scores[..., None]).sum(axis=-2)
+        group = getattr(block, "sharding_group", None)  # set by shard_mixtral only
+        if group is not None:  # tensor parallelism: each rank's share of it
+            y = mx.distributed.all_sum(y, group=group)
+        return y
 
 
 def _mixtral_attention(step, i, attn, h):

@@ -41,7 +41,8 @@ def no_ranks(monkeypatch):
 
 
 @pytest.mark.parametrize(("name", "size", "why"), [
-    ("gemma3_text", 2, "gemma3: tensor parallelism supports llama, qwen2, qwen3, qwen3_moe only"),
+    ("gemma3_text", 2,
+     "gemma3: tensor parallelism supports llama, qwen2, qwen3, qwen3_moe, mixtral only"),
     ("llama", 3, "4 attention heads do not split over 3 ranks"),
 ])
 def test_unshardable_refused_by_name_before_ranks_start(tmp_path, no_ranks, name, size, why):
@@ -74,6 +75,8 @@ def _run(mode: str, folder: Path, out: Path, limit: int = 240) -> dict:
     ("llama", WIDER),
     # layers 0 and 2 route to 2 of 8 experts sharded in place, layer 1 is dense
     ("qwen3_moe", {}),
+    # both layers route to 2 of 8 experts, each sharded in place (its own shard: mlx-lm has none)
+    ("mixtral", WIDER),
 ])
 def test_two_ranks_give_one_ranks_greedy_ids(tmp_path, name, overrides):
     folder = _folder(tmp_path, name, **overrides)
