@@ -74,7 +74,7 @@ FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
                              "prefix caching for them)", None),
     "tensor_parallel_size": ("ranks on this machine (ring backend, loopback ports it picks), "
                              "each holding a shard of the model: llama, qwen2, qwen3, qwen3_moe, "
-                             "mixtral whose head counts divide by it (see "
+                             "mixtral, gpt_oss whose head counts divide by it (see "
                              "docs/distributed.md)", None),
 }
 # Old flag -> the field it sets now: still accepted, hidden from --help, warned about.

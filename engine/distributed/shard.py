@@ -8,7 +8,9 @@ mixture-of-experts block (qwen3_moe) is sharded in place: every expert's gate an
 slice of its outputs, its down the matching slice of its inputs, the router stays whole, and
 the block all_sums its weighted sum of the experts (`sharding_group`), as mlx-lm's does.
 mlx-lm's Mixtral has no shard(); `shard_mixtral` splits it the same way (llama's attention
-under Mixtral's names, every layer's experts in place).
+under Mixtral's names, every layer's experts in place). gpt-oss's shard() also gives each rank
+its heads' attention sinks and divides every expert's down bias by N (the all_sum adds the N
+shares back).
 
 The runner computes a sharded layer exactly (engine/native_ops.py): the column-sharded layers
 are turned back into plain nn.Linear / nn.QuantizedLinear over their slice (their forward is
@@ -33,9 +35,9 @@ from engine.models import UnsupportedModelError, family_for
 from engine.native_ops import ROW_SHARDED
 
 # Families whose layers are llama's block over the step's linears (engine/models/base.py
-# llama_layer), or a block of routed experts (Qwen3-MoE, Mixtral), and whose mlx-lm
+# llama_layer), or a block of routed experts (Qwen3-MoE, Mixtral, gpt-oss), and whose mlx-lm
 # Model.shard() (Mixtral: shard_mixtral) shards exactly those linears and experts.
-SHARDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SHARDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 _COLUMN_SHARDED = (nn.AllToShardedLinear, nn.QuantizedAllToShardedLinear)
 
 
@@ -51,9 +53,7 @@ def check_shardable(model, size: int, config: dict | None = None) -> None:
         attn = layer.self_attn
         # The feed-forward that is split: a dense MLP, or a routed block's experts (their
         # weights are (experts, out, in); a dense layer's (out, in): outputs are shape[-2]).
-        block = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
-        ffn = getattr(block, "switch_mlp", block)
-        expert = "expert " if ffn is not block else ""
+        ffn, expert = _feed_forward(layer)
         heads, kv_heads = _head_counts(attn)
         counts = {"attention heads": heads, "kv heads": kv_heads,
                   f"{expert}intermediate size": ffn.gate_proj.weight.shape[-2]}
@@ -87,14 +87,29 @@ def shard_model(model, group: mx.distributed.Group, config: dict | None = None) 
         if "distributed" in type(m).__module__ and not isinstance(m, allowed):
             raise UnsupportedModelError(f"{name}: {type(m).__name__} is not computed exactly "
                                         "by the runner")
-    mx.eval(model.parameters())
+    # Private arrays too (YaRN's _freqs): each is computed on the stream of the thread that
+    # made it, and rank 0 runs its steps on a thread of its own (worker.py).
+    private = [v for _, m in model.named_modules() for k, v in m.items()
+               if k.startswith("_") and isinstance(v, mx.array)]
+    mx.eval(model.parameters(), private)
 
 
 def _head_counts(attn: nn.Module) -> tuple[int, int]:
-    """(attention heads, kv heads): mlx-lm's llama names, or Mixtral's."""
+    """(attention heads, kv heads) under mlx-lm's llama, Mixtral or gpt-oss names."""
     if hasattr(attn, "n_heads"):
         return attn.n_heads, attn.n_kv_heads
-    return attn.num_heads, attn.num_key_value_heads
+    heads = attn.num_heads if hasattr(attn, "num_heads") else attn.num_attention_heads
+    return heads, attn.num_key_value_heads
+
+
+def _feed_forward(layer: nn.Module) -> tuple[nn.Module, str]:
+    """The layer's feed-forward that is split, and "expert " where it is a block's routed
+    experts (Qwen3-MoE and Mixtral: switch_mlp; gpt-oss: experts), else ""."""
+    block = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
+    for name in ("switch_mlp", "experts"):
+        if hasattr(block, name):
+            return getattr(block, name), "expert "
+    return block, ""
 
 
 def shard_mixtral(model, group: mx.distributed.Group) -> None:

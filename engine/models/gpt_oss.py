@@ -78,7 +78,10 @@ class GptOss(Family):
         logits, indices = gpt_oss.mlx_topk(g, k=mlp.num_experts_per_tok, axis=-1)
         weights = mx.softmax(logits, axis=-1, precise=True)
         y = step.experts(i, self.experts[i], h, indices, mlp.num_local_experts)
-        return (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
+        y = (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
+        if mlp.sharding_group is not None:  # tensor parallelism: each rank's share of it
+            y = mx.distributed.all_sum(y, group=mlp.sharding_group)
+        return y
 
     def expert_layers(self):
         return {i: e.num_experts for i, e in enumerate(self.experts)}

@@ -128,7 +128,7 @@ def _folder(tmp_path: Path, name: str, quantize: bool, **overrides) -> Path:
 
 
 @pytest.mark.parametrize(("name", "size", "overrides", "why"), [
-    ("gemma3_text", 2, {}, "supports llama, qwen2, qwen3, qwen3_moe, mixtral only"),
+    ("gemma3_text", 2, {}, "supports llama, qwen2, qwen3, qwen3_moe, mixtral, gpt_oss only"),
     ("llama", 3, {}, "4 attention heads do not split over 3 ranks"),
     ("llama", 4, {}, "2 kv heads do not split over 4 ranks"),
     ("qwen3_moe", 2, {"moe_intermediate_size": 33},
@@ -136,6 +136,9 @@ def _folder(tmp_path: Path, name: str, quantize: bool, **overrides) -> Path:
     ("mixtral", 2, {"intermediate_size": 33},
      "33 expert intermediate size do not split over 2 ranks"),
     ("mixtral", 4, {}, "2 kv heads do not split over 4 ranks"),
+    ("gpt_oss", 2, {"intermediate_size": 33},
+     "33 expert intermediate size do not split over 2 ranks"),
+    ("gpt_oss", 3, {}, "4 attention heads do not split over 3 ranks"),
 ])
 def test_unshardable_refused_by_name(tmp_path, name, size, overrides, why):
     loaded = load_model(str(_folder(tmp_path, name, False, **overrides)), "f32")
@@ -165,10 +168,10 @@ def _ranks(*args: str, limit: int = 150) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["f32", "q4"])
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_two_ranks_generate_one_ranks_tokens(tmp_path, name, weights):
-    # qwen3_moe: every expert's 128-wide intermediate split in two whole 4-bit groups (mixtral:
-    # WIDER's 256 is each expert's, 128 a rank)
+    # qwen3_moe: every expert's 128-wide intermediate split in two whole 4-bit groups (mixtral,
+    # gpt_oss: WIDER's 256 is each expert's, 128 a rank)
     experts = {"moe_intermediate_size": 128} if name == "qwen3_moe" else {}
     folder = _folder(tmp_path, name, weights == "q4", **WIDER, **experts)
     out = tmp_path / "out.json"

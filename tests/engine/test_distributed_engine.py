@@ -42,7 +42,8 @@ def no_ranks(monkeypatch):
 
 @pytest.mark.parametrize(("name", "size", "why"), [
     ("gemma3_text", 2,
-     "gemma3: tensor parallelism supports llama, qwen2, qwen3, qwen3_moe, mixtral only"),
+     "gemma3: tensor parallelism supports llama, qwen2, qwen3, qwen3_moe, mixtral, gpt_oss "
+     "only"),
     ("llama", 3, "4 attention heads do not split over 3 ranks"),
 ])
 def test_unshardable_refused_by_name_before_ranks_start(tmp_path, no_ranks, name, size, why):
@@ -77,6 +78,9 @@ def _run(mode: str, folder: Path, out: Path, limit: int = 240) -> dict:
     ("qwen3_moe", {}),
     # both layers route to 2 of 8 experts, each sharded in place (its own shard: mlx-lm has none)
     ("mixtral", WIDER),
+    # attention sinks split with the heads, sliding-window layers, biased experts (down's bias
+    # divided by the ranks, as mlx-lm's shard() does)
+    ("gpt_oss", WIDER),
 ])
 def test_two_ranks_give_one_ranks_greedy_ids(tmp_path, name, overrides):
     folder = _folder(tmp_path, name, **overrides)
