@@ -216,6 +216,7 @@ def section_decode(bin_dir: Path, gguf: Path, threads: int, rounds: int) -> dict
     # Rounds of llama-batched-bench then each engine (started once, kept warm), so that the
     # machine's drift (runs of one build differ by up to ~15% on a shared host) hits both sides
     # of a round alike: a ratio is the median of the rounds' own ratios.
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
     engines = {}
     try:
         for key, (weights, activations) in ENGINES.items():
@@ -248,7 +249,7 @@ def section_decode(bin_dir: Path, gguf: Path, threads: int, rounds: int) -> dict
         row |= {"goal": DECODE_GOAL[n], "goal_met": row["ratio"] >= DECODE_GOAL[n]}
         rows.append(row)
     return {"rows": rows, "engines": {"q4": {"row_kernels": row_kernels}}, "repeats": rounds,
-            "rounds": True, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "rounds": True, "started": started}
 
 
 # ---- serve ------------------------------------------------------------------------------------
