@@ -181,6 +181,10 @@ def load_folder(path: str | Path, weights: str = "auto") -> LoadedModel:
 def load_model(source: str = "embedded", weights: str = "auto") -> LoadedModel:
     """Load the embedded model (source="embedded") or a local mlx-lm folder (a path)."""
     validate_weights(weights)
-    if source == "embedded":
-        return load_embedded(weights)
-    return load_folder(source, weights)
+    loaded = load_embedded(weights) if source == "embedded" else load_folder(source, weights)
+    # The arrays a module keeps out of its parameters (YaRN's _freqs) are left lazy by mlx-lm.
+    # MLX computes an array on the stream of the thread that made it, and the steps may run on
+    # another thread (rank 0 of tensor parallelism: engine/distributed/worker.py).
+    mx.eval([v for _, m in loaded.model.named_modules() for k, v in m.items()
+             if k.startswith("_") and isinstance(v, mx.array)])
+    return loaded

@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten, tree_map
 
-from engine.models import UnsupportedModelError, family_for
+from engine.models import Family, UnsupportedModelError, family_for
 from engine.native_ops import ROW_SHARDED
 
 # Families whose layers are llama's block over the step's linears (engine/models/base.py
@@ -41,8 +41,9 @@ SHARDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_os
 _COLUMN_SHARDED = (nn.AllToShardedLinear, nn.QuantizedAllToShardedLinear)
 
 
-def check_shardable(model, size: int, config: dict | None = None) -> None:
-    """UnsupportedModelError naming why `model` cannot be split over `size` ranks."""
+def check_shardable(model, size: int, config: dict | None = None) -> Family:
+    """UnsupportedModelError naming why `model` cannot be split over `size` ranks; else the
+    model's family."""
     family = family_for(model, config)
     if family.name not in SHARDABLE_FAMILIES:
         raise UnsupportedModelError(
@@ -68,13 +69,14 @@ def check_shardable(model, size: int, config: dict | None = None) -> None:
                     raise UnsupportedModelError(
                         f"{family.name} layer {i}: {name}'s {inputs} inputs over {size} ranks "
                         f"are not whole quantization groups of {m.group_size}")
+    return family
 
 
 def shard_model(model, group: mx.distributed.Group, config: dict | None = None) -> None:
     """Shard `model` in place over `group` (check_shardable first), with its column-sharded
     layers made plain linears; every rank must call it on the same model."""
-    check_shardable(model, group.size(), config)
-    own = OWN_SHARD.get(family_for(model, config).name)
+    family = check_shardable(model, group.size(), config)
+    own = OWN_SHARD.get(family.name)
     if own is not None:
         own(model, group)
     else:
@@ -87,11 +89,7 @@ def shard_model(model, group: mx.distributed.Group, config: dict | None = None) 
         if "distributed" in type(m).__module__ and not isinstance(m, allowed):
             raise UnsupportedModelError(f"{name}: {type(m).__name__} is not computed exactly "
                                         "by the runner")
-    # Private arrays too (YaRN's _freqs): each is computed on the stream of the thread that
-    # made it, and rank 0 runs its steps on a thread of its own (worker.py).
-    private = [v for _, m in model.named_modules() for k, v in m.items()
-               if k.startswith("_") and isinstance(v, mx.array)]
-    mx.eval(model.parameters(), private)
+    mx.eval(model.parameters())
 
 
 def _head_counts(attn: nn.Module) -> tuple[int, int]:

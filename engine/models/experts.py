@@ -62,3 +62,12 @@ def check_expert_dtype(switch: nn.Module) -> None:
         raise UnsupportedModelError(
             f"dense {weight.dtype} experts do not run on the CPU backend (MLX's gather_mm "
             "computes float32 only there): load the model with --weights f32 or as shipped")
+
+
+def sum_over_ranks(y: mx.array, block: nn.Module) -> mx.array:
+    """A routed block's weighted sum of its experts, all_summed over its `sharding_group`
+    where tensor parallelism split each expert (each rank holds a slice of every expert, as
+    mlx-lm's blocks do); y itself otherwise. mlx-lm's Mixtral block has no such attribute
+    until engine/distributed/shard.py gives it one."""
+    group = getattr(block, "sharding_group", None)
+    return y if group is None else mx.distributed.all_sum(y, group=group)

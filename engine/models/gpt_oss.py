@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models import gpt_oss
 
 from engine.models.base import Family, LayerKV, UnsupportedModelError
-from engine.models.experts import SwitchExperts
+from engine.models.experts import SwitchExperts, sum_over_ranks
 
 
 def uncompiled_swiglu_oai(gate: mx.array, x: mx.array, alpha: float, limit: float) -> mx.array:
@@ -78,10 +78,7 @@ class GptOss(Family):
         logits, indices = gpt_oss.mlx_topk(g, k=mlp.num_experts_per_tok, axis=-1)
         weights = mx.softmax(logits, axis=-1, precise=True)
         y = step.experts(i, self.experts[i], h, indices, mlp.num_local_experts)
-        y = (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
-        if mlp.sharding_group is not None:  # tensor parallelism: each rank's share of it
-            y = mx.distributed.all_sum(y, group=mlp.sharding_group)
-        return y
+        return sum_over_ranks((y * mx.expand_dims(weights, axis=-1)).sum(axis=-2), mlp)
 
     def expert_layers(self):
         return {i: e.num_experts for i, e in enumerate(self.experts)}

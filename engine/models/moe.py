@@ -25,7 +25,7 @@ from engine.models.base import (
     llama_attention,
     swiglu_mlp,
 )
-from engine.models.experts import SwitchExperts
+from engine.models.experts import SwitchExperts, sum_over_ranks
 
 
 def swiglu_experts(switch: nn.Module) -> SwitchExperts:
@@ -90,10 +90,7 @@ class Qwen3Moe(_MoEFamily):
         if block.norm_topk_prob:
             scores /= mx.sum(scores, axis=-1, keepdims=True)
         y = step.experts(i, self._experts[i], x, inds, block.num_experts)
-        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-        if block.sharding_group is not None:  # tensor parallelism: each rank's share of it
-            y = mx.distributed.all_sum(y, group=block.sharding_group)
-        return y
+        return sum_over_ranks((y * scores[..., None]).sum(axis=-2).astype(y.dtype), block)
 
 
 class Mixtral(_MoEFamily):
@@ -124,11 +121,7 @@ class Mixtral(_MoEFamily):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         scores = mx.softmax(scores, axis=-1, precise=True)
         y = step.experts(i, self._experts[i], x, inds, block.num_experts)
-        y = (y * scores[..., None]).sum(axis=-2)
-        group = getattr(block, "sharding_group", None)  # set by shard_mixtral only
-        if group is not None:  # tensor parallelism: each rank's share of it
-            y = mx.distributed.all_sum(y, group=group)
-        return y
+        return sum_over_ranks((y * scores[..., None]).sum(axis=-2), block)
 
 
 def _mixtral_attention(step, i, attn, h):

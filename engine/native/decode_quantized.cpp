@@ -361,17 +361,10 @@ void fused_tile(const Problem& p, int n0) {
   }
 }
 
-// Prefetch the scales and biases of outputs [n, n + count) (the kernels prefetch the packed
-// weights themselves, a tile or two ahead).
+// Prefetch the scales and biases of outputs [n, n + count) (quantized_common.h).
 inline void prefetch_scales(const Problem& p, int n, int count) {
-  const size_t groups = static_cast<size_t>(p.K / p.group_size);
-  const size_t size = p.scale_type == ScaleType::f32 ? 4 : 2;
-  const size_t begin = n * groups * size, end = (n + count) * groups * size;
-  for (const void* a : {p.scales, p.biases}) {
-    const char* base = static_cast<const char*>(a);
-    for (size_t b = begin; b < end; b += 64) __builtin_prefetch(base + b);
-    __builtin_prefetch(base + end - 1);
-  }
+  batchscope::prefetch_scales(p.scales, p.biases, p.scale_type,
+                              static_cast<size_t>(p.K / p.group_size), n, count);
 }
 
 // Prefetch everything output n's packed weights occupy.

@@ -1,5 +1,5 @@
-// What the affine-quantized linear kernels share: how they read a scale or bias, and which of
-// their vector paths this build has.
+// What the affine-quantized linear kernels share: how they read and prefetch a scale or bias,
+// and which of their vector paths this build has.
 #pragma once
 
 #include <cstddef>
@@ -33,6 +33,20 @@ inline float scale_at(const void* p, ScaleType t, size_t i) {
     case ScaleType::f16: return to_float(static_cast<const mx::float16_t*>(p)[i]);
     case ScaleType::bf16: return to_float(static_cast<const mx::bfloat16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// Prefetch the scales and biases of outputs [n, n + count), each output `groups` of them:
+// a stream of their own beside the packed weights (which the kernels prefetch themselves), a
+// cold miss per tile without it.
+inline void prefetch_scales(const void* scales, const void* biases, ScaleType t, size_t groups,
+                            int n, int count) {
+  const size_t size = t == ScaleType::f32 ? 4 : 2;
+  const size_t begin = n * groups * size, end = (n + count) * groups * size;
+  for (const void* a : {scales, biases}) {
+    const char* base = static_cast<const char*>(a);
+    for (size_t b = begin; b < end; b += 64) __builtin_prefetch(base + b);
+    __builtin_prefetch(base + end - 1);
   }
 }
 

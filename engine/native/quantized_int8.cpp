@@ -295,27 +295,16 @@ void vnni_outputs_nt(const Job& j, int n0) {
   }
 }
 
-// Prefetch the scales and biases of outputs [n, n + count): a separate stream from the packed
-// weights (which the kernel prefetches a tile ahead itself), a cold miss per tile without it.
-template <ScaleType T>
-void prefetch_scales(const Job& j, int n, int count) {
-  const size_t size = T == ScaleType::f32 ? 4 : 2;
-  const size_t begin = static_cast<size_t>(n) * j.rows.G * size;
-  const size_t end = begin + static_cast<size_t>(count) * j.rows.G * size;
-  for (const void* a : {j.scales, j.biases}) {
-    const char* base = static_cast<const char*>(a);
-    for (size_t b = begin; b < end; b += 64) __builtin_prefetch(base + b);
-    __builtin_prefetch(base + end - 1);
-  }
-}
-
 template <int BITS, ScaleType T>
 void vnni_outputs(const Job& j, int n_begin, int n_end) {
   int n = n_begin;
-  prefetch_scales<T>(j, n, std::min(VNNI_NR, n_end - n));
+  const size_t G = j.rows.G;
+  prefetch_scales(j.scales, j.biases, T, G, n, std::min(VNNI_NR, n_end - n));
   for (; n + VNNI_NR <= n_end; n += VNNI_NR) {
-    const int ahead = n + VNNI_NR;
-    if (ahead < n_end) prefetch_scales<T>(j, ahead, std::min(VNNI_NR, n_end - ahead));
+    const int ahead = n + VNNI_NR;  // the next tile's, a tile ahead
+    if (ahead < n_end) {
+      prefetch_scales(j.scales, j.biases, T, G, ahead, std::min(VNNI_NR, n_end - ahead));
+    }
     vnni_outputs_nt<BITS, T, VNNI_NR>(j, n);
   }
   for (; n < n_end; ++n) vnni_outputs_nt<BITS, T, 1>(j, n);

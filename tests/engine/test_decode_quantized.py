@@ -167,10 +167,12 @@ print(native.decode_quantized_isa())
 
 
 def test_the_thread_count_and_the_isa_variable_do_not_change_the_bits(tmp_path):
-    """BATCHSCOPE_NATIVE_THREADS=1 against a pool of 3; BATCHSCOPE_QUANTIZED_ISA=portable."""
+    """BATCHSCOPE_NATIVE_THREADS=1 against a pool of 3 and of 8 (more threads than this
+    machine's cores: a preempted thread's share is finished by the others); and
+    BATCHSCOPE_QUANTIZED_ISA=portable."""
     kernel()
     outs, isas = [], []
-    for threads, isa in (("1", ""), ("3", ""), ("3", "portable")):
+    for threads, isa in (("1", ""), ("3", ""), ("3", "portable"), ("8", "")):
         path = tmp_path / f"out{threads}{isa}.npy"
         env = {**os.environ, "BATCHSCOPE_NATIVE_THREADS": threads,
                "BATCHSCOPE_QUANTIZED_ISA": isa}
@@ -180,6 +182,7 @@ def test_the_thread_count_and_the_isa_variable_do_not_change_the_bits(tmp_path):
         isas.append(done.stdout.strip())
     assert isas[2] == "portable"
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    assert np.array_equal(outs[0], outs[3])
 
 
 def test_refuses_bad_inputs_before_running():
