@@ -116,6 +116,10 @@ def measure(run, prompts, max_tokens: int) -> dict:
     full = run(prompts, max_tokens + 1)
     assert first["generated"] == len(prompts), first
     assert full["generated"] == len(prompts) * (max_tokens + 1), full
+    if full["wall"] <= first["wall"]:  # a first call that compiled kernels (a GPU's JIT)
+        raise RuntimeError(f"the max_tokens=1 call took {first['wall']:.2f} s, the "
+                           f"max_tokens={max_tokens + 1} call {full['wall']:.2f} s: no decode "
+                           "time is left to measure (was the warm-up short?)")
     return full | {"prompt_tokens": sum(map(len, prompts)), "prefill_time": first["wall"],
                    "decode_tokens": full["generated"] - first["generated"],
                    "decode_time": full["wall"] - first["wall"], "first_call": first}
@@ -194,6 +198,9 @@ def compare(eng: Engine, loaded, concurrency: list[int], max_tokens: int, repeat
     rows = []
     for c in concurrency:
         prompts = make_prompts(loaded.tokenizer, c)
+        # Untimed, at this batch's shapes: a GPU backend compiles kernels on first use.
+        run_engine(eng, prompts, 2)
+        run_batch_generate(loaded.model, loaded.tokenizer, prompts, 2)
         rounds = []
         for i in range(repeats):
             log(f"# concurrency {c}, round {i + 1}/{repeats}: engine, batch_generate, serial...")

@@ -1,0 +1,32 @@
+"""benchmarks/engine_batching.py's measure: decode is the full call's extra time, and a first
+call slower than the full one (kernels compiled on first use) is refused, not reported as a
+negative rate."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import engine_batching  # noqa: E402
+
+
+def fake_run(walls: dict[int, float]):
+    def run(prompts, max_tokens):
+        return {"generated": len(prompts) * max_tokens, "wall": walls[max_tokens]}
+    return run
+
+
+def test_decode_is_the_extra_time_of_the_full_call():
+    m = engine_batching.measure(fake_run({1: 0.5, 33: 2.1}), [[1, 2], [3]], 32)
+    assert m["decode_tokens"] == 64
+    assert m["decode_time"] == pytest.approx(1.6)
+    assert engine_batching.rates(m)["decode_tps"] == pytest.approx(40.0)
+
+
+def test_a_first_call_slower_than_the_full_one_is_refused():
+    with pytest.raises(RuntimeError, match="no decode time is left"):
+        engine_batching.measure(fake_run({1: 3.0, 33: 2.1}), [[1, 2], [3]], 32)
