@@ -20,6 +20,10 @@ from pathlib import Path
 # Set to "1" to keep MLX on its bundled BLAS (tests and benchmarks that compare the two).
 NO_BLAS_ENV = "BATCHSCOPE_NO_BLAS"
 
+# MLX's switch for TensorFloat-32 (10-bit mantissas) in float32 matmuls on CUDA and Metal; on
+# by default in MLX, read once, at a GPU's first float32 matmul. The CPU never uses it.
+TF32_ENV = "MLX_ENABLE_TF32"
+
 _SONAME = "libopenblas.so.0"
 
 # What preload_blas() loaded in this process (None: nothing yet, or nothing found).
@@ -88,6 +92,26 @@ def preload_blas() -> str | None:
     return _loaded
 
 
+def keep_float32_exact() -> None:
+    """Float32 weights mean float32 matmuls: TF32 off unless the environment turns it on.
+
+    On MLX's CUDA backend TF32 gave float32 matmuls a relative error of 3.4e-4 (1.4e-6 on the
+    CPU) and moved greedy logprobs 3e-3 from mlx-lm's on the same weights (docs/gpu.md). Set
+    MLX_ENABLE_TF32=1 to trade that precision for speed; the start-up log says which holds."""
+    os.environ.setdefault(TF32_ENV, "0")
+
+
+def float32_matmuls(backend: str) -> str:
+    """How float32 matmuls run on `backend`: "float32", or "tf32" where MLX_ENABLE_TF32 turns
+    TensorFloat-32 on (a GPU backend only)."""
+    if backend == "cpu":
+        return "float32"
+    try:
+        return "tf32" if int(os.environ.get(TF32_ENV, "1")) else "float32"
+    except ValueError:  # MLX reads the variable as an integer too
+        return "tf32"
+
+
 def _resolve_loaded_path(name: str) -> str:
     """Turn a soname like "libopenblas.so.0" into the file the loader actually mapped."""
     if os.path.isabs(name):
@@ -131,6 +155,7 @@ def backend_info() -> dict:
 
     return {
         "backend": backend,
+        "float32_matmuls": float32_matmuls(backend),
         "mlx_version": mx.__version__,
         "blas": _loaded,
         "platform": sys.platform,

@@ -4,6 +4,7 @@ or rank 0 of N over engine/distributed/) and what it logs once the model is read
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from engine.distributed.worker import pool_dtype
 from engine.model_loader import LoadedModel
 from engine.model_runner import ModelRunner, pool_for
 from engine.models import Family
-from engine.platform import backend_info
+from engine.platform import TF32_ENV, backend_info
 from engine.state_pool import StatePool
 from engine.telemetry import RankTimes
 
@@ -54,6 +55,12 @@ def log_model(engine: Engine, family: Family, states: StatePool | None) -> None:
              loaded.name, family.name, loaded.weights, info["backend"],
              info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
              engine.max_model_len, engine.attention, engine.row_kernels)
+    if info["backend"] != "cpu":
+        log.info("float32 matmuls: %s (MLX_ENABLE_TF32=%s)", info["float32_matmuls"],
+                 os.environ.get(TF32_ENV, "1"))
+        if info["float32_matmuls"] == "tf32" and loaded.weights == "f32":
+            log.warning("f32 weights with TF32 on: float32 matmuls keep 10 mantissa bits, "
+                        "and the tokens may differ from mlx-lm's float32 ones")
     for line in family.describe_layers():
         log.info("layers: %s", line)
 
