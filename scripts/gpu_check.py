@@ -55,8 +55,13 @@ def cmd_device(args: argparse.Namespace) -> int:
         "cuda_available": bool(cuda is not None and cuda.is_available()),
         "device_info": _device_info(mx),
         "backend": info["backend"], "blas": blas_name(info.get("blas")),
+        "float32_matmuls": info["float32_matmuls"],
         "mlx_version": mx.__version__, "mlx_lm_version": mlx_lm.__version__,
     }
+    # Printed before the engine starts: a GPU's first run compiles kernels for a while.
+    for key in ("default_device", "backend", "metal_available", "cuda_available", "device_info",
+                "float32_matmuls", "mlx_version", "mlx_lm_version"):
+        print(f"{key}: {found[key]}", flush=True)
     with Engine(EngineConfig(num_kv_blocks=64)).start() as eng:
         found["auto"] = {"weights": eng.loaded.weights, "attention": eng.attention,
                          "row_kernels": eng.row_kernels,
@@ -74,9 +79,7 @@ def cmd_device(args: argparse.Namespace) -> int:
             problems.append("the native CPU kernels were loaded on a GPU backend")
     found["problems"] = problems
     _write_json(Path(args.out) / "device.json", found)
-    for key in ("default_device", "backend", "metal_available", "cuda_available", "device_info",
-                "mlx_version", "mlx_lm_version", "native_kernels_loaded"):
-        print(f"{key}: {found[key]}")
+    print(f"native_kernels_loaded: {found['native_kernels_loaded']}")
     for key, value in found["auto"].items():
         print(f"auto {key}: {value}")
     for problem in problems:
@@ -268,6 +271,7 @@ def render(report: dict) -> str:
         f"{device.get('backend', '?')}; metal {device.get('metal_available', '?')}, cuda "
         f"{device.get('cuda_available', '?')}) |",
         f"| device info | {device.get('device_info')} |",
+        f"| float32 matmuls | {device.get('float32_matmuls', '?')} |",
         f"| packages | {', '.join(f'{k} {v}' for k, v in report['packages'].items())}; "
         f"Python {report['python']} |",
     ]
