@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import native
+from engine import collectives, native
 from engine.attention import use_fused_attention
 from engine.config import (
     DEFAULT_TILE,
@@ -44,6 +44,16 @@ WIDENS_EXACTLY = (mx.float32, mx.float16, mx.bfloat16)
 # holds a slice of the input features. `linear` runs the native kernel on the slice, then
 # all_sum over the ranks, then the bias, as the layer's own forward does.
 ROW_SHARDED = (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)
+
+
+def _row_slice(module, x: mx.array) -> mx.array:
+    """A row-sharded layer's product on this rank's slice, as its own forward computes it
+    before the all_sum (mlx.nn.layers.distributed)."""
+    if "scales" not in module:
+        return x @ module["weight"].T
+    return mx.quantized_matmul(x, module["weight"], scales=module["scales"],
+                               biases=module.get("biases"), transpose=True,
+                               group_size=module.group_size, bits=module.bits, mode=module.mode)
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,13 +195,17 @@ class NativeOps:
                tile: int = DEFAULT_TILE, tally: PathTally | None = None) -> mx.array:
         """A linear layer on x (1, rows, features); tied=True: an embedding as the head."""
         found = self._native_linear(module, tied, x.dtype) if path != KernelPath.GEMV else None
-        if found is not None and (path == KernelPath.TILED or x.shape[1] <= found[1]):
+        native = found is not None and (path == KernelPath.TILED or x.shape[1] <= found[1])
+        if type(module) in ROW_SHARDED:  # its slice here, then the sum over the ranks
+            out = (_in_row_chunks(found[0], x, found[1], tally) if native
+                   else apply_linear(lambda v: _row_slice(module, v), x, path, tile, tally))
+            out = collectives.all_sum(out, module.group)
+        elif native:
             out = _in_row_chunks(found[0], x, found[1], tally)
-            if type(module) in ROW_SHARDED:
-                out = mx.distributed.all_sum(out, group=module.group)
-            bias = getattr(module, "bias", None)
-            return out if bias is None else out + bias
-        return apply_linear(module.as_linear if tied else module, x, path, tile, tally)
+        else:
+            return apply_linear(module.as_linear if tied else module, x, path, tile, tally)
+        bias = getattr(module, "bias", None)
+        return out if bias is None else out + bias
 
     def _native_linear(self, module, tied: bool, dtype: mx.Dtype) -> tuple | None:
         """(the native kernel that takes this layer, as a function of x; its row limit), or

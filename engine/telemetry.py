@@ -33,6 +33,9 @@ class RankTimes:
     wall_s: float  # the step after the plan broadcast: forward (its all_sums inside), sampling
     model_s: float  # forward + sampling, evaluated (StepOutput.model_time)
     broadcast_s: float  # in the plan broadcast (ranks > 0: waiting for rank 0's plan included)
+    # In the forward's all_sums, waiting for the peers there included; None unless timed
+    # (--time-collectives).
+    all_sum_s: float | None = None
 
 
 @dataclass

@@ -155,7 +155,7 @@
     $("rank-rows").replaceChildren(...ranks.map((r) => el("tr", {"data-rank": r.rank},
       el("td", {}, String(r.rank)), el("td", {class: "num"}, String(r.port)),
       el("td", {class: "num"}, ms(r.wall_s)), el("td", {class: "num"}, ms(r.model_s)),
-      el("td", {class: "num"}, ms(r.broadcast_s)),
+      el("td", {class: "num"}, ms(r.all_sum_s)), el("td", {class: "num"}, ms(r.broadcast_s)),
       el("td", {}, el("span", {class: "meter"}, el("i", {style: "--f: " +
         (slowest && r.wall_s !== null ? r.wall_s / slowest : 0).toFixed(3)}))))));
   }

@@ -133,7 +133,8 @@ def serve(folder: str, out: dict) -> None:
 
     body = {"model": Path(folder).name, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True}
-    with TestClient(create_app(Settings(engine=config(folder, 2)))) as client:
+    settings = Settings(engine=config(folder, 2, time_collectives=True))
+    with TestClient(create_app(settings)) as client:
         engine = client.app.state.engine
         out["ports"] = engine.runner.ports
         done = client.post("/v1/completions", json=body)
@@ -214,6 +215,9 @@ def main(argv: list[str]) -> int:
         if mode == "greedy":
             out.update(greedy(engine))
             out["ranks"] = [[r.rank for r in s.ranks] for s in engine.steps.recent()]
+            # --time-collectives is off by default: no all_sum time, rather than a zero
+            out["all_sum_s"] = sorted({repr(r.all_sum_s) for s in engine.steps.recent()
+                                       for r in s.ranks})
             out["idle_cpu"] = idle_cpu(ranks.processes[1].pid)
         else:
             _kill(engine, ranks, out)

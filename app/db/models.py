@@ -197,8 +197,8 @@ class Step(Base):
     # matchers took (StepRecord.constrained_rows, mask_ms); 0 for an unconstrained step.
     constrained_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     mask_ms: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
-    # Tensor parallelism: per rank {"rank", "wall_s", "model_s", "broadcast_s"}
-    # (StepRecord.ranks); NULL for one rank.
+    # Tensor parallelism: per rank {"rank", "wall_s", "model_s", "broadcast_s", "all_sum_s"}
+    # (StepRecord.ranks; all_sum_s since it was measured); NULL for one rank.
     ranks_json: Mapped[list | None] = mapped_column(NullableJSON)
     # Async scheduling: built and queued while the step before computed, and the rows it
     # computed for requests that had ended (StepRecord.overlapped, discarded_rows).

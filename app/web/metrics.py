@@ -145,6 +145,9 @@ class EngineMetrics:
         self.rank_broadcast = counter("rank_plan_broadcast_seconds", "Time each rank spent in "
                                       "the steps' plan broadcasts (ranks > 0: waiting for "
                                       "rank 0's plan included).", ("rank",))
+        self.rank_all_sum = counter("rank_all_sum_seconds", "Time each rank spent in the "
+                                    "forwards' all_sums (waiting for its peers there "
+                                    "included).", ("rank",))
 
         self._lock = threading.Lock()  # steps arrive on the engine thread, backfill on the loop
         self._last_step = 0
@@ -193,6 +196,8 @@ class EngineMetrics:
         for t in record.ranks:
             self.rank_step.labels(str(t.rank)).observe(t.wall_s)
             self.rank_broadcast.labels(str(t.rank)).inc(t.broadcast_s)
+            if t.all_sum_s is not None:  # timed (--time-collectives)
+                self.rank_all_sum.labels(str(t.rank)).inc(t.all_sum_s)
         if record.preempted:
             self.preemptions.inc(len(record.preempted))
         if record.constrained_rows:

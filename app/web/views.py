@@ -280,7 +280,8 @@ class Dashboard(View):
     speculation: SpeculationSetting
     ranks: list[dict[str, Any]] = Field(
         default_factory=list, description="tensor parallelism: each rank, its loopback port "
-        "and its seconds in the latest step (wall_s, model_s, broadcast_s); empty for one rank")
+        "and its seconds in the latest step (wall_s, model_s, broadcast_s, all_sum_s); empty for "
+        "one rank")
     frames_per_s: int
     chart_steps: int
     acceptance_steps: int = Field(ge=1)

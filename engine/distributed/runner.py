@@ -11,6 +11,7 @@ ModelRunner's.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import mlx.core as mx
@@ -65,7 +66,8 @@ class ShardedRunner:
         t = self.times
         if t is None:
             return []
-        return [RankTimes(r, t.wall_s[r], t.model_s[r], t.broadcast_s[r])
+        return [RankTimes(r, t.wall_s[r], t.model_s[r], t.broadcast_s[r],
+                          None if math.isnan(t.all_sum_s[r]) else t.all_sum_s[r])
                 for r in range(len(t.wall_s))]
 
     def stop(self) -> dict[int, int]:
@@ -80,7 +82,7 @@ def runner_settings(cfg: EngineConfig) -> dict:
     """What every rank's runner is built with besides the pool's size (sharded_runner)."""
     return {"kv_dtype": cfg.kv_dtype, "attention": cfg.attention,
             "row_kernels": cfg.row_kernels, "tile": cfg.invariant_tile,
-            "activations": cfg.activations}
+            "activations": cfg.activations, "time_collectives": int(cfg.time_collectives)}
 
 
 def launched_group(cfg: EngineConfig, start_timeout: float) -> mx.distributed.Group:

@@ -2,8 +2,9 @@
 the same ModelRunner step on its shard; ranks > 0 loop on received plans until a stop plan.
 
 Each step ends with one fixed-size all_gather of every rank's times (seconds: in the plan
-broadcast, the step's wall time after it, the forward + sampling), so rank 0 learns what the
-collectives cost (StepTimes). A rank that is lost turns rank 0's next collective into an
+broadcast, the step's wall time after it, the forward + sampling, the forward's all_sums), so
+rank 0 learns what the collectives cost (StepTimes; engine/collectives.py times the
+all_sums). A rank that is lost turns rank 0's next collective into an
 error, raised as DistributedError naming the ranks that exited.
 
 Run as `python -m engine.distributed.worker --model FOLDER ... --rank R --hostfile H`: one
@@ -13,6 +14,7 @@ rank > 0 (start_ranks adds those, the run folder and the doorbell).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import queue
 import sys
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine import collectives
 from engine.config import DEFAULT_TILE, KernelPath, NativeSetting
 from engine.distributed.launch import DEFAULT_START_TIMEOUT, DistributedError, RankProcesses, join
 from engine.distributed.plan import broadcast, decode, encode, encode_sleep, encode_stop
@@ -35,7 +38,7 @@ from engine.model_runner import ModelRunner, StepOutput, pool_for
 from engine.models import family_for
 from engine.scheduler import RowGroup
 
-_TIMES = 3  # per rank: broadcast, wall after it, model time
+_TIMES = 4  # per rank: broadcast, wall after it, model time, the forward's all_sums
 # Seconds without a step after which rank 0 puts the children to sleep on their doorbells:
 # longer than the gaps between a busy server's steps, so their latency stays the ring's.
 IDLE_S = 0.1
@@ -48,14 +51,18 @@ class StepTimes:
     broadcast_s: list[float]  # in the plan broadcast (ranks > 0: includes waiting for it)
     wall_s: list[float]  # the step after the broadcast: forward, sampling, its all_sums
     model_s: list[float]  # StepOutput.model_time
+    all_sum_s: list[float]  # in the forward's all_sums, peers' waits included (NaN: untimed)
     gather_s: float  # rank 0's time in this all_gather of the times
 
 
 def sharded_runner(loaded: LoadedModel, group: mx.distributed.Group, num_blocks: int,
-                   block_size: int, kv_dtype: str = "auto", **runner_args) -> ModelRunner:
+                   block_size: int, kv_dtype: str = "auto", time_collectives: bool = False,
+                   **runner_args) -> ModelRunner:
     """`loaded` sharded over `group` (engine/distributed/shard.py) and its runner over a
     paged pool of the local kv heads (kv_dtype: EngineConfig's); every rank calls it with the
-    same arguments."""
+    same arguments. time_collectives: each step reports its all_sums' time (all_sum_s), at
+    the cost of cutting the step's graph there (engine/collectives.py)."""
+    collectives.set_timing(time_collectives)
     shard_model(loaded.model, group, loaded.config)
     family = family_for(loaded.model, loaded.config)
     return ModelRunner(loaded.model, pool_for(family, num_blocks, block_size,
@@ -68,7 +75,8 @@ def pool_dtype(kv_dtype: str) -> mx.Dtype | None:
     return None if kv_dtype == "auto" else getattr(mx, kv_dtype)
 
 
-def _gather_times(group: mx.distributed.Group, mine: list[float]) -> np.ndarray:
+def _gather_times(group: mx.distributed.Group, mine: list[float | None]) -> np.ndarray:
+    mine = [math.nan if t is None else t for t in mine]
     out = mx.distributed.all_gather(mx.array(mine, dtype=mx.float32), group=group,
                                     stream=mx.cpu)
     return np.array(out).reshape(group.size(), _TIMES)
@@ -143,7 +151,8 @@ class Coordinator:
         t1 = time.perf_counter()
         out = self.runner.run(groups, path)
         t2 = time.perf_counter()
-        times = _gather_times(self.group, [t1 - t0, t2 - t1, out.model_time])
+        times = _gather_times(self.group, [t1 - t0, t2 - t1, out.model_time,
+                                           collectives.take_seconds()])
         gather = time.perf_counter() - t2
         return out, StepTimes(*(times[:, i].tolist() for i in range(_TIMES)), gather)
 
@@ -206,7 +215,8 @@ def worker_loop(group: mx.distributed.Group, runner: ModelRunner,
             continue
         t1 = time.perf_counter()
         out = runner.run(plan.groups, plan.path)
-        _gather_times(group, [t1 - t0, time.perf_counter() - t1, out.model_time])
+        _gather_times(group, [t1 - t0, time.perf_counter() - t1, out.model_time,
+                              collectives.take_seconds()])
         steps += 1
 
 
@@ -221,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-kernels", default=NativeSetting.AUTO)
     p.add_argument("--tile", type=int, default=DEFAULT_TILE)
     p.add_argument("--activations", default="float32")
+    p.add_argument("--time-collectives", type=int, default=0, help="1: time the all_sums")
     p.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--hostfile", required=True)
@@ -230,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     return run_rank(a.rank, lambda: join(a.rank, a.hostfile, a.run_dir, a.start_timeout),
                     a.model, a.weights, a.num_blocks, a.block_size, a.doorbell,
                     kv_dtype=a.kv_dtype, attention=a.attention, row_kernels=a.row_kernels,
-                    tile=a.tile, activations=a.activations)
+                    tile=a.tile, activations=a.activations,
+                    time_collectives=bool(a.time_collectives))
 
 
 def run_rank(rank: int, join_group: Callable[[], mx.distributed.Group], model: str,

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
 
+from engine import collectives
 from engine.models.base import UnsupportedModelError
 
 
@@ -70,4 +71,4 @@ def sum_over_ranks(y: mx.array, block: nn.Module) -> mx.array:
     mlx-lm's blocks do); y itself otherwise. mlx-lm's Mixtral block has no such attribute
     until engine/distributed/shard.py gives it one."""
     group = getattr(block, "sharding_group", None)
-    return y if group is None else mx.distributed.all_sum(y, group=group)
+    return y if group is None else collectives.all_sum(y, group)

@@ -90,6 +90,7 @@ def test_two_ranks_give_one_ranks_greedy_ids(tmp_path, name, overrides):
     assert got["alone"] == want["alone"] and got["together"] == want["together"]
     assert got["together"] == got["alone"]
     assert got["ranks"] and all(r == [0, 1] for r in got["ranks"])  # every step, both ranks
+    assert got["all_sum_s"] == ["None"]  # untimed unless --time-collectives
     assert len(set(got["ports"])) == 2
     assert got["exits"] == {"1": 0}  # the stop plan ended rank 1
     # Idle, rank 1 blocks on its doorbell, not in a broadcast whose ring sockets busy-poll
@@ -171,15 +172,18 @@ def test_serve_shows_ranks_and_answers_503_once_a_rank_is_lost(tmp_path):
     assert status == 200 and body["usage"]["completion_tokens"] == 8
     ranks = got["dashboard_ranks"]
     assert [(r["rank"], r["port"]) for r in ranks] == list(enumerate(got["ports"]))
-    assert all(r[k] > 0 for r in ranks for k in ("wall_s", "model_s", "broadcast_s"))
+    assert all(r[k] > 0 for r in ranks for k in ("wall_s", "model_s", "broadcast_s",
+                                                 "all_sum_s"))
+    assert all(r["all_sum_s"] < r["wall_s"] for r in ranks)  # a part of the step, apart
     assert [(int(r), int(p)) for r, p, _ in got["dashboard_rows"]] == list(
         enumerate(got["ports"]))  # the page's ranks table, with each rank's step time
     assert [float(ms) for *_, ms in got["dashboard_rows"]] == [
         pytest.approx(r["wall_s"] * 1000, abs=0.006) for r in ranks]
     for rank in ("0", "1"):
         assert f'batchscope:rank_step_seconds_count{{rank="{rank}"}} 8.0' in got["metrics"]
-        assert any(line.startswith(f'batchscope:rank_plan_broadcast_seconds_total{{rank="{rank}"}}')
-                   for line in got["metrics"])
+        for counter in ("rank_plan_broadcast_seconds_total", "rank_all_sum_seconds_total"):
+            assert any(line.startswith(f'batchscope:{counter}{{rank="{rank}"}}')
+                       for line in got["metrics"])
     named = "rank 1 exited (signal SIGKILL)"
     status, body = got["failed"]  # the request running when the rank was lost
     assert status == 500 and named in body["error"]["message"]

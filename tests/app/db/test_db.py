@@ -262,7 +262,8 @@ def test_upgrade_from_0008_adds_the_ranks_and_old_steps_read_as_none(db_target):
     path = db_target
     old_database(path, "0008", "ranks_json")  # written before tensor parallelism's ranks
     sharded = step_record(2, 1000.0, [("R", "decode", 1)])
-    sharded.ranks = [RankTimes(0, 0.02, 0.019, 0.001), RankTimes(1, 0.021, 0.02, 0.003)]
+    sharded.ranks = [RankTimes(0, 0.02, 0.019, 0.001, 0.004),
+                     RankTimes(1, 0.021, 0.02, 0.003, 0.005)]
     stored, step = record_after_upgrade(path, "R", sharded, ["ranks_json"])
     assert [(n, None if v is None else json.loads(v)) for n, v in stored] == [
         (1, None), (2, [asdict(t) for t in sharded.ranks])]
@@ -590,7 +591,8 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
     full.speculation, full.propose_time, full.prefix_cache_queries = "on", 0.5, 9
     full.constrained_rows, full.mask_ms = 3, 0.25
     full.overlapped, full.discarded_rows = True, 2
-    full.ranks = [RankTimes(0, 0.04, 0.035, 0.001), RankTimes(1, 0.041, 0.036, 0.002)]
+    full.ranks = [RankTimes(0, 0.04, 0.035, 0.001, 0.006),
+                  RankTimes(1, 0.041, 0.036, 0.002, 0.007)]
     for name, value in STATE_POOL.items():
         setattr(full, name, value)
     old = step_record(2, 1000.1, [("A", "decode", 1)]).to_dict()
@@ -617,9 +619,9 @@ def test_steps_are_stored_and_read_back_field_by_field(db, recorder):
                      "state_checkpoints": 5, "state_checkpoint_capacity": 16,
                      "state_slot_bytes": 3 * 2**31, "constrained_rows": 3, "mask_ms": 0.25,
                      "ranks": [{"rank": 0, "wall_s": 0.04, "model_s": 0.035,
-                                "broadcast_s": 0.001},
+                                "broadcast_s": 0.001, "all_sum_s": 0.006},
                                {"rank": 1, "wall_s": 0.041, "model_s": 0.036,
-                                "broadcast_s": 0.002}],
+                                "broadcast_s": 0.002, "all_sum_s": 0.007}],
                      "overlapped": True, "discarded_rows": 2,
                      "entry": {"run_id": "A", "phase": "verify", "rows": 3, "context_len": 11,
                                "blocks_held": 1, "sampled": True, "drafted": 2, "accepted": 1}}
