@@ -4,18 +4,23 @@ Two ranks over MLX's ring backend on 127.0.0.1 run a tiny random-weight llama (f
 through rank 0's Coordinator: a prefill step of every sequence, then decode steps of 1, 8 and
 16 rows. Per decode step it reports rank 0's time in the plan broadcast (encode excluded), in
 the per-step all_gather of the ranks' times, and the step's wall time on rank 0 (plan out,
-forward with its two all_sums per layer, sampling, the gather), median and p90. On a 2-core
-machine both ranks and the ring's busy-polling socket threads share the cores, so tails are
-long; the median is the number to read.
+forward with its two all_sums per layer, sampling, the gather), median and p90, and rank 0's
+time in the forward's all_sums (engine/collectives.py). Timing those cuts the step's graph at
+each all_sum, so the ranks also run with it off, in alternating rounds, and the step's median
+both ways gives its cost. On a 2-core machine both ranks and the ring's busy-polling socket
+threads share the cores, so tails are long; the median is the number to read.
 
-    .venv/bin/python benchmarks/plan_broadcast.py [--steps 200]
+    .venv/bin/python benchmarks/plan_broadcast.py [--steps 200] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +46,7 @@ def bench(coordinator: Coordinator, rows: int, steps: int) -> dict[str, list[flo
     groups = [RowGroup(f"s{i}", [5 + i] * PROMPT, 0, tables[i], True, params)
               for i in range(rows)]
     out, _ = coordinator.step(groups)
-    got: dict[str, list[float]] = {"broadcast": [], "gather": [], "wall": []}
+    got: dict[str, list[float]] = {"broadcast": [], "gather": [], "wall": [], "all_sum": []}
     for n in range(steps):
         groups = [RowGroup(f"s{i}", [out.sampled[f"s{i}"].samples[-1].token_id],
                            PROMPT + n, tables[i], True, params, output_index=n + 1)
@@ -51,13 +56,32 @@ def bench(coordinator: Coordinator, rows: int, steps: int) -> dict[str, list[flo
         got["wall"].append(time.perf_counter() - t0)
         got["broadcast"].append(times.broadcast_s[0])
         got["gather"].append(times.gather_s)
+        got["all_sum"].append(times.all_sum_s[0])
     return got
+
+
+def run_ranks(folder: str, num_blocks: int, rows_list: tuple[int, ...], steps: int,
+              timed: bool) -> dict[int, dict[str, list[float]]]:
+    """Two ranks started over `folder`, every row count benched, the ranks stopped."""
+    group, ranks = start_ranks(2, worker_args(folder, num_blocks, BLOCK_SIZE, weights="f32",
+                                              time_collectives=int(timed)))
+    coordinator = Coordinator(group, sharded_runner(load_model(folder, "f32"), group,
+                                                    num_blocks, BLOCK_SIZE,
+                                                    time_collectives=timed), ranks)
+    try:
+        return {rows: bench(coordinator, rows, steps) for rows in rows_list}
+    finally:
+        coordinator.stop()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="decode steps per row count")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="alternating rounds with the all_sums timed and not")
     ap.add_argument("--out", default="benchmarks/results/plan_broadcast.md")
+    ap.add_argument("--one-round", choices=("timed", "untimed"),
+                    help=argparse.SUPPRESS)  # a round in a process of its own: JSON to --out
     args = ap.parse_args()
     rows_list = (1, 8, 16)
     num_blocks = max(rows_list) * -(-(PROMPT + args.steps + 1) // BLOCK_SIZE)
@@ -65,12 +89,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(make_family_folder(Path(tmp) / "llama", importlib.import_module(
             f"mlx_lm.models.{module_name}"), config))
-        group, ranks = start_ranks(2, worker_args(folder, num_blocks, BLOCK_SIZE,
-                                                  weights="f32"))
-        coordinator = Coordinator(group, sharded_runner(load_model(folder, "f32"), group,
-                                                        num_blocks, BLOCK_SIZE), ranks)
-        results = {rows: bench(coordinator, rows, args.steps) for rows in rows_list}
-        coordinator.stop()
+        if args.one_round:
+            got = run_ranks(folder, num_blocks, rows_list, args.steps,
+                            args.one_round == "timed")
+            Path(args.out).write_text(json.dumps(got))
+            return 0
+        # Each round in a process of its own: MLX joins one ring per process.
+        results = {rows: {} for rows in rows_list}  # rows -> {(timed, name): samples}
+        for i in range(2 * args.rounds):
+            mode = "timed" if i % 2 == 0 else "untimed"
+            print(f"round {i // 2 + 1}/{args.rounds}, all_sums {mode}", flush=True)
+            out = Path(tmp) / f"round{i}.json"
+            subprocess.run([sys.executable, __file__, "--one-round", mode, "--steps",
+                            str(args.steps), "--out", str(out)], check=True)
+            for rows, got in json.loads(out.read_text()).items():
+                for name, samples in got.items():
+                    results[int(rows)].setdefault((mode == "timed", name), []).extend(samples)
 
     def ms(values: list[float], pct: float) -> str:
         return f"{1000 * percentile(values, pct):.3f}"
@@ -81,18 +115,24 @@ def main() -> int:
         f"f32, sharded), {args.steps} decode steps per row count after a prefill step; "
         "benchmarks/plan_broadcast.py. Times on rank 0, ms: the plan broadcast (one 4 KiB "
         "all_sum: every plan here fits one frame), the per-step all_gather of the ranks' "
-        "times (the collective time beside the model's own two all_sums per layer), and the "
-        "whole step.",
+        "times, the forward's own all_sums (two per layer, timed: engine/collectives.py), and "
+        f"the whole step; {args.rounds} alternating rounds of the ranks with the all_sums "
+        "timed and not, the step's median both ways (timed / not: what timing them costs).",
         "",
         "| rows | broadcast p50 | broadcast p90 | gather p50 | gather p90 | broadcast + gather "
-        "p50 | step p50 | step p90 |",
-        "|---|---|---|---|---|---|---|---|",
+        "p50 | all_sums p50 | all_sums p90 | step p50 | step p90 | step p50, not timed "
+        "| timed / not |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for rows, got in results.items():
+    for rows, by in results.items():
+        got, bare = {k[1]: v for k, v in by.items() if k[0]}, by[(False, "wall")]
         both = [b + g for b, g in zip(got["broadcast"], got["gather"], strict=True)]
+        cost = percentile(got["wall"], 50) / percentile(bare, 50)
         lines.append(f"| {rows} | {ms(got['broadcast'], 50)} | {ms(got['broadcast'], 90)} | "
                      f"{ms(got['gather'], 50)} | {ms(got['gather'], 90)} | {ms(both, 50)} | "
-                     f"{ms(got['wall'], 50)} | {ms(got['wall'], 90)} |")
+                     f"{ms(got['all_sum'], 50)} | {ms(got['all_sum'], 90)} | "
+                     f"{ms(got['wall'], 50)} | {ms(got['wall'], 90)} | {ms(bare, 50)} | "
+                     f"{cost:.2f}x |")
     text = "\n".join(lines)
     print(text)
     Path(args.out).write_text(text + "\n")
