@@ -26,7 +26,7 @@ from engine.config import KernelPath
 from engine.sampling import SamplingParams
 from engine.scheduler import Phase, RowGroup
 
-HEADER = 8  # words: MAGIC, kind, path, groups, payload length, 3 spare (zero)
+HEADER = 8  # words: MAGIC, kind, path, groups, payload length, nap (ms), 2 spare (zero)
 FRAME = 1024  # words in the first broadcast (4 KiB): header + the payload's head
 MAGIC = 0x7B5C0001  # the layout's version: a rank on another layout fails loudly
 STEP, STOP, SLEEP = 1, 2, 3
@@ -45,7 +45,8 @@ class Plan:
     stop: bool
     groups: list[RowGroup]
     path: KernelPath = KernelPath.GEMM
-    sleep: bool = False  # no step: block on the doorbell until rank 0 rings it
+    sleep: bool = False  # no step: block on the doorbell until rank 0 rings it, or nap
+    nap_s: float = 0.0  # a sleep without a doorbell: this long, then the next broadcast
 
 
 class PlanError(ValueError):
@@ -68,9 +69,10 @@ def encode_stop() -> np.ndarray:
     return _framed(STOP, 0, 0, [])
 
 
-def encode_sleep() -> np.ndarray:
-    """The plan after which every worker blocks on its doorbell until the next plan."""
-    return _framed(SLEEP, 0, 0, [])
+def encode_sleep(nap_ms: int = 0) -> np.ndarray:
+    """The plan after which every worker blocks on its doorbell until the next plan; or,
+    nap_ms > 0 (ranks without a doorbell), sleeps that long and joins the next broadcast."""
+    return _framed(SLEEP, 0, 0, [], nap_ms)
 
 
 def decode(words: np.ndarray) -> Plan:
@@ -78,9 +80,9 @@ def decode(words: np.ndarray) -> Plan:
     header = words[:HEADER]
     if int(header[0]) != MAGIC:
         raise PlanError(f"not a plan of this layout (first word {int(header[0]):#x})")
-    kind, path, n_groups, length = (int(v) for v in header[1:5])
+    kind, path, n_groups, length, nap_ms = (int(v) for v in header[1:6])
     if kind in (STOP, SLEEP):
-        return Plan(kind == STOP, [], sleep=kind == SLEEP)
+        return Plan(kind == STOP, [], sleep=kind == SLEEP, nap_s=nap_ms / 1000)
     if kind != STEP or len(words) != HEADER + length:
         raise PlanError(f"a malformed plan (kind {kind}, {len(words)} words for {length})")
     reader = _Reader(words[HEADER:])
@@ -113,8 +115,9 @@ def _all_sum(words: np.ndarray, group: mx.distributed.Group) -> np.ndarray:
     return np.array(out)
 
 
-def _framed(kind: int, path: int, n_groups: int, payload: list[int]) -> np.ndarray:
-    header = [MAGIC, kind, path, n_groups, len(payload), 0, 0, 0]
+def _framed(kind: int, path: int, n_groups: int, payload: list[int],
+            nap_ms: int = 0) -> np.ndarray:
+    header = [MAGIC, kind, path, n_groups, len(payload), nap_ms, 0, 0]
     return np.array(header + payload, np.int64).astype(np.int32)
 
 

@@ -39,9 +39,13 @@ from engine.models import family_for
 from engine.scheduler import RowGroup
 
 _TIMES = 4  # per rank: broadcast, wall after it, model time, the forward's all_sums
-# Seconds without a step after which rank 0 puts the children to sleep on their doorbells:
-# longer than the gaps between a busy server's steps, so their latency stays the ring's.
+# Seconds without a step after which rank 0 puts the other ranks to sleep: longer than the
+# gaps between a busy server's steps, so their latency stays the ring's.
 IDLE_S = 0.1
+# Ranks without a doorbell (mlx.launch's, on other machines maybe) sleep this long a time,
+# then join a broadcast: rank 0 sends one sleep plan a nap while idle, and the first step
+# after a pause waits for the next of those meetings (at most a nap).
+NAP_MS = 20
 
 
 @dataclass
@@ -101,7 +105,8 @@ class Coordinator:
         # A daemon thread: one stuck in a collective must not keep the process from exiting.
         self._calls: queue.Queue = queue.Queue()
         self._broken: str | None = None
-        self._asleep = False  # the children sleep on their doorbells (start_ranks' only)
+        self._asleep = False  # the other ranks sleep (on their doorbells, or a nap)
+        self._meet_at = 0.0  # napping ranks join the next broadcast then (time.monotonic)
         threading.Thread(target=self._serve, name="rank0-step", daemon=True).start()
 
     def step(self, groups: list[RowGroup],
@@ -116,8 +121,13 @@ class Coordinator:
 
     def _serve(self) -> None:
         while True:
-            # Only children with doorbells are put to sleep, and only once per pause.
-            wait = IDLE_S if self.ranks is not None and not self._asleep else None
+            # Ranks with doorbells sleep once a pause; napping ones meet rank 0 every nap.
+            if not self._asleep:
+                wait = IDLE_S
+            elif self.ranks is not None:
+                wait = None
+            else:
+                wait = max(0.0, self._meet_at - time.monotonic())
             try:
                 future, fn, args = self._calls.get(timeout=wait)
             except queue.Empty:
@@ -131,19 +141,26 @@ class Coordinator:
                 future.set_exception(e)
 
     def _broadcast(self, plan) -> None:
-        if self._asleep:  # wake the children, blocked on their doorbells
-            self.ranks.ring()
+        if self._asleep:
+            if self.ranks is not None:  # wake the children, blocked on their doorbells
+                self.ranks.ring()
+            else:  # napping ranks join the broadcast at the meeting time
+                time.sleep(max(0.0, self._meet_at - time.monotonic()))
             self._asleep = False
         broadcast(self.group, plan)
 
     def _sleep(self) -> None:
-        """No step for IDLE_S: the children block on their doorbells, not in the next
-        broadcast, whose ring sockets busy-poll (a core per rank while the server idles)."""
+        """No step for IDLE_S: the other ranks sleep, not wait in the next broadcast, whose
+        ring sockets busy-poll (a core per rank while the server idles). Children with a
+        doorbell block on it; ranks without one (mlx.launch's) nap NAP_MS, and meet rank 0
+        in a broadcast after each nap until a step comes."""
+        nap = 0 if self.ranks is not None else NAP_MS
         try:
-            self._broadcast(encode_sleep())
+            self._broadcast(encode_sleep(nap))
         except RuntimeError:  # a lost rank: the next step's wait names it
             pass
         self._asleep = True
+        self._meet_at = time.monotonic() + nap / 1000
 
     def _step(self, plan, groups, path) -> tuple[StepOutput, StepTimes]:
         t0 = time.perf_counter()
@@ -201,8 +218,8 @@ def worker_loop(group: mx.distributed.Group, runner: ModelRunner,
     """A rank > 0: run every plan rank 0 broadcasts, until the stop plan; returns the steps
     run. doorbell: a pipe rank 0 writes a byte to before the first broadcast after a sleep
     plan (start_ranks): once the server idles the rank blocks on it, not in a broadcast whose
-    ring sockets busy-poll. Without one (mlx.launch) rank 0 sends no sleep plan, and an idle
-    rank waits in the broadcast."""
+    ring sockets busy-poll. Without one (mlx.launch) the sleep plan carries a nap: the rank
+    sleeps that long, then joins the next broadcast, where rank 0 meets it."""
     steps = 0
     while True:
         t0 = time.perf_counter()
@@ -210,7 +227,9 @@ def worker_loop(group: mx.distributed.Group, runner: ModelRunner,
         if plan.stop:
             return steps
         if plan.sleep:
-            if doorbell is not None and not os.read(doorbell, 1):
+            if plan.nap_s:
+                time.sleep(plan.nap_s)
+            elif doorbell is not None and not os.read(doorbell, 1):
                 raise DistributedError("rank 0 closed the doorbell without a stop plan")
             continue
         t1 = time.perf_counter()

@@ -1,7 +1,8 @@
 """`batchscope serve --tensor-parallel-size 2` under MLX's own launcher, `mlx.launch --backend
 ring` on loopback (how several machines run it, one host entry each): the launcher runs the
 same command as both ranks; rank 0 serves, rank 1 runs its plans. One process's greedy tokens
-through the API, both ranks on the dashboard, and a clean stop of both."""
+through the API, both ranks on the dashboard, rank 1 napping while the server idles, and a
+clean stop of both."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.testing import FAMILY_CONFIGS, make_family_folder
+from tests.distributed_engine import idle_cpu
 
 pytestmark = pytest.mark.slow
 
@@ -103,10 +105,19 @@ def test_serve_under_mlx_launch_gives_one_process_tokens_and_stops_cleanly(tmp_p
                 got.append([int(t.removeprefix("token_id:"))
                             for t in answer.json()["choices"][0]["logprobs"]["tokens"]])
             ranks = client.get("/dashboard.json").json()["ranks"]
+            pids = _rank_pids(launcher.pid)
+            assert sorted(pids) == [0, 1]
+            # Idle, rank 1 naps between meetings with rank 0 instead of busy-polling in a
+            # broadcast; the next request wakes it.
+            time.sleep(0.5)
+            idle = idle_cpu(pids[1])
+            again = client.post("/v1/completions", json={
+                "model": folder.name, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True})
+            assert again.status_code == 200, again.text
         assert [(r["rank"], r["port"]) for r in ranks] == [(0, ring), (1, ring + 1)]
         assert all(r["wall_s"] > 0 for r in ranks)
-        pids = _rank_pids(launcher.pid)
-        assert sorted(pids) == [0, 1]
+        assert idle < 0.2, f"rank 1 used {idle:.0%} of a core while the server idled"
         os.kill(pids[0], signal.SIGTERM)  # the server's shutdown sends rank 1 the stop plan
         launcher.wait(60)
     finally:

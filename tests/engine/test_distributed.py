@@ -63,6 +63,9 @@ def test_plan_round_trip():
         assert [_fields(g) for g in plan.groups] == [_fields(g) for g in GROUPS]
     stop, sleep = decode(encode_stop()), decode(encode_sleep())
     assert (stop.stop, stop.sleep, sleep.stop, sleep.sleep) == (True, False, False, True)
+    assert sleep.nap_s == 0  # on the doorbell
+    nap = decode(encode_sleep(20))  # ranks without a doorbell: nap, then the next broadcast
+    assert nap.sleep and not nap.stop and nap.nap_s == 0.02
     assert decode(encode([])).groups == [] and not decode(encode([])).sleep
 
 
