@@ -11,9 +11,11 @@ decode  the engine's aggregate decode tok/s (weights q4 and f32, and q4 with int
         33-token call) at 1, 4, 8 and 16 sequences, against `llama-batched-bench -npp 64
         -ntg 32 -npl 1,4,8,16` (its S_TG), in --repeats rounds of llama.cpp then each engine
         (started once): medians of the rounds, and each ratio the median of the rounds' own.
-serve1  one person's view: `batchscope serve` and `llama-server` (-np 1), each driven twice
-        (cold, warm) by `batchscope bench serve --num-prompts 12 --max-concurrency 1 --seed 0
-        --ignore-eos on`, one request at a time: output tok/s, median TPOT, median TTFT.
+serve1  one person's view: `batchscope serve` and `llama-server` (-np 1), both started, each
+        driven once cold, then in --repeats warm rounds (the two in turn, the first of a round
+        alternating) by `batchscope bench serve --num-prompts 12 --max-concurrency 1 --seed 0
+        --ignore-eos on`, one request at a time: output tok/s, median TPOT, median TTFT; warm
+        rates are the rounds' medians, the warm ratio the median of the rounds' own.
 serve   `batchscope serve` (its default weights: q4 where the native kernel is built),
         `llama-server -np 8` on the GGUF, and `mlx_lm.server` on the folder `batchscope
         export-model --weights f32` writes (its fastest format on the CPU: at q4 MLX's CPU
@@ -34,6 +36,7 @@ The full remeasure is `.venv/bin/python benchmarks/llama_cpp_peer.py`; `--sectio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -271,25 +274,42 @@ def bench_serve(url: str, out: Path, flags: list[str] = BENCH_SERVE) -> dict:
             "ttft_median_ms": s["ttft"]["median_ms"], "failed": s["failed"]}
 
 
-def section_serve_one(bin_dir: Path, gguf: Path, threads: int, workdir: Path) -> dict:
+def section_serve_one(bin_dir: Path, gguf: Path, threads: int, workdir: Path,
+                      rounds: int) -> dict:
     """batchscope serve and llama-server, one request at a time (see the module docstring)."""
-    servers = {}
-    for name in ("batchscope", "llama-server"):
-        port = free_port()
-        cmd = (llama_server_command(bin_dir, gguf, port, threads, slots=1)
-               if name == "llama-server"
-               else server_commands(name, port, "auto", workdir, workdir / "bench.db"))
-        with running_server(name, cmd, port, workdir / f"{name}-one.log", log) as (url, _):
-            runs = {}
-            for phase in ("cold", "warm"):
-                log(f"serve1: {name}, {phase}...")
-                runs[phase] = bench_serve(url, workdir / f"{name}-one-{phase}.json",
-                                          BENCH_SERVE_ONE)
-                log(f"serve1: {name}, {phase}: {runs[phase]['output_tps']:.1f} output tok/s")
-        servers[name] = runs
-    ratios = {phase: servers["batchscope"][phase]["output_tps"]
-              / servers["llama-server"][phase]["output_tps"] for phase in ("cold", "warm")}
-    return {"servers": servers, "ratios": ratios, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    names = ("batchscope", "llama-server")
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name in names:
+            port = free_port()
+            cmd = (llama_server_command(bin_dir, gguf, port, threads, slots=1)
+                   if name == "llama-server"
+                   else server_commands(name, port, "auto", workdir, workdir / "bench.db"))
+            urls[name], _ = stack.enter_context(
+                running_server(name, cmd, port, workdir / f"{name}-one.log", log))
+
+        def drive(name: str, label: str) -> dict:
+            log(f"serve1: {name}, {label}...")
+            run = bench_serve(urls[name], workdir / f"{name}-one.json", BENCH_SERVE_ONE)
+            log(f"serve1: {name}, {label}: {run['output_tps']:.1f} output tok/s")
+            return run
+
+        servers = {name: {"cold": drive(name, "cold"), "warm": []} for name in names}
+        for i in range(rounds):  # each server first in every other round: drift hits both
+            for name in names if i % 2 == 0 else names[::-1]:
+                servers[name]["warm"].append(drive(name, f"warm {i + 1}/{rounds}"))
+    ours, peer = servers["batchscope"], servers["llama-server"]
+    warm = [a["output_tps"] / b["output_tps"]
+            for a, b in zip(ours["warm"], peer["warm"], strict=True)]
+    ratios = {"cold": ours["cold"]["output_tps"] / peer["cold"]["output_tps"],
+              "warm": statistics.median(warm), "warm_rounds": warm}
+    return {"servers": servers, "ratios": ratios, "rounds": rounds, "started": started}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Each figure of `runs` (a server's warm rounds) at its median over the rounds."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
 def section_serve(bin_dir: Path, gguf: Path, threads: int, workdir: Path) -> dict:
@@ -373,18 +393,25 @@ def render(data: dict) -> str:
         lines += ["## Serving, one stream", "", f"Run {s['started']}: {host_text(s['host'])}.",
                   "", f"`batchscope bench serve {' '.join(BENCH_SERVE_ONE)}` against "
                   "`batchscope serve` (its default weights, q4) and `llama-server -np 1` on the "
-                  "Q4_1 GGUF, twice each (cold, then warm).", "",
+                  f"Q4_1 GGUF, both running: once each cold, then {s['rounds']} warm "
+                  f"round{'s' if s['rounds'] != 1 else ''} of the two in turn. Warm figures "
+                  "are the rounds' medians (failed: their sum); the warm ratio is the median "
+                  "of the rounds' own.", "",
                   "| server | run | output tok/s | median TPOT ms | median TTFT ms | failed |",
                   "|---|---|---|---|---|---|"]
         for name, runs in s["servers"].items():
-            for phase, r in runs.items():
+            warm = _median_run(runs["warm"]) | {"failed": sum(r["failed"] for r in runs["warm"])}
+            for phase, r in (("cold", runs["cold"]), ("warm", warm)):
                 lines.append(f"| {name} | {phase} | {r['output_tps']:.1f} | "
                              f"{r['tpot_median_ms']:.1f} | {r['ttft_median_ms']:.0f} | "
                              f"{r['failed']} |")
         lines += ["", "| run | batchscope / llama-server | goal |", "|---|---|---|"]
-        for phase, ratio in s["ratios"].items():
+        for phase in ("cold", "warm"):
+            ratio = s["ratios"][phase]
             lines.append(f"| {phase} | {ratio:.2f}x | >= {SERVE_ONE_GOAL:.1f}x: "
                          f"{'met' if ratio >= SERVE_ONE_GOAL else 'not met'} |")
+        lines += ["", "Warm ratio per round: "
+                  + ", ".join(f"{x:.2f}x" for x in s["ratios"]["warm_rounds"]) + "."]
         lines.append("")
     if "serve" in data:
         s = data["serve"]
@@ -431,6 +458,12 @@ def kept_sections(saved: Path) -> dict:
             section["host"] = legacy_host(previous)
             if name == "decode":
                 section.setdefault("repeats", previous["repeats"])
+    serve1 = kept.get("serve1")
+    if serve1 is not None and "rounds" not in serve1:  # written as one warm run a server
+        for runs in serve1["servers"].values():
+            runs["warm"] = [runs["warm"]]
+        serve1["rounds"] = 1
+        serve1["ratios"]["warm_rounds"] = [serve1["ratios"]["warm"]]
     return kept
 
 
@@ -441,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                     help="llama.cpp threads (default: all CPUs, as the engine uses)")
     ap.add_argument("--repeats", type=int, default=5,
-                    help="decode: rounds of llama.cpp and the engines in turn (default 5)")
+                    help="decode: rounds of llama.cpp and the engines in turn; serve1: warm "
+                    "rounds of the two servers in turn (default 5)")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     bin_dir = llama_cpp_bin()
@@ -463,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         saved.write_text(json.dumps(data, indent=1) + "\n")
     if "serve1" in args.sections:
         with tempfile.TemporaryDirectory(prefix="batchscope-llama-cpp-") as tmp:
-            data["serve1"] = section_serve_one(bin_dir, gguf, args.threads, Path(tmp)) | {
-                "host": host}
+            data["serve1"] = section_serve_one(bin_dir, gguf, args.threads, Path(tmp),
+                                               args.repeats) | {"host": host}
         saved.write_text(json.dumps(data, indent=1) + "\n")
     if "serve" in args.sections:
         with tempfile.TemporaryDirectory(prefix="batchscope-llama-cpp-") as tmp:

@@ -140,23 +140,46 @@ def test_sections_from_before_hosts_were_recorded_say_so(peer, tmp_path):
     assert "| 1 | 100.0 | 90.0 | 50.0 | 0.90x | >= 0.8x: met |" in md
 
 
+HOST = {"cpu": "a CPU", "cores": 2, "system": "Linux x86_64", "backend": "cpu",
+        "blas": "bundled", "quantized_isa": "avx512", "threads": 2,
+        "llama_cpp": {"llama_cpp_python": "0.3.36", "version": "version: 1 (x)",
+                      "options": {"NATIVE": "OFF"}}}
+
+
 def test_the_one_stream_section_gives_each_run_and_the_goal(peer):
     run = {"output_tps": 100.0, "output_tokens": 1536, "tpot_median_ms": 9.5,
            "ttft_p99_ms": 40.0, "ttft_median_ms": 21.0, "failed": 0}
-    section = {"servers": {"batchscope": {"cold": run, "warm": run},
+    ours = [dict(run, output_tps=x) for x in (100.0, 90.0, 130.0)]
+    theirs = [dict(run, output_tps=x, tpot_median_ms=t) for x, t in ((70.0, 8), (80.0, 9),
+                                                                      (60.0, 12))]
+    section = {"servers": {"batchscope": {"cold": run, "warm": ours},
                            "llama-server": {"cold": dict(run, output_tps=80.0),
-                                            "warm": dict(run, output_tps=70.0)}},
-               "ratios": {"cold": 1.25, "warm": 100 / 70}, "started": "2026-12-03 17:00:00",
-               "host": {"cpu": "a CPU", "cores": 2, "system": "Linux x86_64",
-                        "backend": "cpu", "blas": "bundled", "quantized_isa": "avx512",
-                        "threads": 2, "llama_cpp": {"llama_cpp_python": "0.3.36",
-                                                    "version": "version: 1 (x)",
-                                                    "options": {"NATIVE": "OFF"}}}}
+                                            "warm": theirs}},
+               "ratios": {"cold": 1.25, "warm": 100 / 70,
+                          "warm_rounds": [100 / 70, 90 / 80, 130 / 60]},
+               "rounds": 3, "started": "2026-12-03 17:00:00", "host": HOST}
     md = peer.render({"gguf": "model.gguf", "serve1": section})
     assert "## Serving, one stream" in md
-    assert "| llama-server | warm | 70.0 | 9.5 | 21 | 0 |" in md
+    assert "then 3 warm rounds of the two in turn" in md
+    assert "| llama-server | warm | 70.0 | 9.0 | 21 | 0 |" in md  # the rounds' medians
+    assert "| batchscope | warm | 100.0 | 9.5 | 21 | 0 |" in md
     assert "| cold | 1.25x | >= 1.3x: not met |" in md
     assert "| warm | 1.43x | >= 1.3x: met |" in md
+    assert "Warm ratio per round: 1.43x, 1.12x, 2.17x." in md
+
+
+def test_a_one_stream_section_of_one_warm_run_still_renders(peer, tmp_path):
+    run = {"output_tps": 100.0, "output_tokens": 1536, "tpot_median_ms": 9.5,
+           "ttft_p99_ms": 40.0, "ttft_median_ms": 21.0, "failed": 0}
+    saved = tmp_path / "llama_cpp.json"
+    saved.write_text(json.dumps({"serve1": {
+        "servers": {"batchscope": {"cold": run, "warm": run},
+                    "llama-server": {"cold": run, "warm": dict(run, output_tps=80.0)}},
+        "ratios": {"cold": 1.0, "warm": 1.25}, "started": "2026-12-04 12:24:24",
+        "host": HOST}}))
+    md = peer.render({"gguf": "model.gguf", **peer.kept_sections(saved)})
+    assert "then 1 warm round of" in md and "| llama-server | warm | 80.0 |" in md
+    assert "Warm ratio per round: 1.25x." in md
 
 
 @pytest.mark.slow
