@@ -195,12 +195,12 @@ class NativeOps:
                tile: int = DEFAULT_TILE, tally: PathTally | None = None) -> mx.array:
         """A linear layer on x (1, rows, features); tied=True: an embedding as the head."""
         found = self._native_linear(module, tied, x.dtype) if path != KernelPath.GEMV else None
-        native = found is not None and (path == KernelPath.TILED or x.shape[1] <= found[1])
+        kernel = found is not None and (path == KernelPath.TILED or x.shape[1] <= found[1])
         if type(module) in ROW_SHARDED:  # its slice here, then the sum over the ranks
-            out = (_in_row_chunks(found[0], x, found[1], tally) if native
+            out = (_in_row_chunks(found[0], x, found[1], tally) if kernel
                    else apply_linear(lambda v: _row_slice(module, v), x, path, tile, tally))
             out = collectives.all_sum(out, module.group)
-        elif native:
+        elif kernel:
             out = _in_row_chunks(found[0], x, found[1], tally)
         else:
             return apply_linear(module.as_linear if tied else module, x, path, tile, tally)

@@ -3,6 +3,7 @@
 cannot outlive the test.
 
     python tests/distributed_ranks.py run FOLDER WEIGHTS OUT.json   # generate through 2 ranks
+    python tests/distributed_ranks.py run FOLDER WEIGHTS OUT.json mlx   # on MLX's own ops
     python tests/distributed_ranks.py kill FOLDER WEIGHTS OUT.json  # rank 1 killed after step 1
     python tests/distributed_ranks.py never-start OUT.json          # rank 1 never starts
 """
@@ -58,10 +59,14 @@ def main(argv: list[str]) -> int:
             return 0
         return 1
     folder, weights, out_path = argv[1:4]
+    # The kernels of every rank: "auto", or "mlx" (attention and row kernels on MLX's own ops,
+    # as Metal and CUDA run them)
+    kernels = argv[4] if len(argv) > 4 else "auto"
+    settings = {"attention": kernels, "row_kernels": kernels}
     group, ranks = start_ranks(2, worker_args(folder, NUM_BLOCKS, BLOCK_SIZE, weights=weights,
-                                              start_timeout=60), timeout=60)
+                                              start_timeout=60, **settings), timeout=60)
     coordinator = Coordinator(group, sharded_runner(load_model(folder, weights), group,
-                                                    NUM_BLOCKS, BLOCK_SIZE), ranks)
+                                                    NUM_BLOCKS, BLOCK_SIZE, **settings), ranks)
     times, steps = [], 0
 
     def step(groups):

@@ -169,16 +169,15 @@ def _ranks(*args: str, limit: int = 150) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=limit + 30)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("weights", ["f32", "q4"])
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"])
-def test_two_ranks_generate_one_ranks_tokens(tmp_path, name, weights):
+def _two_ranks_against_one(tmp_path, name: str, weights: str, kernels: str = "auto") -> None:
+    """Two ranks over `name`'s tiny folder give one process's greedy ids, logprobs within
+    1e-4, with attention and row kernels at `kernels` on every side."""
     # qwen3_moe: every expert's 128-wide intermediate split in two whole 4-bit groups (mixtral,
     # gpt_oss: WIDER's 256 is each expert's, 128 a rank)
     experts = {"moe_intermediate_size": 128} if name == "qwen3_moe" else {}
     folder = _folder(tmp_path, name, weights == "q4", **WIDER, **experts)
     out = tmp_path / "out.json"
-    done = _ranks("run", str(folder), weights, str(out))
+    done = _ranks("run", str(folder), weights, str(out), kernels)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["exits"] == {"1": 0}
@@ -189,13 +188,30 @@ def test_two_ranks_generate_one_ranks_tokens(tmp_path, name, weights):
     # The same steps in this process, unsharded.
     loaded = load_model(str(folder), weights)
     family = family_for(loaded.model, loaded.config)
-    runner = ModelRunner(loaded.model, pool_for(family, NUM_BLOCKS, BLOCK_SIZE), family=family)
+    runner = ModelRunner(loaded.model, pool_for(family, NUM_BLOCKS, BLOCK_SIZE), kernels,
+                         kernels, family=family)
     want = generate(runner.run)
     for seq_id, samples in want.items():
         tokens = got["tokens"][seq_id]
         assert [t for t, _ in tokens] == [t for t, _ in samples], seq_id
         np.testing.assert_allclose([lp for _, lp in tokens], [lp for _, lp in samples],
                                    atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["f32", "q4"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"])
+def test_two_ranks_generate_one_ranks_tokens(tmp_path, name, weights):
+    _two_ranks_against_one(tmp_path, name, weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["f32", "q4"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_two_ranks_on_mlx_ops_generate_one_ranks_tokens(tmp_path, name, weights):
+    # What Metal and CUDA run: a row-sharded layer's slice through MLX's own matmul, then
+    # the all_sum (engine/native_ops.py), and MLX's attention over the local heads.
+    _two_ranks_against_one(tmp_path, name, weights, "mlx")
 
 
 @pytest.mark.slow
