@@ -1,7 +1,7 @@
 """The Python steps of scripts/gpu-check.sh and its report (docs/gpu.md). Each subcommand reads
 and writes files in the check's output folder OUT:
 
-    python scripts/gpu_check.py device OUT [--require-gpu]   # device.json
+    python scripts/gpu_check.py device OUT [--require-gpu]   # device.json (numerics too)
     python scripts/gpu_check.py serve OUT [--quick]          # serve.json
     python scripts/gpu_check.py report OUT --mode cpu|gpu    # report.json, report.md
 
@@ -62,6 +62,8 @@ def cmd_device(args: argparse.Namespace) -> int:
     for key in ("default_device", "backend", "metal_available", "cuda_available", "device_info",
                 "float32_matmuls", "mlx_version", "mlx_lm_version"):
         print(f"{key}: {found[key]}", flush=True)
+    found["numerics"] = numerics(mx)
+    print(f"numerics: {found['numerics']}", flush=True)
     with Engine(EngineConfig(num_kv_blocks=64)).start() as eng:
         found["auto"] = {"weights": eng.loaded.weights, "attention": eng.attention,
                          "row_kernels": eng.row_kernels,
@@ -85,6 +87,46 @@ def cmd_device(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+# A row's result alone, or among this many rows, against the same row among ROWS_ALL.
+ROWS_AMONG, ROWS_ALL = (1, 2, 4, 8, 16, 33), 64
+
+
+def numerics(mx) -> dict:
+    """What MLX's kernels do to a row's numbers on this device, as the engine sets them up:
+    a float32 matmul's error against float64 (TF32 shows as ~1e-3, float32 as ~1e-6); for
+    MLX's float32 and 4-bit matmuls, at which row counts row 0 keeps the bits it has among
+    ROWS_ALL rows (a batch-invariant kernel: at every count); and how far the last query of a
+    causal prefill lands from the same query alone in MLX's fused attention."""
+    import numpy as np
+
+    key = mx.random.key(0)
+    kw, kx, kq, kk, kv = mx.random.split(key, 5)
+    w = mx.random.normal((1536, 576), key=kw) * 0.05
+    x = mx.random.normal((ROWS_ALL, 576), key=kx)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    got = np.asarray(x @ w.T)
+    error = float(np.max(np.abs(got - exact)) / np.max(np.abs(exact)))
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    products = {
+        "f32_matmul": lambda a: a @ w.T,
+        "q4_matmul": lambda a: mx.quantized_matmul(a, wq, scales, biases, transpose=True,
+                                                   group_size=64, bits=4)}
+    same = {}
+    for name, f in products.items():
+        row0 = np.asarray(f(x)[0])
+        same[name] = {str(m): bool(np.array_equal(np.asarray(f(x[:m])[0]), row0))
+                      for m in ROWS_AMONG}
+    heads, kv_heads, dim, length = 9, 3, 64, 40  # the embedded model's attention
+    q = mx.random.normal((1, heads, length, dim), key=kq)
+    k = mx.random.normal((1, kv_heads, length, dim), key=kk)
+    v = mx.random.normal((1, kv_heads, length, dim), key=kv)
+    sdpa = mx.fast.scaled_dot_product_attention
+    full = sdpa(q, k, v, scale=dim ** -0.5, mask="causal")[:, :, -1]
+    alone = sdpa(q[:, :, -1:], k, v, scale=dim ** -0.5)[:, :, 0]
+    return {"f32_matmul_relative_error": error, "row_bits_kept": same,
+            "attention_last_row_max_diff": float(mx.max(mx.abs(full - alone)))}
 
 
 def _device_info(mx) -> dict | None:
@@ -272,6 +314,7 @@ def render(report: dict) -> str:
         f"{device.get('cuda_available', '?')}) |",
         f"| device info | {device.get('device_info')} |",
         f"| float32 matmuls | {device.get('float32_matmuls', '?')} |",
+        f"| numerics | {'; '.join(f'{k} {v}' for k, v in _flat(device.get('numerics') or {}))} |",
         f"| packages | {', '.join(f'{k} {v}' for k, v in report['packages'].items())}; "
         f"Python {report['python']} |",
     ]

@@ -107,3 +107,24 @@ def test_the_report_passes_only_when_every_step_did(tmp_path):
     assert gpu_check.main(["report", str(tmp_path), "--mode", "cpu"]) == 1
     (tmp_path / "steps.tsv").write_text("install\tpassed\t0\t1.0\t60\n")  # the rest missing
     assert gpu_check.build_report(tmp_path, "cpu")["passed"] is False
+
+
+def test_the_device_steps_numerics_on_this_backend():
+    # isort: off
+    import engine  # noqa: F401  (as the device step: TF32 off before MLX's first matmul)
+    import mlx.core as mx
+    # isort: on
+
+    found = gpu_check.numerics(mx)
+    # MLX's CPU backend: float32 is float32 (TF32 would be ~1e-3)
+    assert found["f32_matmul_relative_error"] < 1e-5
+    assert set(found["row_bits_kept"]) == {"f32_matmul", "q4_matmul"}
+    for kept in found["row_bits_kept"].values():
+        assert list(kept) == [str(m) for m in gpu_check.ROWS_AMONG]
+        assert all(isinstance(v, bool) for v in kept.values())
+    assert 0 <= found["attention_last_row_max_diff"] < 1e-3
+    md = gpu_check.render({"mode": "cpu", "passed": True, "date": "d", "seconds": 1.0,
+                           "gpu": None, "python": "3", "packages": {}, "steps": [],
+                           "device": {"numerics": found}})
+    assert "| numerics | f32_matmul_relative_error " in md
+    assert "row_bits_kept.q4_matmul.1 " in md
