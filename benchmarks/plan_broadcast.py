@@ -64,7 +64,7 @@ def run_ranks(folder: str, num_blocks: int, rows_list: tuple[int, ...], steps: i
               timed: bool) -> dict[int, dict[str, list[float]]]:
     """Two ranks started over `folder`, every row count benched, the ranks stopped."""
     group, ranks = start_ranks(2, worker_args(folder, num_blocks, BLOCK_SIZE, weights="f32",
-                                              time_collectives=int(timed)))
+                                              time_collectives=timed))
     coordinator = Coordinator(group, sharded_runner(load_model(folder, "f32"), group,
                                                     num_blocks, BLOCK_SIZE,
                                                     time_collectives=timed), ranks)
@@ -95,7 +95,8 @@ def main() -> int:
             Path(args.out).write_text(json.dumps(got))
             return 0
         # Each round in a process of its own: MLX joins one ring per process.
-        results = {rows: {} for rows in rows_list}  # rows -> {(timed, name): samples}
+        # mode -> rows -> what bench() measures -> samples of every round
+        results = {mode: {rows: {} for rows in rows_list} for mode in ("timed", "untimed")}
         for i in range(2 * args.rounds):
             mode = "timed" if i % 2 == 0 else "untimed"
             print(f"round {i // 2 + 1}/{args.rounds}, all_sums {mode}", flush=True)
@@ -104,7 +105,7 @@ def main() -> int:
                             str(args.steps), "--out", str(out)], check=True)
             for rows, got in json.loads(out.read_text()).items():
                 for name, samples in got.items():
-                    results[int(rows)].setdefault((mode == "timed", name), []).extend(samples)
+                    results[mode][int(rows)].setdefault(name, []).extend(samples)
 
     def ms(values: list[float], pct: float) -> str:
         return f"{1000 * percentile(values, pct):.3f}"
@@ -124,8 +125,8 @@ def main() -> int:
         "| timed / not |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for rows, by in results.items():
-        got, bare = {k[1]: v for k, v in by.items() if k[0]}, by[(False, "wall")]
+    for rows, got in results["timed"].items():
+        bare = results["untimed"][rows]["wall"]
         both = [b + g for b, g in zip(got["broadcast"], got["gather"], strict=True)]
         cost = percentile(got["wall"], 50) / percentile(bare, 50)
         lines.append(f"| {rows} | {ms(got['broadcast'], 50)} | {ms(got['broadcast'], 90)} | "

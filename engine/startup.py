@@ -4,7 +4,6 @@ or rank 0 of N over engine/distributed/) and what it logs once the model is read
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -56,8 +55,7 @@ def log_model(engine: Engine, family: Family, states: StatePool | None) -> None:
              info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
              engine.max_model_len, engine.attention, engine.row_kernels)
     if info["backend"] != "cpu":
-        log.info("float32 matmuls: %s (MLX_ENABLE_TF32=%s)", info["float32_matmuls"],
-                 os.environ.get(TF32_ENV, "1"))
+        log.info("float32 matmuls: %s (%s)", info["float32_matmuls"], TF32_ENV)
         if info["float32_matmuls"] == "tf32" and loaded.weights == "f32":
             log.warning("f32 weights with TF32 on: float32 matmuls keep 10 mantissa bits, "
                         "and the tokens may differ from mlx-lm's float32 ones")

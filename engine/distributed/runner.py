@@ -82,7 +82,7 @@ def runner_settings(cfg: EngineConfig) -> dict:
     """What every rank's runner is built with besides the pool's size (sharded_runner)."""
     return {"kv_dtype": cfg.kv_dtype, "attention": cfg.attention,
             "row_kernels": cfg.row_kernels, "tile": cfg.invariant_tile,
-            "activations": cfg.activations, "time_collectives": int(cfg.time_collectives)}
+            "activations": cfg.activations, "time_collectives": cfg.time_collectives}
 
 
 def launched_group(cfg: EngineConfig, start_timeout: float) -> mx.distributed.Group:

@@ -79,11 +79,15 @@ def pool_dtype(kv_dtype: str) -> mx.Dtype | None:
     return None if kv_dtype == "auto" else getattr(mx, kv_dtype)
 
 
-def _gather_times(group: mx.distributed.Group, mine: list[float | None]) -> np.ndarray:
-    mine = [math.nan if t is None else t for t in mine]
-    out = mx.distributed.all_gather(mx.array(mine, dtype=mx.float32), group=group,
-                                    stream=mx.cpu)
-    return np.array(out).reshape(group.size(), _TIMES)
+def _gather_times(group: mx.distributed.Group, broadcast_s: float, wall_s: float,
+                  out: StepOutput) -> np.ndarray:
+    """Every rank's times of the step just run (rows: ranks; columns: StepTimes' lists), this
+    rank's given; an untimed all_sum time (engine/collectives.py) travels as NaN."""
+    all_sum_s = collectives.take_seconds()
+    mine = [broadcast_s, wall_s, out.model_time, math.nan if all_sum_s is None else all_sum_s]
+    times = mx.distributed.all_gather(mx.array(mine, dtype=mx.float32), group=group,
+                                      stream=mx.cpu)
+    return np.array(times).reshape(group.size(), _TIMES)
 
 
 class Coordinator:
@@ -168,8 +172,7 @@ class Coordinator:
         t1 = time.perf_counter()
         out = self.runner.run(groups, path)
         t2 = time.perf_counter()
-        times = _gather_times(self.group, [t1 - t0, t2 - t1, out.model_time,
-                                           collectives.take_seconds()])
+        times = _gather_times(self.group, t1 - t0, t2 - t1, out)
         gather = time.perf_counter() - t2
         return out, StepTimes(*(times[:, i].tolist() for i in range(_TIMES)), gather)
 
@@ -234,8 +237,7 @@ def worker_loop(group: mx.distributed.Group, runner: ModelRunner,
             continue
         t1 = time.perf_counter()
         out = runner.run(plan.groups, plan.path)
-        _gather_times(group, [t1 - t0, time.perf_counter() - t1, out.model_time,
-                              collectives.take_seconds()])
+        _gather_times(group, t1 - t0, time.perf_counter() - t1, out)
         steps += 1
 
 
@@ -283,14 +285,17 @@ def run_rank(rank: int, join_group: Callable[[], mx.distributed.Group], model: s
 
 
 def worker_args(model: str, num_blocks: int, block_size: int, *, weights: str = "auto",
-                start_timeout: float = DEFAULT_START_TIMEOUT, **settings: str | int) -> list[str]:
-    """The command start_ranks runs for each rank > 0 over `model` (settings: attention,
-    kv_dtype, attention, row_kernels, tile, activations, as sharded_runner takes them)."""
+                start_timeout: float = DEFAULT_START_TIMEOUT,
+                **settings: str | int | bool) -> list[str]:
+    """The command start_ranks runs for each rank > 0 over `model` (settings: kv_dtype,
+    attention, row_kernels, tile, activations, time_collectives, as sharded_runner takes
+    them; a bool goes as 1 or 0)."""
     args = [sys.executable, "-m", "engine.distributed.worker", "--model", model, "--weights",
             weights, "--num-blocks", str(num_blocks), "--block-size", str(block_size),
             "--start-timeout", str(start_timeout)]
     for name, value in settings.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
+        args += [f"--{name.replace('_', '-')}", str(int(value) if isinstance(value, bool)
+                                                    else value)]
     return args
 
 
