@@ -6,8 +6,8 @@ With timing on (each rank of a tensor-parallel engine), it evaluates its input f
 result at once, and adds the seconds in between to this process's count, which each step takes
 with `take_seconds`: the time the rank spent in the collectives and waiting for its peers
 there, apart from the forward's own compute. The evaluations cut the step's graph at each
-all_sum, which cost 1.1-1.3x the step on a 2-core machine (benchmarks/plan_broadcast.py measures
-both ways): so it is off unless asked for (--time-collectives).
+all_sum, which makes the step slower (benchmarks/plan_broadcast.py measures both ways;
+docs/distributed.md has the numbers): so it is off unless asked for (--time-collectives).
 """
 
 from __future__ import annotations

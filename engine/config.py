@@ -141,8 +141,8 @@ class EngineConfig:
     # runs the scheduler and sends each step's plan to the others. 1: this process alone.
     tensor_parallel_size: int = 1
     # Each step's all_sums timed on every rank (RankTimes.all_sum_s, engine/collectives.py).
-    # Off by default: it cuts the step's graph at each all_sum, which cost 1.1-1.3x the step
-    # on a 2-core machine (benchmarks/plan_broadcast.py).
+    # Off by default: it cuts the step's graph at each all_sum, a cost engine/collectives.py
+    # describes.
     time_collectives: bool = False
 
     def __post_init__(self) -> None:

@@ -91,8 +91,8 @@ SWITCHES = {  # boolean fields: the flag flips the default
                         "(no cost on 4-bit weights; float32 prefill is slower)"),
     "time_collectives": ("--time-collectives", "tensor parallelism: time each step's all_sums on "
                          "every rank (all_sum_s on the dashboard, in the runs database and "
-                         "/metrics); cuts the step's graph at each all_sum, which cost 1.1-1.3x "
-                         "the step on a 2-core machine"),
+                         "/metrics); cuts the step's graph at each all_sum, which slows the "
+                         "step (see docs/distributed.md)"),
 }
 
 
