@@ -6,6 +6,8 @@
 #   ./scripts/gpu-check.sh --out DIR       # default: ./gpu-check-<UTC time>, made fresh
 #   ./scripts/gpu-check.sh --no-install    # the .venv as it is (a second run)
 #   ./scripts/gpu-check.sh --cpu           # MLX's CPU backend, small sizes: what CI runs
+#   ./scripts/gpu-check.sh --no-install --steps device,tests --tests 'f32 or preemption'
+#                                          # a rerun of chosen steps; --tests: pytest's -k
 #
 # Steps, each under its own time limit (timeout); a failed step is recorded and the next runs:
 #   install    scripts/setup.sh; then, unless --cpu, mlx[cuda] in place of mlx[cpu], and a
@@ -22,7 +24,8 @@
 #   batching   benchmarks/engine_batching.py: decode tok/s at 1, 4, 8 and 16 sequences
 #   serve      `batchscope serve` against `mlx_lm.server` on one exported folder, 8 streams,
 #              with the load client of `batchscope bench serve` (benchmarks/peers.py)
-# The exit code is 0 only when every step passed. On a GPU the limits after the install add
+# The exit code is 0 only when every step passed (steps left out by --steps: not_run, and the
+# report says PARTIAL). On a GPU the limits after the install add
 # up to 10 minutes. Needs bash 5, GNU timeout and the package index (or a pip cache) for the
 # install.
 set -euo pipefail
@@ -35,15 +38,29 @@ fi
 MODE=gpu
 INSTALL=1
 OUT=""
+CHOSEN=""
+TESTS_K=""
+NAMES=(install device tests calibrate diverge batching serve)
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) MODE=cpu ;;
         --no-install) INSTALL=0 ;;
         --out) [ $# -ge 2 ] || { echo "error: --out needs a folder" >&2; exit 2; }
                OUT="$2"; shift ;;
+        --steps) [ $# -ge 2 ] || { echo "error: --steps needs names, e.g. device,tests" >&2; exit 2; }
+                 CHOSEN=",$2,"; shift ;;
+        --tests) [ $# -ge 2 ] || { echo "error: --tests needs a pytest -k expression" >&2; exit 2; }
+                 TESTS_K="$2"; shift ;;
         *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
+done
+for name in ${CHOSEN//,/ }; do
+    case " ${NAMES[*]:1} " in
+        *" $name "*) ;;
+        *) echo "error: --steps: no step $name (steps: ${NAMES[*]:1}; the install: --no-install)" >&2
+           exit 2 ;;
+    esac
 done
 OUT="${OUT:-gpu-check-$(date -u +%Y%m%d-%H%M%S)}"
 if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
@@ -97,6 +114,7 @@ or (cli_greedy_tokens_equal_mlx_lm and capital)"
     SERVE=(--quick)
     LIMITS=(900 120 600 180 180 300 420)
 fi
+TESTS="${TESTS_K:-$TESTS}"
 
 # NAME LIMIT_S COMMAND...: run it under a time limit with its output in logs/NAME.log, and
 # record how it went in steps.tsv (name, status, exit code, seconds, limit).
@@ -121,8 +139,14 @@ run_step() {
     [ "$status" = passed ]
 }
 
-skip_step() {  # NAME LIMIT_S: not run (the install failed)
-    printf '%s\tskipped\t\t0\t%s\n' "$1" "$2" >>"$OUT/steps.tsv"
+skip_step() {  # NAME LIMIT_S [STATUS]: not run (skipped: the install failed)
+    printf '%s\t%s\t\t0\t%s\n' "$1" "${3:-skipped}" "$2" >>"$OUT/steps.tsv"
+}
+
+chosen() {  # NAME LIMIT_S: whether --steps (or its absence) runs this step; if not, recorded
+    if [ -z "$CHOSEN" ] || [[ "$CHOSEN" == *",$1,"* ]]; then return 0; fi
+    skip_step "$1" "$2" not_run
+    return 1
 }
 
 install() {
@@ -160,7 +184,6 @@ if [ "$MODE" = gpu ] && command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
         >"$OUT/nvidia-smi.txt" 2>&1 || true
 fi
-NAMES=(install device tests calibrate diverge batching serve)
 ok=1
 if [ "$INSTALL" = 1 ]; then
     export -f install
@@ -174,16 +197,21 @@ if [ "$ok" = 0 ]; then
     for i in 1 2 3 4 5 6; do skip_step "${NAMES[$i]}" "${LIMITS[$i]}"; done
 else
     require=(); [ "$MODE" = gpu ] && require=(--require-gpu)
-    run_step device "${LIMITS[1]}" "$PY" scripts/gpu_check.py device "$OUT" "${require[@]}" || true
-    run_step tests "${LIMITS[2]}" "$PY" -m pytest -q -p no:cacheprovider -rfE \
-        --timeout "$PER_TEST" --junitxml "$OUT/tests.xml" -k "$TESTS" "${TEST_FILES[@]}" || true
-    run_step calibrate "${LIMITS[3]}" .venv/bin/batchscope calibrate "${CALIBRATE[@]}" \
-        --repeats 1 --out "$OUT/calibration" || true
-    run_step diverge "${LIMITS[4]}" bash -c '"$@" > "$0"' "$OUT/diverge.json" \
-        .venv/bin/batchscope diverge --search "${DIVERGE[@]}" --json || true
-    run_step batching "${LIMITS[5]}" "$PY" benchmarks/engine_batching.py "${BATCHING[@]}" \
-        --repeats 1 --out "$OUT/engine_batching.json" || true
-    run_step serve "${LIMITS[6]}" "$PY" scripts/gpu_check.py serve "$OUT" "${SERVE[@]}" || true
+    chosen device "${LIMITS[1]}" && { run_step device "${LIMITS[1]}" "$PY" scripts/gpu_check.py \
+        device "$OUT" "${require[@]}" || true; }
+    chosen tests "${LIMITS[2]}" && { run_step tests "${LIMITS[2]}" "$PY" -m pytest -q \
+        -p no:cacheprovider -rfE --timeout "$PER_TEST" --junitxml "$OUT/tests.xml" \
+        -k "$TESTS" "${TEST_FILES[@]}" || true; }
+    chosen calibrate "${LIMITS[3]}" && { run_step calibrate "${LIMITS[3]}" \
+        .venv/bin/batchscope calibrate "${CALIBRATE[@]}" --repeats 1 \
+        --out "$OUT/calibration" || true; }
+    chosen diverge "${LIMITS[4]}" && { run_step diverge "${LIMITS[4]}" bash -c '"$@" > "$0"' \
+        "$OUT/diverge.json" .venv/bin/batchscope diverge --search "${DIVERGE[@]}" --json || true; }
+    chosen batching "${LIMITS[5]}" && { run_step batching "${LIMITS[5]}" "$PY" \
+        benchmarks/engine_batching.py "${BATCHING[@]}" --repeats 1 \
+        --out "$OUT/engine_batching.json" || true; }
+    chosen serve "${LIMITS[6]}" && { run_step serve "${LIMITS[6]}" "$PY" scripts/gpu_check.py \
+        serve "$OUT" "${SERVE[@]}" || true; }
 fi
 
 # The report reads what the steps left; it needs no MLX (an install may have failed).

@@ -176,6 +176,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # report
 
 
+# "off": the install left out by --no-install; "skipped": after a failed install; "not_run":
+# left out by --steps.
+NOT_RUN = ("off", "skipped", "not_run")
+
+
 def read_steps(out: Path) -> list[dict]:
     """steps.tsv as the script wrote it: name, status, exit code, seconds, limit."""
     steps = []
@@ -184,7 +189,7 @@ def read_steps(out: Path) -> list[dict]:
         name, status, rc, seconds, limit = line.split("\t")
         steps.append({"name": name, "status": status, "exit_code": int(rc) if rc else None,
                       "seconds": float(seconds), "limit_s": int(limit),
-                      "log": f"logs/{name}.log" if status not in ("skipped", "off") else None})
+                      "log": f"logs/{name}.log" if status not in NOT_RUN else None})
     return steps
 
 
@@ -290,9 +295,11 @@ def build_report(out: Path, mode: str) -> dict:
     return {
         "version": REPORT_VERSION, "mode": mode,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        # "off": the install left out by --no-install; a skipped step follows a failed install.
         "passed": len(steps) == len(STEPS) and all(s["status"] in ("passed", "off")
                                                     for s in steps),
+        # Every step that ran passed, but --steps left some out: not a pass.
+        "partial": len(steps) == len(STEPS) and any(s["status"] == "not_run" for s in steps)
+                   and all(s["status"] in ("passed", "off", "not_run") for s in steps),
         "seconds": round(sum(s["seconds"] for s in steps), 1),
         "python": sys.version.split()[0], "packages": versions,
         "gpu": smi.read_text().strip() if smi.is_file() else None,
@@ -304,7 +311,7 @@ def render(report: dict) -> str:
     device = report["device"] or {}
     auto = device.get("auto") or {}
     lines = [
-        f"# gpu-check ({report['mode']}): {'PASSED' if report['passed'] else 'FAILED'}", "",
+        f"# gpu-check ({report['mode']}): {_verdict(report)}", "",
         f"{report['date']}; {report['seconds']:.0f} s in all. "
         + ("MLX's CPU backend (--cpu): these numbers are not a GPU's." if report["mode"] == "cpu"
            else f"GPU: {report['gpu'] or 'unknown'}."), "",
@@ -327,6 +334,15 @@ def render(report: dict) -> str:
         lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {s['limit_s']} | "
                      f"{numbers.replace('|', '/')} |")
     return "\n".join(lines)
+
+
+def _verdict(report: dict) -> str:
+    if report["passed"]:
+        return "PASSED"
+    if report.get("partial"):
+        left_out = [s["name"] for s in report["steps"] if s["status"] == "not_run"]
+        return f"PARTIAL (every step run passed; not run: {', '.join(left_out)})"
+    return "FAILED"
 
 
 def _flat(numbers: dict, prefix: str = ""):

@@ -128,3 +128,22 @@ def test_the_device_steps_numerics_on_this_backend():
                            "device": {"numerics": found}})
     assert "| numerics | f32_matmul_relative_error " in md
     assert "row_bits_kept.q4_matmul.1 " in md
+
+
+def test_steps_names_are_checked_before_anything_runs(tmp_path):
+    done = run("--cpu", "--steps", "device,warmup", cwd=tmp_path)
+    assert done.returncode == 2 and "--steps: no step warmup" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_steps_left_out_are_recorded_and_the_report_says_partial(tmp_path):
+    done = run("--cpu", "--no-install", "--steps", "device", "--out", "check", cwd=tmp_path)
+    report = json.loads((tmp_path / "check" / "report.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [
+        ("install", "off"), ("device", "passed"),
+        *((name, "not_run") for name in gpu_check.STEPS[2:])], done.stdout
+    assert report["passed"] is False and report["partial"] is True
+    assert done.returncode == 1  # a partial run is no pass
+    md = (tmp_path / "check" / "report.md").read_text()
+    assert "PARTIAL (every step run passed; not run: tests, calibrate" in md
+    assert not (tmp_path / "check" / "logs" / "tests.log").exists()
