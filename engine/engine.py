@@ -27,7 +27,7 @@ from engine.config import EngineConfig, KernelPath, KernelPolicy
 from engine.distributed.launch import DistributedError
 from engine.draft import draft_proposer
 from engine.errors import RequestError
-from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent
+from engine.events import ErrorEvent, FinishEvent, RequestHandle, TokenEvent, push_all
 from engine.kernels import PathTally
 from engine.lookahead import Ahead, continues, next_groups, resume
 from engine.model_loader import LoadedModel, load_model
@@ -388,8 +388,7 @@ class Engine:
             self._run_step(started_at, t0)
         finally:
             outbox, self._outbox = self._outbox, None
-            for handle, event in outbox:
-                handle.push(event)
+            push_all(outbox)
 
     def _emit(self, req: _Request, event) -> None:
         if self._outbox is not None:
