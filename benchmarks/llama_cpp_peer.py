@@ -16,13 +16,14 @@ serve1  one person's view: `batchscope serve` and `llama-server` (-np 1), both s
         alternating) by `batchscope bench serve --num-prompts 12 --max-concurrency 1 --seed 0
         --ignore-eos on`, one request at a time: output tok/s, median TPOT, median TTFT; warm
         rates are the rounds' medians, the warm ratio the median of the rounds' own.
-serve   `batchscope serve` (its default weights: q4 where the native kernel is built),
-        `llama-server -np 8` on the GGUF, and `mlx_lm.server` on the folder `batchscope
-        export-model --weights f32` writes (its fastest format on the CPU: at q4 MLX's CPU
-        quantized matmul takes one row at a time, benchmarks/results/decode_quantized.md),
-        one at a time, each driven twice (cold, then warm: llama-server's prompt cache and
-        batchscope's prefix cache are warm) by `batchscope bench serve --num-prompts 32
-        --max-concurrency 8 --seed 0 --ignore-eos on`: output tok/s, median TPOT, p99 TTFT.
+serve   8 streams: `batchscope serve` (its default weights: q4 where the native kernel is
+        built) and `llama-server -np 8` on the GGUF, as serve1 (both started, once cold, then
+        --repeats warm rounds in turn; warm: llama-server's prompt cache and batchscope's
+        prefix cache hold the prompts) with `batchscope bench serve --num-prompts 32
+        --max-concurrency 8 --seed 0 --ignore-eos on`; then `mlx_lm.server` alone, once cold
+        and once warm, on the folder `batchscope export-model --weights f32` writes (its
+        fastest format on the CPU: at q4 MLX's CPU quantized matmul takes one row at a time,
+        benchmarks/results/decode_quantized.md): output tok/s, median TPOT, p99 TTFT.
 
 Writes llama_cpp.md and llama_cpp.json to --out-dir (benchmarks/results); a run of one section
 keeps the other's last results (each section is one run of its own, with its date and host: the
@@ -274,29 +275,32 @@ def bench_serve(url: str, out: Path, flags: list[str] = BENCH_SERVE) -> dict:
             "ttft_median_ms": s["ttft"]["median_ms"], "failed": s["failed"]}
 
 
-def section_serve_one(bin_dir: Path, gguf: Path, threads: int, workdir: Path,
-                      rounds: int) -> dict:
-    """batchscope serve and llama-server, one request at a time (see the module docstring)."""
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
+def serve_in_rounds(bin_dir: Path, gguf: Path, threads: int, workdir: Path, rounds: int,
+                    flags: list[str], slots: int, tag: str) -> dict:
+    """batchscope serve and llama-server (-np `slots`), both started: each driven once cold,
+    then in `rounds` warm rounds of the two in turn, the first of a round alternating, so that
+    a shared host's drift hits both alike. Returns each server's runs and the ratios: cold,
+    warm (the median of the rounds' own) and each warm round's."""
     names = ("batchscope", "llama-server")
     with contextlib.ExitStack() as stack:
         urls = {}
         for name in names:
             port = free_port()
-            cmd = (llama_server_command(bin_dir, gguf, port, threads, slots=1)
+            cmd = (llama_server_command(bin_dir, gguf, port, threads, slots=slots)
                    if name == "llama-server"
-                   else server_commands(name, port, "auto", workdir, workdir / "bench.db"))
+                   else server_commands(name, port, "auto", workdir, workdir / f"{tag}.db"))
             urls[name], _ = stack.enter_context(
-                running_server(name, cmd, port, workdir / f"{name}-one.log", log))
+                running_server(name, cmd, port, workdir / f"{name}-{tag}.log", log))
 
         def drive(name: str, label: str) -> dict:
-            log(f"serve1: {name}, {label}...")
-            run = bench_serve(urls[name], workdir / f"{name}-one.json", BENCH_SERVE_ONE)
-            log(f"serve1: {name}, {label}: {run['output_tps']:.1f} output tok/s")
+            log(f"{tag}: {name}, {label}...")
+            run = bench_serve(urls[name], workdir / f"{name}-{tag}.json", flags)
+            log(f"{tag}: {name}, {label}: {run['output_tps']:.1f} output tok/s, p99 TTFT "
+                f"{run['ttft_p99_ms']:.0f} ms")
             return run
 
         servers = {name: {"cold": drive(name, "cold"), "warm": []} for name in names}
-        for i in range(rounds):  # each server first in every other round: drift hits both
+        for i in range(rounds):
             for name in names if i % 2 == 0 else names[::-1]:
                 servers[name]["warm"].append(drive(name, f"warm {i + 1}/{rounds}"))
     ours, peer = servers["batchscope"], servers["llama-server"]
@@ -304,7 +308,15 @@ def section_serve_one(bin_dir: Path, gguf: Path, threads: int, workdir: Path,
             for a, b in zip(ours["warm"], peer["warm"], strict=True)]
     ratios = {"cold": ours["cold"]["output_tps"] / peer["cold"]["output_tps"],
               "warm": statistics.median(warm), "warm_rounds": warm}
-    return {"servers": servers, "ratios": ratios, "rounds": rounds, "started": started}
+    return {"servers": servers, "ratios": ratios, "rounds": rounds}
+
+
+def section_serve_one(bin_dir: Path, gguf: Path, threads: int, workdir: Path,
+                      rounds: int) -> dict:
+    """batchscope serve and llama-server, one request at a time (see the module docstring)."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    return serve_in_rounds(bin_dir, gguf, threads, workdir, rounds, BENCH_SERVE_ONE, 1,
+                           "serve1") | {"started": started}
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -312,35 +324,36 @@ def _median_run(runs: list[dict]) -> dict:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
-def section_serve(bin_dir: Path, gguf: Path, threads: int, workdir: Path) -> dict:
+def section_serve(bin_dir: Path, gguf: Path, threads: int, workdir: Path, rounds: int) -> dict:
+    """8 streams: batchscope serve and llama-server in rounds (serve_in_rounds), then
+    mlx_lm.server alone, cold and once warm (see the module docstring)."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    section = serve_in_rounds(bin_dir, gguf, threads, workdir, rounds, BENCH_SERVE,
+                              SERVE_STREAMS, "serve")
     model_dir = workdir / "model"
     subprocess.run([sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())",
                     "export-model", str(model_dir), "--weights", "f32"], check=True,
                    stdout=subprocess.DEVNULL)
-    servers = {}
-    for name in ("batchscope", "llama-server", "mlx_lm.server"):
-        port = free_port()
-        if name == "llama-server":
-            cmd = llama_server_command(bin_dir, gguf, port, threads)
-        else:
-            cmd = server_commands(name, port, "auto", model_dir, workdir / "bench.db")
-        with running_server(name, cmd, port, workdir / f"{name}.log", log) as (url, _):
-            runs = {}
-            for phase in ("cold", "warm"):
-                log(f"serve: {name}, {phase}...")
-                runs[phase] = bench_serve(url, workdir / f"{name}-{phase}.json")
-                log(f"serve: {name}, {phase}: {runs[phase]['output_tps']:.1f} output tok/s, "
-                    f"p99 TTFT {runs[phase]['ttft_p99_ms']:.0f} ms")
-        servers[name] = runs
-    ours = servers["batchscope"]
-    goals = {}
-    for phase in ("cold", "warm"):
-        peer, mlx = servers["llama-server"][phase], servers["mlx_lm.server"][phase]
-        goals[phase] = {
-            "vs_llama_server": ours[phase]["output_tps"] / peer["output_tps"],
-            "ttft_p99_lower": ours[phase]["ttft_p99_ms"] < peer["ttft_p99_ms"],
-            "vs_mlx_lm_server": ours[phase]["output_tps"] / mlx["output_tps"]}
-    return {"servers": servers, "goals": goals, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    port = free_port()
+    cmd = server_commands("mlx_lm.server", port, "auto", model_dir, workdir / "mlx.db")
+    with running_server("mlx_lm.server", cmd, port, workdir / "mlx_lm.server.log", log) as (
+            url, _):
+        runs = {}
+        for phase in ("cold", "warm"):
+            log(f"serve: mlx_lm.server, {phase}...")
+            runs[phase] = bench_serve(url, workdir / f"mlx_lm.server-{phase}.json")
+            log(f"serve: mlx_lm.server, {phase}: {runs[phase]['output_tps']:.1f} output tok/s")
+    section["servers"]["mlx_lm.server"] = {"cold": runs["cold"], "warm": [runs["warm"]]}
+    ours = section["servers"]["batchscope"]
+    peer = section["servers"]["llama-server"]
+    section["ttft_p99_lower"] = {
+        "cold": ours["cold"]["ttft_p99_ms"] < peer["cold"]["ttft_p99_ms"],
+        "warm": (_median_run(ours["warm"])["ttft_p99_ms"]
+                 < _median_run(peer["warm"])["ttft_p99_ms"])}
+    section["vs_mlx_lm_server"] = {
+        "cold": ours["cold"]["output_tps"] / runs["cold"]["output_tps"],
+        "warm": _median_run(ours["warm"])["output_tps"] / runs["warm"]["output_tps"]}
+    return section | {"started": started}
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -416,27 +429,32 @@ def render(data: dict) -> str:
     if "serve" in data:
         s = data["serve"]
         lines += ["## Serving, 8 streams", "", f"Run {s['started']}: {host_text(s['host'])}.",
-                  "",
-                  "`batchscope bench serve --num-prompts 32 --max-concurrency 8 --seed 0 "
-                  "--ignore-eos on` against each server in turn, twice (cold, then warm): "
-                  "batchscope on its default weights (q4), llama-server on the Q4_1 GGUF, "
-                  "mlx_lm.server on the model exported at f32 (its fastest format on the CPU).",
-                  "",
+                  "", f"`batchscope bench serve {' '.join(BENCH_SERVE)}` against "
+                  "`batchscope serve` (its default weights, q4) and `llama-server -np 8` on the "
+                  f"Q4_1 GGUF, both running: once each cold, then {s['rounds']} warm "
+                  f"round{'s' if s['rounds'] != 1 else ''} of the two in turn (warm: "
+                  "llama-server's prompt cache and batchscope's prefix cache hold the prompts). "
+                  "Then mlx_lm.server alone, once cold and once warm, on the model exported at "
+                  "f32 (its fastest format on the CPU). Warm figures are the rounds' medians "
+                  "(failed: their sum); the warm ratio is the median of the rounds' own.", "",
                   "| server | run | output tok/s | output tokens | median TPOT ms | p99 TTFT ms "
                   "| failed |", "|---|---|---|---|---|---|---|"]
         for name, runs in s["servers"].items():
-            for phase, r in runs.items():
+            warm = _median_run(runs["warm"]) | {"failed": sum(r["failed"] for r in runs["warm"])}
+            for phase, r in (("cold", runs["cold"]), ("warm", warm)):
                 lines.append(f"| {name} | {phase} | {r['output_tps']:.1f} | "
-                             f"{r['output_tokens']} | {r['tpot_median_ms']:.0f} | "
+                             f"{r['output_tokens']:.0f} | {r['tpot_median_ms']:.0f} | "
                              f"{r['ttft_p99_ms']:.0f} | {r['failed']} |")
         lines += ["", "| run | batchscope / llama-server | p99 TTFT lower | batchscope / "
                   "mlx_lm.server |", "|---|---|---|---|"]
-        for phase, g in s["goals"].items():
-            ratio = g["vs_llama_server"]
+        for phase in ("cold", "warm"):
+            ratio = s["ratios"][phase]
             lines.append(f"| {phase} | {ratio:.2f}x (goal >= {SERVE_GOAL:.1f}: "
                          f"{'met' if ratio >= SERVE_GOAL else 'not met'}) | "
-                         f"{'yes' if g['ttft_p99_lower'] else 'no'} | "
-                         f"{g['vs_mlx_lm_server']:.2f}x (goal >= 1.5) |")
+                         f"{'yes' if s['ttft_p99_lower'][phase] else 'no'} | "
+                         f"{s['vs_mlx_lm_server'][phase]:.2f}x (goal >= 1.5) |")
+        lines += ["", "Warm ratio per round (batchscope / llama-server): "
+                  + ", ".join(f"{x:.2f}x" for x in s["ratios"]["warm_rounds"]) + "."]
         lines.append("")
     return "\n".join(lines)
 
@@ -464,6 +482,17 @@ def kept_sections(saved: Path) -> dict:
             runs["warm"] = [runs["warm"]]
         serve1["rounds"] = 1
         serve1["ratios"]["warm_rounds"] = [serve1["ratios"]["warm"]]
+    serve = kept.get("serve")
+    if serve is not None and "rounds" not in serve:  # written as one cold and one warm run
+        for runs in serve["servers"].values():
+            runs["warm"] = [runs["warm"]]
+        goals = serve.pop("goals")
+        serve["rounds"] = 1
+        serve["ratios"] = {"cold": goals["cold"]["vs_llama_server"],
+                           "warm": goals["warm"]["vs_llama_server"],
+                           "warm_rounds": [goals["warm"]["vs_llama_server"]]}
+        serve["ttft_p99_lower"] = {k: g["ttft_p99_lower"] for k, g in goals.items()}
+        serve["vs_mlx_lm_server"] = {k: g["vs_mlx_lm_server"] for k, g in goals.items()}
     return kept
 
 
@@ -474,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                     help="llama.cpp threads (default: all CPUs, as the engine uses)")
     ap.add_argument("--repeats", type=int, default=5,
-                    help="decode: rounds of llama.cpp and the engines in turn; serve1: warm "
-                    "rounds of the two servers in turn (default 5)")
+                    help="decode: rounds of llama.cpp and the engines in turn; serve1 and "
+                    "serve: warm rounds of batchscope and llama-server in turn (default 5)")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     bin_dir = llama_cpp_bin()
@@ -502,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         saved.write_text(json.dumps(data, indent=1) + "\n")
     if "serve" in args.sections:
         with tempfile.TemporaryDirectory(prefix="batchscope-llama-cpp-") as tmp:
-            data["serve"] = section_serve(bin_dir, gguf, args.threads, Path(tmp)) | {
-                "host": host}
+            data["serve"] = section_serve(bin_dir, gguf, args.threads, Path(tmp),
+                                          args.repeats) | {"host": host}
         saved.write_text(json.dumps(data, indent=1) + "\n")
     text = render(data)
     (out / "llama_cpp.md").write_text(text)

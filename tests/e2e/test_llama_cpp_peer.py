@@ -211,3 +211,41 @@ def test_its_quickest_run_measures_against_the_build_and_names_the_host(peer, tm
         assert re.search(rf"^\| {n} \| \d+\.\d \| \d+\.\d \| \d+\.\d \| \d+\.\d\dx \|", md,
                          re.M), md
     assert str(tmp_path) not in md and str(Path.home()) not in md  # no paths of this machine
+
+
+def test_the_eight_stream_section_gives_rounds_and_the_goal(peer):
+    run = {"output_tps": 100.0, "output_tokens": 3530, "tpot_median_ms": 40.0,
+           "ttft_p99_ms": 300.0, "ttft_median_ms": 90.0, "failed": 0}
+    ours = [dict(run, output_tps=x, ttft_p99_ms=200.0) for x in (200.0, 150.0, 260.0)]
+    theirs = [dict(run, output_tps=x) for x in (120.0, 100.0, 130.0)]
+    section = {"servers": {"batchscope": {"cold": dict(run, output_tps=170.0), "warm": ours},
+                           "llama-server": {"cold": run, "warm": theirs},
+                           "mlx_lm.server": {"cold": dict(run, output_tps=30.0),
+                                             "warm": [dict(run, output_tps=40.0)]}},
+               "ratios": {"cold": 1.7, "warm": 200 / 120,
+                          "warm_rounds": [200 / 120, 150 / 100, 260 / 130]},
+               "ttft_p99_lower": {"cold": False, "warm": True},
+               "vs_mlx_lm_server": {"cold": 170 / 30, "warm": 200 / 40},
+               "rounds": 3, "started": "2026-12-04 17:00:00", "host": HOST}
+    md = peer.render({"gguf": "model.gguf", "serve": section})
+    assert "## Serving, 8 streams" in md and "then 3 warm rounds of the two in turn" in md
+    assert "| batchscope | warm | 200.0 | 3530 | 40 | 200 | 0 |" in md  # the rounds' medians
+    assert "| llama-server | warm | 120.0 | 3530 | 40 | 300 | 0 |" in md
+    assert "| cold | 1.70x (goal >= 1.6: met) | no | 5.67x (goal >= 1.5) |" in md
+    assert "| warm | 1.67x (goal >= 1.6: met) | yes | 5.00x (goal >= 1.5) |" in md
+    assert "Warm ratio per round (batchscope / llama-server): 1.67x, 1.50x, 2.00x." in md
+
+
+def test_an_eight_stream_section_of_one_cold_and_one_warm_run_still_renders(peer, tmp_path):
+    run = {"output_tps": 100.0, "output_tokens": 3530, "tpot_median_ms": 40.0,
+           "ttft_p99_ms": 300.0, "ttft_median_ms": 90.0, "failed": 0}
+    goals = {phase: {"vs_llama_server": 1.5, "ttft_p99_lower": True, "vs_mlx_lm_server": 4.0}
+             for phase in ("cold", "warm")}
+    saved = tmp_path / "llama_cpp.json"
+    saved.write_text(json.dumps({"serve": {
+        "servers": {name: {"cold": run, "warm": run}
+                    for name in ("batchscope", "llama-server", "mlx_lm.server")},
+        "goals": goals, "started": "2026-12-04 14:32:07", "host": HOST}}))
+    md = peer.render({"gguf": "model.gguf", **peer.kept_sections(saved)})
+    assert "then 1 warm round of" in md
+    assert "| warm | 1.50x (goal >= 1.6: not met) | yes | 4.00x (goal >= 1.5) |" in md
