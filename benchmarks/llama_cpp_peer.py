@@ -324,6 +324,12 @@ def _median_run(runs: list[dict]) -> dict:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
+def _cold_and_warm(runs: dict) -> tuple[tuple[str, dict], tuple[str, dict]]:
+    """A server's table rows: its cold run, and its warm rounds' medians (failed: their sum)."""
+    warm = _median_run(runs["warm"]) | {"failed": sum(r["failed"] for r in runs["warm"])}
+    return ("cold", runs["cold"]), ("warm", warm)
+
+
 def section_serve(bin_dir: Path, gguf: Path, threads: int, workdir: Path, rounds: int) -> dict:
     """8 streams: batchscope serve and llama-server in rounds (serve_in_rounds), then
     mlx_lm.server alone, cold and once warm (see the module docstring)."""
@@ -413,8 +419,7 @@ def render(data: dict) -> str:
                   "| server | run | output tok/s | median TPOT ms | median TTFT ms | failed |",
                   "|---|---|---|---|---|---|"]
         for name, runs in s["servers"].items():
-            warm = _median_run(runs["warm"]) | {"failed": sum(r["failed"] for r in runs["warm"])}
-            for phase, r in (("cold", runs["cold"]), ("warm", warm)):
+            for phase, r in _cold_and_warm(runs):
                 lines.append(f"| {name} | {phase} | {r['output_tps']:.1f} | "
                              f"{r['tpot_median_ms']:.1f} | {r['ttft_median_ms']:.0f} | "
                              f"{r['failed']} |")
@@ -440,8 +445,7 @@ def render(data: dict) -> str:
                   "| server | run | output tok/s | output tokens | median TPOT ms | p99 TTFT ms "
                   "| failed |", "|---|---|---|---|---|---|---|"]
         for name, runs in s["servers"].items():
-            warm = _median_run(runs["warm"]) | {"failed": sum(r["failed"] for r in runs["warm"])}
-            for phase, r in (("cold", runs["cold"]), ("warm", warm)):
+            for phase, r in _cold_and_warm(runs):
                 lines.append(f"| {name} | {phase} | {r['output_tps']:.1f} | "
                              f"{r['output_tokens']:.0f} | {r['tpot_median_ms']:.0f} | "
                              f"{r['ttft_p99_ms']:.0f} | {r['failed']} |")
