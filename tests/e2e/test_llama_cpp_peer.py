@@ -146,9 +146,15 @@ HOST = {"cpu": "a CPU", "cores": 2, "system": "Linux x86_64", "backend": "cpu",
                       "options": {"NATIVE": "OFF"}}}
 
 
+# One bench serve run's figures as bench_serve returns them (the tests' own values).
+ONE_STREAM_RUN = {"output_tps": 100.0, "output_tokens": 1536, "tpot_median_ms": 9.5,
+                  "ttft_p99_ms": 40.0, "ttft_median_ms": 21.0, "failed": 0}
+EIGHT_STREAM_RUN = dict(ONE_STREAM_RUN, output_tokens=3530, tpot_median_ms=40.0,
+                        ttft_p99_ms=300.0, ttft_median_ms=90.0)
+
+
 def test_the_one_stream_section_gives_each_run_and_the_goal(peer):
-    run = {"output_tps": 100.0, "output_tokens": 1536, "tpot_median_ms": 9.5,
-           "ttft_p99_ms": 40.0, "ttft_median_ms": 21.0, "failed": 0}
+    run = ONE_STREAM_RUN
     ours = [dict(run, output_tps=x) for x in (100.0, 90.0, 130.0)]
     theirs = [dict(run, output_tps=x, tpot_median_ms=t) for x, t in ((70.0, 8), (80.0, 9),
                                                                       (60.0, 12))]
@@ -169,8 +175,7 @@ def test_the_one_stream_section_gives_each_run_and_the_goal(peer):
 
 
 def test_a_one_stream_section_of_one_warm_run_still_renders(peer, tmp_path):
-    run = {"output_tps": 100.0, "output_tokens": 1536, "tpot_median_ms": 9.5,
-           "ttft_p99_ms": 40.0, "ttft_median_ms": 21.0, "failed": 0}
+    run = ONE_STREAM_RUN
     saved = tmp_path / "llama_cpp.json"
     saved.write_text(json.dumps({"serve1": {
         "servers": {"batchscope": {"cold": run, "warm": run},
@@ -214,8 +219,7 @@ def test_its_quickest_run_measures_against_the_build_and_names_the_host(peer, tm
 
 
 def test_the_eight_stream_section_gives_rounds_and_the_goal(peer):
-    run = {"output_tps": 100.0, "output_tokens": 3530, "tpot_median_ms": 40.0,
-           "ttft_p99_ms": 300.0, "ttft_median_ms": 90.0, "failed": 0}
+    run = EIGHT_STREAM_RUN
     ours = [dict(run, output_tps=x, ttft_p99_ms=200.0) for x in (200.0, 150.0, 260.0)]
     theirs = [dict(run, output_tps=x) for x in (120.0, 100.0, 130.0)]
     section = {"servers": {"batchscope": {"cold": dict(run, output_tps=170.0), "warm": ours},
@@ -237,8 +241,7 @@ def test_the_eight_stream_section_gives_rounds_and_the_goal(peer):
 
 
 def test_an_eight_stream_section_of_one_cold_and_one_warm_run_still_renders(peer, tmp_path):
-    run = {"output_tps": 100.0, "output_tokens": 3530, "tpot_median_ms": 40.0,
-           "ttft_p99_ms": 300.0, "ttft_median_ms": 90.0, "failed": 0}
+    run = EIGHT_STREAM_RUN
     goals = {phase: {"vs_llama_server": 1.5, "ttft_p99_lower": True, "vs_mlx_lm_server": 4.0}
              for phase in ("cold", "warm")}
     saved = tmp_path / "llama_cpp.json"
