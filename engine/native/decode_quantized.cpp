@@ -327,9 +327,10 @@ struct Avx512 {
         const size_t word = static_cast<size_t>(k) * BITS / 32;
         // Above one row, the tile's weights for these k's first, then each row's x loaded
         // once and used for every output: x loaded per output made one load per fma, which
-        // bound a step of a few rows (~1.25x slower at 8 rows). At one row each output's
-        // weights go straight to their fmas (holding them all was slower). Either way each
-        // accumulator takes the same fmas in the same order: the same bits.
+        // bound a step of a few rows (benchmarks/results/build_ab_kernel_rows.md). At one row
+        // x is loaded once either way, and each output's weights go straight to their fmas as
+        // before. Either way each accumulator takes the same fmas in the same order: the same
+        // bits.
         VecAvx512 lo[nr], hi[nr];
         for (int j = 0; j < nr; ++j) {
           const uint32_t* q = w0 + j * rw + word;
