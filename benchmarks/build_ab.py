@@ -14,7 +14,16 @@ per-round ratios (working tree / base) with their range.
     .venv/bin/python benchmarks/build_ab.py --base REV [--weights auto] [--concurrency 1 4 8 16]
         [--rounds 3] [--max-tokens 32]
 
-Writes benchmarks/results/build_ab.{md,json} unless --out says otherwise.
+--measure step times the model's decode step alone instead, for a change the engine's rates
+are too noisy to show: ModelRunner.run on decode rows at a context of ~100 tokens (the fused
+layers, the head and sampling, as benchmarks/step_profile.py --steps runs them), at each of
+--rows; each process takes the median of STEPS steps. The ratio is base / working tree
+(above 1: the working tree is faster).
+
+    .venv/bin/python benchmarks/build_ab.py --base REV --measure step [--rows 1 2 4 8]
+
+Writes benchmarks/results/build_ab.{md,json} (build_ab_step.{md,json} with --measure step)
+unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RATES = ("prefill_tps", "decode_tps")
+STEPS = 300  # decode steps per process and row count (--measure step)
 
 
 def child(weights: str, concurrency: list[int], max_tokens: int) -> dict:
@@ -55,11 +65,30 @@ def child(weights: str, concurrency: list[int], max_tokens: int) -> dict:
     return out
 
 
+def child_step(weights: str, rows: list[int]) -> dict:
+    """Runs inside one build's process: the median ms of a decode step per row count."""
+    # isort: off
+    import engine  # noqa: F401  (binds MLX to the optimized BLAS before mlx is imported)
+    # isort: on
+    from step_profile import steady_steps
+
+    from engine.model_loader import load_model
+    from engine.model_runner import ModelRunner, pool_for
+    from engine.models import family_for
+
+    loaded = load_model("embedded", weights)
+    family = family_for(loaded.model)
+    runner = ModelRunner(loaded.model, pool_for(family, 512, 16), "auto", "auto", family)
+    return {"engine_file": engine.__file__, "weights": loaded.weights,
+            "rows": {str(r): {"ms": steady_steps(runner, r, STEPS)} for r in rows}}
+
+
 def run_build(tree: Path, args) -> dict:
     """One fresh process of the build in `tree`; its JSON result."""
     env = os.environ | {"PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(HERE / "build_ab.py"), "--child", "--weights", args.weights,
-           "--max-tokens", str(args.max_tokens), "--concurrency", *map(str, args.concurrency)]
+           "--max-tokens", str(args.max_tokens), "--concurrency", *map(str, args.concurrency),
+           "--measure", args.measure, "--rows", *map(str, args.rows)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"build in {tree} failed:\n{done.stderr[-4000:]}")
@@ -95,6 +124,34 @@ def summarize(rounds: list[dict], concurrency: list[int]) -> list[dict]:
     return rows
 
 
+def summarize_step(rounds: list[dict], rows: list[int]) -> list[dict]:
+    out = []
+    for r in rows:
+        base = [x["base"]["rows"][str(r)]["ms"] for x in rounds]
+        head = [x["head"]["rows"][str(r)]["ms"] for x in rounds]
+        ratios = [b / h for b, h in zip(base, head, strict=True)]
+        out.append({"rows": r, "base_ms": statistics.median(base),
+                    "head_ms": statistics.median(head), "ratio": statistics.median(ratios),
+                    "min": min(ratios), "max": max(ratios)})
+    return out
+
+
+def render_step(rows: list[dict], args, head_rev: str) -> str:
+    lines = [f"A decode step of the embedded model (weights {args.weights}; ModelRunner.run at a "
+             f"context of ~100 tokens), base {args.base} against the working tree (at "
+             f"{head_rev}): ms, each process the median of {STEPS} steps, medians of "
+             f"{args.rounds} interleaved rounds, each build in a fresh process. Ratio: base / "
+             "working tree (above 1: the working tree is faster), median of the rounds' ratios "
+             "(lowest-highest).",
+             "",
+             "| rows | base ms | working tree ms | ratio |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['rows']} | {r['base_ms']:.2f} | {r['head_ms']:.2f} | "
+                     f"{r['ratio']:.2f}x ({r['min']:.2f}-{r['max']:.2f}) |")
+    return "\n".join(lines)
+
+
 def render(rows: list[dict], args, head_rev: str) -> str:
     lines = [f"Engine prefill and decode tok/s, base {args.base} against the working tree "
              f"(at {head_rev}), weights {args.weights}, {args.max_tokens + 1}-token calls, "
@@ -120,12 +177,22 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--out", default=str(HERE / "results" / "build_ab"))
+    ap.add_argument("--measure", choices=("engine", "step"), default="engine",
+                    help="engine: prefill and decode tok/s; step: a decode step alone")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="--measure step: the row counts to time")
+    ap.add_argument("--out", default=None,
+                    help="default: results/build_ab (results/build_ab_step with --measure step)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.weights, args.concurrency, args.max_tokens)))
+        result = (child_step(args.weights, args.rows) if args.measure == "step"
+                  else child(args.weights, args.concurrency, args.max_tokens))
+        print(json.dumps(result))
         return
+    if args.out is None:
+        args.out = str(HERE / "results" / ("build_ab_step" if args.measure == "step"
+                                           else "build_ab"))
     if not args.base:
         ap.error("--base is required")
     head_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -149,12 +216,18 @@ def main() -> None:
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                            check=False)
-    rows = summarize(rounds, args.concurrency)
-    table = render(rows, args, head_rev)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"base": args.base, "head": head_rev, "weights": args.weights,
-         "max_tokens": args.max_tokens, "rows": rows, "rounds": rounds}, indent=1) + "\n")
+    if args.measure == "step":
+        rows = summarize_step(rounds, args.rows)
+        table = render_step(rows, args, head_rev)
+        record = {"base": args.base, "head": head_rev, "weights": args.weights,
+                  "measure": "step", "steps": STEPS, "rows": rows, "rounds": rounds}
+    else:
+        rows = summarize(rounds, args.concurrency)
+        table = render(rows, args, head_rev)
+        record = {"base": args.base, "head": head_rev, "weights": args.weights,
+                  "max_tokens": args.max_tokens, "rows": rows, "rounds": rounds}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     out.with_suffix(".md").write_text(table + "\n")
     print(table)
 

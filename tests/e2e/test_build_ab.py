@@ -1,0 +1,47 @@
+"""benchmarks/build_ab.py --measure step: each row's ratio is base over working tree (above 1:
+the working tree is faster), the median of the rounds' own ratios, with their range; the table
+says so and prints what was summarized."""
+
+from __future__ import annotations
+
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def build_ab():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import build_ab
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return build_ab
+
+
+def _round(base_ms: dict[int, float], head_ms: dict[int, float]) -> dict:
+    return {"base": {"rows": {str(r): {"ms": ms} for r, ms in base_ms.items()}},
+            "head": {"rows": {str(r): {"ms": ms} for r, ms in head_ms.items()}}}
+
+
+def test_step_ratios_are_base_over_head_medians_of_the_rounds(build_ab):
+    rounds = [_round({1: 10.0, 8: 20.0}, {1: 8.0, 8: 20.0}),   # 1.25x, 1.00x
+              _round({1: 9.0, 8: 24.0}, {1: 9.0, 8: 20.0}),    # 1.00x, 1.20x
+              _round({1: 12.0, 8: 21.0}, {1: 10.0, 8: 30.0})]  # 1.20x, 0.70x
+    rows = build_ab.summarize_step(rounds, [1, 8])
+    one, eight = rows
+    assert one["rows"] == 1 and one["base_ms"] == 10.0 and one["head_ms"] == 9.0
+    assert one["ratio"] == pytest.approx(1.20)
+    assert (one["min"], one["max"]) == (pytest.approx(1.0), pytest.approx(1.25))
+    assert eight["ratio"] == pytest.approx(1.0)
+    assert (eight["min"], eight["max"]) == (pytest.approx(0.7), pytest.approx(1.2))
+
+    args = Namespace(base="abc123", weights="q4", rounds=3)
+    table = build_ab.render_step(rows, args, "def456")
+    assert "base abc123 against the working tree (at def456)" in table
+    assert "| 1 | 10.00 | 9.00 | 1.20x (1.00-1.25) |" in table
+    assert "| 8 | 21.00 | 20.00 | 1.00x (0.70-1.20) |" in table
