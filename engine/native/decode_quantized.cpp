@@ -232,8 +232,10 @@ struct Avx2 {
 // ---- AVX-512F: a 16-lane vector is one register -------------------------------------------
 
 #if BATCHSCOPE_HAS_AVX512
-// n scales (or biases) from index `at` as float32 into dst, the values scale_at gives; float16
-// sixteen at a time.
+// n scales (or biases) from index `at` as float32 into dst, the values scale_at gives;
+// float16 sixteen at a time. A tile's outputs' scales follow one another, so the tile
+// converts them in one pass: per output there are often fewer than 16 (9 groups for 576
+// inputs), which left most of them to the one-at-a-time tail.
 inline void scales_to_float(const void* p, ScaleType t, size_t at, int n, float* dst) {
   int i = 0;
   if (t == ScaleType::f16) {
@@ -310,11 +312,9 @@ struct Avx512 {
     converted.resize(static_cast<size_t>(2 * nr) * groups);
     float* sc = converted.data();
     float* bi = sc + static_cast<size_t>(nr) * groups;
-    for (int j = 0; j < nr; ++j) {
-      const size_t at = static_cast<size_t>(n0 + j) * groups;
-      scales_to_float(p.scales, p.scale_type, at, groups, sc + static_cast<size_t>(j) * groups);
-      scales_to_float(p.biases, p.scale_type, at, groups, bi + static_cast<size_t>(j) * groups);
-    }
+    const size_t at = static_cast<size_t>(n0) * groups;
+    scales_to_float(p.scales, p.scale_type, at, nr * groups, sc);
+    scales_to_float(p.biases, p.scale_type, at, nr * groups, bi);
     for (int g = 0; g < groups; ++g) {
       __m512 s[nr], b[nr];
       for (int j = 0; j < nr; ++j) {
