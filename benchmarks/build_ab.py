@@ -98,6 +98,11 @@ def run_build(tree: Path, args) -> dict:
     return result
 
 
+def short_rev(rev: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 def base_tree(rev: str, where: Path) -> Path:
     """A worktree of `rev` with its own native kernels built."""
     tree = where / "base"
@@ -195,10 +200,9 @@ def main() -> None:
                                            else "build_ab"))
     if not args.base:
         ap.error("--base is required")
-    head_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
+    head_rev, base_rev = short_rev("HEAD"), short_rev(args.base)
     with tempfile.TemporaryDirectory() as tmp:
-        base = base_tree(args.base, Path(tmp))
+        base = base_tree(base_rev, Path(tmp))
         try:
             rounds = []
             for i in range(args.rounds):
@@ -216,6 +220,8 @@ def main() -> None:
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                            check=False)
+    if base_rev != args.base:  # a name (HEAD~1, a branch): the table says which commit it was
+        args.base = f"{args.base} ({base_rev})"
     out = Path(args.out)
     if args.measure == "step":
         rows = summarize_step(rounds, args.rows)
