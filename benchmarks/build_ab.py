@@ -15,12 +15,13 @@ per-round ratios (working tree / base) with their range.
         [--rounds 3] [--max-tokens 32]
 
 --measure step times the model's decode step alone instead, for a change the engine's rates
-are too noisy to show: ModelRunner.run on decode rows at a context of ~100 tokens (the fused
+are too noisy to show: ModelRunner.run on decode rows at a context of --context tokens (the fused
 layers, the head and sampling, as benchmarks/step_profile.py --steps runs them), at each of
 --rows; each process takes the median of STEPS steps. The ratio is base / working tree
 (above 1: the working tree is faster).
 
     .venv/bin/python benchmarks/build_ab.py --base REV --measure step [--rows 1 2 4 8]
+        [--context 100]
 
 Writes benchmarks/results/build_ab.{md,json} (build_ab_step.{md,json} with --measure step)
 unless --out says otherwise.
@@ -65,12 +66,12 @@ def child(weights: str, concurrency: list[int], max_tokens: int) -> dict:
     return out
 
 
-def child_step(weights: str, rows: list[int]) -> dict:
+def child_step(weights: str, rows: list[int], context: int) -> dict:
     """Runs inside one build's process: the median ms of a decode step per row count."""
     # isort: off
     import engine  # noqa: F401  (binds MLX to the optimized BLAS before mlx is imported)
     # isort: on
-    from step_profile import steady_steps
+    from step_profile import blocks_for, steady_steps
 
     from engine.model_loader import load_model
     from engine.model_runner import ModelRunner, pool_for
@@ -78,9 +79,10 @@ def child_step(weights: str, rows: list[int]) -> dict:
 
     loaded = load_model("embedded", weights)
     family = family_for(loaded.model)
-    runner = ModelRunner(loaded.model, pool_for(family, 512, 16), "auto", "auto", family)
+    blocks = max(512, blocks_for(max(rows), context))
+    runner = ModelRunner(loaded.model, pool_for(family, blocks, 16), "auto", "auto", family)
     return {"engine_file": engine.__file__, "weights": loaded.weights,
-            "rows": {str(r): {"ms": steady_steps(runner, r, STEPS)} for r in rows}}
+            "rows": {str(r): {"ms": steady_steps(runner, r, STEPS, context)} for r in rows}}
 
 
 def run_build(tree: Path, args) -> dict:
@@ -88,7 +90,8 @@ def run_build(tree: Path, args) -> dict:
     env = os.environ | {"PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(HERE / "build_ab.py"), "--child", "--weights", args.weights,
            "--max-tokens", str(args.max_tokens), "--concurrency", *map(str, args.concurrency),
-           "--measure", args.measure, "--rows", *map(str, args.rows)]
+           "--measure", args.measure, "--rows", *map(str, args.rows),
+           "--context", str(args.context)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"build in {tree} failed:\n{done.stderr[-4000:]}")
@@ -143,7 +146,7 @@ def summarize_step(rounds: list[dict], rows: list[int]) -> list[dict]:
 
 def render_step(rows: list[dict], args, head_rev: str) -> str:
     lines = [f"A decode step of the embedded model (weights {args.weights}; ModelRunner.run at a "
-             f"context of ~100 tokens), base {args.base} against the working tree (at "
+             f"context of {args.context} tokens), base {args.base} against the working tree (at "
              f"{head_rev}): ms, each process the median of {STEPS} steps, medians of "
              f"{args.rounds} interleaved rounds, each build in a fresh process. Ratio: base / "
              "working tree (above 1: the working tree is faster), median of the rounds' ratios "
@@ -186,12 +189,14 @@ def main() -> None:
                     help="engine: prefill and decode tok/s; step: a decode step alone")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8],
                     help="--measure step: the row counts to time")
+    ap.add_argument("--context", type=int, default=100,
+                    help="--measure step: each decode row's context (default 100)")
     ap.add_argument("--out", default=None,
                     help="default: results/build_ab (results/build_ab_step with --measure step)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        result = (child_step(args.weights, args.rows) if args.measure == "step"
+        result = (child_step(args.weights, args.rows, args.context) if args.measure == "step"
                   else child(args.weights, args.concurrency, args.max_tokens))
         print(json.dumps(result))
         return
@@ -227,7 +232,8 @@ def main() -> None:
         rows = summarize_step(rounds, args.rows)
         table = render_step(rows, args, head_rev)
         record = {"base": args.base, "head": head_rev, "weights": args.weights,
-                  "measure": "step", "steps": STEPS, "rows": rows, "rounds": rounds}
+                  "measure": "step", "steps": STEPS, "context": args.context, "rows": rows,
+                  "rounds": rounds}
     else:
         rows = summarize(rounds, args.concurrency)
         table = render(rows, args, head_rev)

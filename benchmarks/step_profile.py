@@ -65,15 +65,20 @@ def median_ms(fn, rounds: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def decode_groups(rows: int) -> tuple[list[RowGroup], list[RowGroup]]:
+def blocks_for(rows: int, context: int = CONTEXT) -> int:
+    """The pool blocks decode_groups' rows take (block size 16)."""
+    return rows * -(-(context + 1) // 16)
+
+
+def decode_groups(rows: int, context: int = CONTEXT) -> tuple[list[RowGroup], list[RowGroup]]:
     prefill, decode, block = [], [], 0
-    blocks = -(-(CONTEXT + 1) // 16)
+    blocks = blocks_for(1, context)
     for i in range(rows):
         table = list(range(block, block + blocks))
         block += blocks
-        prefill.append(RowGroup(f"s{i}", [(7 * j + i) % 200 + 3 for j in range(CONTEXT)], 0,
+        prefill.append(RowGroup(f"s{i}", [(7 * j + i) % 200 + 3 for j in range(context)], 0,
                                 table, False))
-        decode.append(RowGroup(f"s{i}", [40 + i], CONTEXT, table, True, SamplingParams()))
+        decode.append(RowGroup(f"s{i}", [40 + i], context, table, True, SamplingParams()))
     return prefill, decode
 
 
@@ -150,9 +155,10 @@ def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, fl
             **{f"{name}, alone op by op": ms for name, ms in parts.items()}}
 
 
-def steady_steps(runner: ModelRunner, rows: int, steps: int) -> float:
-    """The median ms of `steps` decode steps of `rows` rows, after a prefill and warm-up."""
-    prefill, decode = decode_groups(rows)
+def steady_steps(runner: ModelRunner, rows: int, steps: int, context: int = CONTEXT) -> float:
+    """The median ms of `steps` decode steps of `rows` rows at `context`, after a prefill and
+    warm-up (the runner's pool holds blocks_for(rows, context) blocks)."""
+    prefill, decode = decode_groups(rows, context)
     runner.run(prefill)
     for _ in range(5):
         runner.run(decode)

@@ -40,8 +40,8 @@ def test_step_ratios_are_base_over_head_medians_of_the_rounds(build_ab):
     assert eight["ratio"] == pytest.approx(1.0)
     assert (eight["min"], eight["max"]) == (pytest.approx(0.7), pytest.approx(1.2))
 
-    args = Namespace(base="abc123", weights="q4", rounds=3)
+    args = Namespace(base="abc123", weights="q4", rounds=3, context=300)
     table = build_ab.render_step(rows, args, "def456")
-    assert "base abc123 against the working tree (at def456)" in table
+    assert "context of 300 tokens), base abc123 against the working tree (at def456)" in table
     assert "| 1 | 10.00 | 9.00 | 1.20x (1.00-1.25) |" in table
     assert "| 8 | 21.00 | 20.00 | 1.00x (0.70-1.20) |" in table
