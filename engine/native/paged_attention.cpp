@@ -26,17 +26,6 @@ namespace {
 
 constexpr Check check{"paged_attention"};
 
-// A few short decode rows (cost: keys x query heads / 16 each) take less time than handing
-// them to the workers: below this, a step's attention runs on the calling thread. 200 is a
-// decode row of ~1000 keys for 3 query heads per kv head.
-constexpr double SERIAL_COST = 200;
-
-double total_cost(const std::vector<Unit>& units) {
-  double cost = 0;
-  for (const Unit& u : units) cost += u.cost;
-  return cost;
-}
-
 template <typename R, typename T>
 void run_units(const std::vector<Unit>& units, const std::vector<int>& row0s, const R* q,
                const T* k, const T* v, const int32_t* tables, const int32_t* ctx_lens,
@@ -58,7 +47,11 @@ void run_units(const std::vector<Unit>& units, const std::vector<int>& row0s, co
     }
   };
   const int count = static_cast<int>(units.size());
-  if (total_cost(units) < SERIAL_COST || !parallel_for(count, 1, part)) part(0, count);
+  // A few short decode rows (cost: keys x query heads / 16 each) take less time than handing
+  // them to the workers: 200 is a decode row of ~1000 keys for 3 query heads per kv head.
+  double cost = 0;
+  for (const Unit& u : units) cost += u.cost;
+  if (cost < 200 || !parallel_for(count, 1, part)) part(0, count);
 }
 
 }  // namespace
@@ -157,20 +150,6 @@ void paged_attention_rows(const PagedAttentionArgs& a) {
   }
   if (total_rows != s.rows) {
     throw std::invalid_argument("paged_attention: query_lens must add up to q's rows");
-  }
-  // A step of one or two long decode rows has as few units as kv heads (3 for the embedded
-  // model): two threads would split them 2 to 1. Split by query head instead, so the threads
-  // finish together; each head then reads the keys and values itself, which costs less than
-  // an idle thread while there are this few.
-  if (rep > 1 && static_cast<int>(units.size()) < 2 * parallel_threads() &&
-      total_cost(units) >= SERIAL_COST &&
-      std::all_of(units.begin(), units.end(),
-                  [&](const Unit& u) { return qlen_ptr[u.seq] == 1; })) {
-    std::vector<Unit> heads;
-    for (const Unit& u : units) {
-      for (int h = 0; h < rep; ++h) heads.push_back({u.seq, u.g, 0, 1, u.cost / rep, h, 1});
-    }
-    units.swap(heads);
   }
   // The longest first, so the threads finish together; a unit's bits do not depend on
   // which thread runs it, or when.

@@ -61,14 +61,11 @@ struct Shapes {
 };
 
 // One piece of work: kv head g of sequence seq, its rows [row_begin, row_begin + rows) (a
-// tile of up to 16 rows of a run, or a decode row), and of the group's query heads those from
-// head_begin, head_count of them (all of them, which read each key and value once, unless a
-// step's few decode rows are split by head to keep every thread busy; each head's arithmetic
-// is its own, so the split changes no bit).
+// tile of up to 16 rows of a run, or a decode row), all the query heads of the group (they
+// read each key and value once).
 struct Unit {
   int seq, g, row_begin, rows;
   double cost;
-  int head_begin = 0, head_count = 0;  // head_count 0: every query head of the group
 };
 
 // Pointers to the key and value rows a unit reads, of type T: a 16-bit pool's own rows, or
