@@ -11,16 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def build_ab():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import build_ab
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return build_ab
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import build_ab  # noqa: E402
 
 
 def _round(base_ms: dict[int, float], head_ms: dict[int, float]) -> dict:
@@ -28,7 +20,7 @@ def _round(base_ms: dict[int, float], head_ms: dict[int, float]) -> dict:
             "head": {"rows": {str(r): {"ms": ms} for r, ms in head_ms.items()}}}
 
 
-def test_step_ratios_are_base_over_head_medians_of_the_rounds(build_ab):
+def test_step_ratios_are_base_over_head_medians_of_the_rounds():
     rounds = [_round({1: 10.0, 8: 20.0}, {1: 8.0, 8: 20.0}),   # 1.25x, 1.00x
               _round({1: 9.0, 8: 24.0}, {1: 9.0, 8: 20.0}),    # 1.00x, 1.20x
               _round({1: 12.0, 8: 21.0}, {1: 10.0, 8: 30.0})]  # 1.20x, 0.70x
