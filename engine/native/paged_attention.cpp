@@ -50,8 +50,8 @@ void run_units(const std::vector<Unit>& units, const std::vector<int>& row0s, co
   // A few short decode rows (cost: keys x query heads / 16 for each kv head) take less time
   // than handing them to the workers. 60 is one decode row of the embedded model (3 kv heads
   // of 3 query heads) at ~110 keys: from there on its 3 units go to two threads, which
-  // shortened a one-row step at 150 and 300 keys (from 200, which kept it on one thread up to
-  // ~350 keys; benchmarks/results/build_ab_step_attention_threshold.md).
+  // shortened a one-row step at 300 keys against 200, which kept it on one thread up to ~350
+  // (benchmarks/results/build_ab_step_attention_threshold.md).
   double cost = 0;
   for (const Unit& u : units) cost += u.cost;
   if (cost < 60 || !parallel_for(count, 1, part)) part(0, count);
