@@ -71,16 +71,12 @@ def child_step(weights: str, rows: list[int], context: int) -> dict:
     # isort: off
     import engine  # noqa: F401  (binds MLX to the optimized BLAS before mlx is imported)
     # isort: on
-    from step_profile import blocks_for, steady_steps
+    from step_profile import blocks_for, decode_runner, steady_steps
 
     from engine.model_loader import load_model
-    from engine.model_runner import ModelRunner, pool_for
-    from engine.models import family_for
 
     loaded = load_model("embedded", weights)
-    family = family_for(loaded.model)
-    blocks = max(512, blocks_for(max(rows), context))
-    runner = ModelRunner(loaded.model, pool_for(family, blocks, 16), "auto", "auto", family)
+    runner = decode_runner(loaded, max(512, blocks_for(max(rows), context)))
     return {"engine_file": engine.__file__, "weights": loaded.weights,
             "rows": {str(r): {"ms": steady_steps(runner, r, STEPS, context)} for r in rows}}
 

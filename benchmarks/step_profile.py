@@ -70,6 +70,14 @@ def blocks_for(rows: int, context: int = CONTEXT) -> int:
     return rows * -(-(context + 1) // 16)
 
 
+def decode_runner(loaded, blocks: int = 512, activations: str = "float32") -> ModelRunner:
+    """A ModelRunner on `loaded` with a pool of `blocks` blocks of 16, the engine's default
+    attention and row kernels (its family: runner.family)."""
+    family = family_for(loaded.model)
+    return ModelRunner(loaded.model, pool_for(family, blocks, 16), "auto", "auto", family,
+                       activations=activations)
+
+
 def decode_groups(rows: int, context: int = CONTEXT) -> tuple[list[RowGroup], list[RowGroup]]:
     prefill, decode, block = [], [], 0
     blocks = blocks_for(1, context)
@@ -236,9 +244,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_profile.md"))
     args = ap.parse_args()
     loaded = load_model("embedded", args.weights)
-    family = family_for(loaded.model)
-    runner = ModelRunner(loaded.model, pool_for(family, 512, 16), "auto", "auto", family,
-                         activations=args.activations)
+    runner = decode_runner(loaded, activations=args.activations)
+    family = runner.family
     if args.steps:
         for n in args.rows:
             ms = steady_steps(runner, n, args.steps)
