@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -153,17 +154,25 @@ EIGHT_STREAM_RUN = dict(ONE_STREAM_RUN, output_tokens=3530, tpot_median_ms=40.0,
                         ttft_p99_ms=300.0, ttft_median_ms=90.0)
 
 
+def rounds_section(ours_cold: dict, theirs_cold: dict, ours: list[dict], theirs: list[dict],
+                   cold_ratio: float, started: str, **more) -> dict:
+    """A serve section as serve_in_rounds records it: each warm round's ratio from its two
+    runs' output tok/s, the warm ratio their median."""
+    rounds = [a["output_tps"] / b["output_tps"] for a, b in zip(ours, theirs, strict=True)]
+    return {"servers": {"batchscope": {"cold": ours_cold, "warm": ours},
+                        "llama-server": {"cold": theirs_cold, "warm": theirs}},
+            "ratios": {"cold": cold_ratio, "warm": statistics.median(rounds),
+                       "warm_rounds": rounds},
+            "rounds": len(rounds), "started": started, "host": HOST, **more}
+
+
 def test_the_one_stream_section_gives_each_run_and_the_goal(peer):
     run = ONE_STREAM_RUN
     ours = [dict(run, output_tps=x) for x in (100.0, 90.0, 130.0)]
     theirs = [dict(run, output_tps=x, tpot_median_ms=t) for x, t in ((70.0, 8), (80.0, 9),
                                                                       (60.0, 12))]
-    section = {"servers": {"batchscope": {"cold": run, "warm": ours},
-                           "llama-server": {"cold": dict(run, output_tps=80.0),
-                                            "warm": theirs}},
-               "ratios": {"cold": 1.25, "warm": 100 / 70,
-                          "warm_rounds": [100 / 70, 90 / 80, 130 / 60]},
-               "rounds": 3, "started": "2026-12-03 17:00:00", "host": HOST}
+    section = rounds_section(run, dict(run, output_tps=80.0), ours, theirs, 1.25,
+                             "2026-12-03 17:00:00")
     md = peer.render({"gguf": "model.gguf", "serve1": section})
     assert "## Serving, one stream" in md
     assert "then 3 warm rounds of the two in turn" in md
@@ -222,15 +231,12 @@ def test_the_eight_stream_section_gives_rounds_and_the_goal(peer):
     run = EIGHT_STREAM_RUN
     ours = [dict(run, output_tps=x, ttft_p99_ms=200.0) for x in (200.0, 150.0, 260.0)]
     theirs = [dict(run, output_tps=x) for x in (120.0, 100.0, 130.0)]
-    section = {"servers": {"batchscope": {"cold": dict(run, output_tps=170.0), "warm": ours},
-                           "llama-server": {"cold": run, "warm": theirs},
-                           "mlx_lm.server": {"cold": dict(run, output_tps=30.0),
-                                             "warm": [dict(run, output_tps=40.0)]}},
-               "ratios": {"cold": 1.7, "warm": 200 / 120,
-                          "warm_rounds": [200 / 120, 150 / 100, 260 / 130]},
-               "ttft_p99_lower": {"cold": False, "warm": True},
-               "vs_mlx_lm_server": {"cold": 170 / 30, "warm": 200 / 40},
-               "rounds": 3, "started": "2026-12-04 17:00:00", "host": HOST}
+    section = rounds_section(dict(run, output_tps=170.0), run, ours, theirs, 1.7,
+                             "2026-12-04 17:00:00",
+                             ttft_p99_lower={"cold": False, "warm": True},
+                             vs_mlx_lm_server={"cold": 170 / 30, "warm": 200 / 40})
+    section["servers"]["mlx_lm.server"] = {"cold": dict(run, output_tps=30.0),
+                                           "warm": [dict(run, output_tps=40.0)]}
     md = peer.render({"gguf": "model.gguf", "serve": section})
     assert "## Serving, 8 streams" in md and "then 3 warm rounds of the two in turn" in md
     assert "| batchscope | warm | 200.0 | 3530 | 40 | 200 | 0 |" in md  # the rounds' medians
