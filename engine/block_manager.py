@@ -1,9 +1,18 @@
 """Paged-KV bookkeeping: which block of the pool holds which tokens of which sequence.
 
-Pure Python, no tensors: the pool itself lives in kv_cache.py and is addressed through the
-block tables kept here. Full blocks are keyed by a hash chain of their tokens so that a later
-request with the same prefix can share them (ref counts); a released hashed block stays cached
-and is evicted least-recently-used when the free list runs dry.
+No tensors: the pool itself lives in kv_cache.py and is addressed through the block tables
+kept here. Full blocks are keyed by a hash chain of their tokens so that a later request with
+the same prefix can share them (ref counts); a released hashed block stays cached and is
+evicted least-recently-used when no free block is left.
+
+Where a sequence's blocks land in the pool does not change what attention computes, but it
+changes how fast the CPU reads them: a decode row reads each of its blocks (16 keys of a kv
+head: 4 KB at float32 and head_dim 64) from memory, and blocks that follow one another stream
+faster than blocks scattered through the pool. So a growing sequence takes the block right
+after its last one when that is free, and a sequence that starts, or whose next block is
+taken, starts in the largest run of free blocks: at its start when the run begins the pool,
+else in its middle, leaving the first half to the sequence before the run
+(benchmarks/results/build_ab_blocks.md).
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -56,7 +67,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        self._free = np.ones(num_blocks, dtype=bool)  # never used, or released unhashed
+        self._num_free = num_blocks
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed, LRU first
         self._by_hash: dict[int, int] = {}
         self._seqs: dict[str, _SeqBlocks] = {}
@@ -69,12 +81,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take: never used or cached with no holder (evictable)."""
-        return len(self._free) + len(self._cached)
+        return self._num_free + len(self._cached)
 
     @property
     def num_empty_blocks(self) -> int:
         """Blocks holding nothing worth keeping (never used, or released without a hash)."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_cached_blocks(self) -> int:
@@ -180,9 +192,10 @@ class BlockManager:
         needed = self.blocks_needed(seq_id, num_tokens)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(f"need {needed} blocks, {self.num_free_blocks} free")
-        new = [self._pop_free() for _ in range(needed)]
-        seq.table.extend(new)
-        return new
+        start = len(seq.table)
+        for _ in range(needed):
+            seq.table.append(self._pop_free(seq.table[-1] if seq.table else None))
+        return seq.table[start:]
 
     def trim(self, seq_id: str, num_tokens: int) -> list[int]:
         """Shrink the table to the blocks `num_tokens` tokens need (rejected drafts' rows give
@@ -199,7 +212,7 @@ class BlockManager:
             if block.ref_count != 1 or block.block_hash is not None:
                 raise RuntimeError(f"block {block_id} is shared or cached: not a draft's")
             block.ref_count = 0
-            self._free.append(block_id)
+            self._put_free(block_id)
         return freed
 
     def free(self, seq_id: str) -> None:
@@ -220,7 +233,7 @@ class BlockManager:
             if block.block_hash is not None:
                 self._cached[block_id] = None
             else:
-                self._free.append(block_id)
+                self._put_free(block_id)
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
@@ -229,9 +242,17 @@ class BlockManager:
             del self._cached[block_id]
         block.ref_count += 1
 
-    def _pop_free(self) -> int:
-        if self._free:
-            block_id = self._free.pop()
+    def _put_free(self, block_id: int) -> None:
+        self._free[block_id] = True
+        self._num_free += 1
+
+    def _pop_free(self, after: int | None) -> int:
+        """A block for the sequence whose last block is `after` (None: it has none): a free
+        one where the module's docstring says, else the least recently used cached one."""
+        if self._num_free:
+            block_id = self._free_block_after(after)
+            self._free[block_id] = False
+            self._num_free -= 1
         else:
             block_id, _ = self._cached.popitem(last=False)  # least recently used
             block = self.blocks[block_id]
@@ -245,15 +266,25 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def _free_block_after(self, after: int | None) -> int:
+        if after is not None and after + 1 < self.num_blocks and self._free[after + 1]:
+            return after + 1
+        # The runs of free blocks: edges where the mask changes, padded so every run closes.
+        edges = np.flatnonzero(np.diff(self._free, prepend=False, append=False))
+        starts, ends = edges[0::2], edges[1::2]  # each run is [start, end)
+        i = int(np.argmax(ends - starts))  # the first of the largest
+        start, end = int(starts[i]), int(ends[i])
+        return start if start == 0 else (start + end) // 2
+
     def check_invariants(self) -> None:
         """Every block is in exactly one place; ref counts equal the number of tables holding it."""
         held: dict[int, int] = {}
         for seq in self._seqs.values():
             for b in seq.table:
                 held[b] = held.get(b, 0) + 1
-        free, cached = set(self._free), set(self._cached)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is on the free list twice")
+        free, cached = set(np.flatnonzero(self._free).tolist()), set(self._cached)
+        if len(free) != self._num_free:
+            raise AssertionError(f"{self._num_free} free blocks counted, {len(free)} marked")
         for block in self.blocks:
             refs = held.get(block.block_id, 0)
             if block.ref_count != refs:

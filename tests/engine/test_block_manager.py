@@ -104,6 +104,45 @@ def test_free_is_idempotent_and_disabled_prefix_cache_never_hits():
     bm.check_invariants()
 
 
+# ---- placement: each sequence's blocks follow one another where the free blocks allow ------
+
+def test_growing_sequences_keep_their_blocks_consecutive_while_they_interleave():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    bm.allocate("a", 12)  # an empty pool: from its first block
+    bm.allocate("b", 12)  # the middle of the largest free run, [3, 64)
+    assert bm.block_table("a") == [0, 1, 2]
+    assert bm.block_table("b") == [33, 34, 35]
+    for tokens in range(13, 13 + 4 * 8, 4):  # decode steps: each takes a block in turn
+        bm.allocate("a", tokens)
+        bm.allocate("b", tokens)
+    assert bm.block_table("a") == list(range(0, 11))
+    assert bm.block_table("b") == list(range(33, 44))
+    bm.check_invariants()
+
+
+def test_a_sequence_whose_next_block_is_taken_moves_to_the_middle_of_the_largest_run():
+    bm = BlockManager(num_blocks=16, block_size=1)
+    bm.allocate("a", 2)  # [0, 1]
+    bm.allocate("b", 2)  # the middle of [2, 16): [9, 10]
+    bm.allocate("c", 3)  # the middle of [2, 9), the larger run: [5, 6, 7]
+    bm.allocate("c", 4)  # 8 is free: c goes on
+    assert bm.block_table("c") == [5, 6, 7, 8]
+    bm.allocate("c", 5)  # 9 is b's: the largest run is [11, 16), its middle 13
+    assert bm.block_table("c") == [5, 6, 7, 8, 13]
+    bm.free("a")  # [0, 5) is free again: now the largest run, and it begins the pool
+    bm.allocate("d", 1)
+    assert bm.block_table("d") == [0]
+    bm.check_invariants()
+
+
+def test_blocks_freed_by_trim_are_taken_again_in_place():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.allocate("a", 8)  # [0, 1, 2, 3]
+    assert bm.trim("a", 3) == [2, 3]  # rejected drafts' blocks
+    assert bm.allocate("a", 8) == [2, 3]
+    bm.check_invariants()
+
+
 # ---- property-based: random operation sequences never leak or double-free ---------------------
 
 ops = st.lists(
