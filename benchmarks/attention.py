@@ -18,10 +18,14 @@ Two measurements, each interleaved round by round so that machine noise hits all
    layers (the model's count: their keys and values do not stay in the cache between steps),
    for a float32, float16 and bfloat16 pool (--kv-dtype), with the bytes of keys and values
    read per second.
+5. Decode rows (--placement-rows) at a context of --placement-context tokens through the native
+   kernel in 30 layers of a float32 pool, each sequence's blocks consecutive in the pool against
+   the same blocks shuffled through it (engine/block_manager.py keeps them consecutive where it
+   can): where the blocks lie changes no number, only how fast the keys and values are read.
 
     .venv/bin/python benchmarks/attention.py [--weights f32] [--concurrency 4 8 16] [--rounds 15]
         [--layers-only] [--prefill-contexts 512 2048 4096 8192] [--chunk 512]
-        [--decode-depths 1024 4096 8192]
+        [--decode-depths 1024 4096 8192] [--placement-rows 1 8] [--placement-context 300]
 """
 
 from __future__ import annotations
@@ -190,6 +194,47 @@ def decode_depth(depth: int, rounds: int, kernel, heads=9, kv_heads=3, dim=64):
     return times, {name: nbytes[name] / min(ts) / 1e9 for name, ts in times.items()}
 
 
+def block_placement(rows: int, context: int, rounds: int, kernel, heads=9, kv_heads=3, dim=64):
+    """`rows` decode rows at `context` through DEPTH_LAYERS layers of a float32 pool, each
+    sequence's blocks consecutive against the same blocks shuffled, interleaved: times, GB/s of
+    keys and values, and the largest difference between the two outputs (0: the same bits)."""
+    rng = np.random.default_rng(context)
+    nb = -(-context // BLOCK)
+    num_blocks = rows * nb + 4
+    fill = rng.standard_normal((num_blocks * BLOCK, kv_heads, dim)).astype(np.float32)
+    pool = KVPool(DEPTH_LAYERS, num_blocks, BLOCK, kv_heads, dim, dtype=mx.float32)
+    for layer in range(DEPTH_LAYERS):
+        pool.write(layer, mx.arange(num_blocks * BLOCK), mx.array(fill), mx.array(fill * 0.5))
+    consecutive = np.arange(rows * nb, dtype=np.int32).reshape(rows, nb)
+    shuffled = rng.permutation(num_blocks)[:rows * nb].astype(np.int32).reshape(rows, nb)
+    # The shuffled pool holds each block's keys where its table now points: the same contents.
+    moved = fill.reshape(num_blocks, BLOCK, kv_heads, dim).copy()
+    moved[shuffled.ravel()] = fill.reshape(num_blocks, BLOCK, kv_heads, dim)[consecutive.ravel()]
+    moved_pool = KVPool(DEPTH_LAYERS, num_blocks, BLOCK, kv_heads, dim, dtype=mx.float32)
+    for layer in range(DEPTH_LAYERS):
+        flat = moved.reshape(-1, kv_heads, dim)
+        moved_pool.write(layer, mx.arange(num_blocks * BLOCK), mx.array(flat),
+                         mx.array(flat * 0.5))
+    q = mx.array(rng.standard_normal((rows, heads, dim)).astype(np.float32))
+    lens = mx.array([context] * rows, dtype=mx.int32)
+    qlens = mx.array([1] * rows, dtype=mx.int32)
+
+    def run(p, table):
+        return [kernel(q, *p.layer(i), table, lens, qlens, dim ** -0.5, BLOCK)
+                for i in range(DEPTH_LAYERS)]
+
+    sides = {"consecutive blocks": (pool, mx.array(consecutive)),
+             "shuffled blocks": (moved_pool, mx.array(shuffled))}
+    outputs = {name: run(*side) for name, side in sides.items()}
+    mx.eval(list(outputs.values()))
+    delta = max(float(mx.max(mx.abs(a - b)))
+                for a, b in zip(*outputs.values(), strict=True))
+    times = timed_rounds({name: (lambda side=side: mx.eval(run(*side)))
+                          for name, side in sides.items()}, rounds)
+    nbytes = 2 * DEPTH_LAYERS * rows * context * kv_heads * dim * 4
+    return times, {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}, delta
+
+
 def decode_step(loaded, c: int, rounds: int):
     """The real model's decode step at c rows: engine forward (with and without attention) and
     mlx-lm's batched forward, over the same context lengths."""
@@ -260,6 +305,10 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=512, help="rows of the prefill chunk")
     ap.add_argument("--decode-depths", type=int, nargs="*", default=[1024, 4096, 8192],
                     help="contexts of the decode-at-depth measurement (none: skip it)")
+    ap.add_argument("--placement-rows", type=int, nargs="*", default=[],
+                    help="decode rows of the block-placement measurement (none: skip it)")
+    ap.add_argument("--placement-context", type=int, default=300,
+                    help="each row's context in the block-placement measurement")
     args = ap.parse_args()
 
     loaded = None if args.layers_only else load_model("embedded", args.weights)
@@ -304,6 +353,19 @@ def main() -> int:
                 for name, r in rates.items()]
         f32, f16 = min(times["float32 pool"]), min(times["float16 pool"])
         out += [f"float32 pool time / float16 pool time: {f32 / f16:.2f}x", ""]
+    for rows in args.placement_rows if paged is not None else []:
+        ctx = args.placement_context
+        print(f"# {rows} decode rows at context {ctx}, block placement...", file=sys.stderr,
+              flush=True)
+        times, rates, delta = block_placement(rows, ctx, args.rounds, paged)
+        out += [f"### {rows} decode rows at context {ctx}, {DEPTH_LAYERS} layers, float32 pool, "
+                "native kernel", ""]
+        out += table(f"{DEPTH_LAYERS} layers", times) + [""]
+        out += [f"GB/s of keys and values (fastest round), {name}: {r:.1f}"
+                for name, r in rates.items()]
+        shuffled, consecutive = min(times["shuffled blocks"]), min(times["consecutive blocks"])
+        out += [f"shuffled time / consecutive time: {shuffled / consecutive:.2f}x",
+                f"Largest |difference| between the two outputs: {delta:.1e}", ""]
     text = "\n".join(out)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -6,13 +6,12 @@ the same prefix can share them (ref counts); a released hashed block stays cache
 evicted least-recently-used when no free block is left.
 
 Where a sequence's blocks land in the pool does not change what attention computes, but it
-changes how fast the CPU reads them: a decode row reads each of its blocks (16 keys of a kv
-head: 4 KB at float32 and head_dim 64) from memory, and blocks that follow one another stream
-faster than blocks scattered through the pool. So a growing sequence takes the block right
-after its last one when that is free, and a sequence that starts, or whose next block is
-taken, starts in the largest run of free blocks: at its start when the run begins the pool,
-else in its middle, leaving the first half to the sequence before the run
-(benchmarks/results/build_ab_blocks.md).
+changes how fast the CPU reads them: blocks that follow one another are read faster than
+blocks scattered through the pool (benchmarks/results/attention_placement.md). So a growing
+sequence takes the block right after its last one when that is free, and a sequence that
+starts, or whose next block is taken, starts in the largest run of free blocks: at its start
+when the run begins the pool, else in its middle, leaving the first half to the sequence
+before the run (the engine's decode: benchmarks/results/build_ab_blocks.md).
 """
 
 from __future__ import annotations
@@ -68,6 +67,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free = np.ones(num_blocks, dtype=bool)  # never used, or released unhashed
+        # Counted as blocks come and go: the scheduler asks for it for every running request
+        # each step, and counting the mask each time would scan the pool (check_invariants
+        # compares the two).
         self._num_free = num_blocks
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed, LRU first
         self._by_hash: dict[int, int] = {}
