@@ -11,11 +11,13 @@ decode  the engine's aggregate decode tok/s (weights q4 and f32, and q4 with int
         33-token call) at 1, 4, 8 and 16 sequences, against `llama-batched-bench -npp 64
         -ntg 32 -npl 1,4,8,16` (its S_TG), in --repeats rounds of llama.cpp then each engine
         (started once): medians of the rounds, and each ratio the median of the rounds' own.
-serve1  one person's view: `batchscope serve` and `llama-server` (-np 1), both started, each
-        driven once cold, then in --repeats warm rounds (the two in turn, the first of a round
-        alternating) by `batchscope bench serve --num-prompts 12 --max-concurrency 1 --seed 0
-        --ignore-eos on`, one request at a time: output tok/s, median TPOT, median TTFT; warm
-        rates are the rounds' medians, the warm ratio the median of the rounds' own.
+serve1  one person's view: `batchscope serve`, `batchscope serve --activations int8` (an
+        option: activations rounded to 8 bits, as llama.cpp's Q4 matmuls do) and
+        `llama-server` (-np 1), all started, each driven once cold, then in --repeats warm
+        rounds (the three in turn, the first of a round rotating) by `batchscope bench serve
+        --num-prompts 12 --max-concurrency 1 --seed 0 --ignore-eos on`, one request at a time:
+        output tok/s, median TPOT, median TTFT; warm rates are the rounds' medians, the warm
+        ratio the median of the rounds' own. The goal is the default's.
 serve   8 streams: `batchscope serve` (its default weights: q4 where the native kernel is
         built) and `llama-server -np 8` on the GGUF, as serve1 (both started, once cold, then
         --repeats warm rounds in turn; warm: llama-server's prompt cache and batchscope's
@@ -275,40 +277,59 @@ def bench_serve(url: str, out: Path, flags: list[str] = BENCH_SERVE) -> dict:
             "ttft_median_ms": s["ttft"]["median_ms"], "failed": s["failed"]}
 
 
+# The batchscope server with 8-bit activations (--activations int8: the arithmetic of
+# llama.cpp's own Q4 matmuls, activations rounded to 8 bits per block), an option beside the
+# default; serve1 measures it too.
+INT8_SERVER = "batchscope, int8 activations"
+
+
+def _ratios(ours: dict, peer: dict) -> dict:
+    """Cold and warm ratios of two servers' runs: warm the median of the rounds' own."""
+    warm = [a["output_tps"] / b["output_tps"]
+            for a, b in zip(ours["warm"], peer["warm"], strict=True)]
+    return {"cold": ours["cold"]["output_tps"] / peer["cold"]["output_tps"],
+            "warm": statistics.median(warm), "warm_rounds": warm}
+
+
 def serve_in_rounds(bin_dir: Path, gguf: Path, threads: int, workdir: Path, rounds: int,
-                    flags: list[str], slots: int, tag: str) -> dict:
-    """batchscope serve and llama-server (-np `slots`), both started: each driven once cold,
-    then in `rounds` warm rounds of the two in turn, the first of a round alternating, so that
-    a shared host's drift hits both alike. Returns each server's runs and the ratios: cold,
-    warm (the median of the rounds' own) and each warm round's."""
-    names = ("batchscope", "llama-server")
+                    flags: list[str], slots: int, tag: str, int8: bool = False) -> dict:
+    """batchscope serve and llama-server (-np `slots`), both started (and batchscope with
+    int8 activations when asked): each driven once cold, then in `rounds` warm rounds of them
+    in turn, the first of a round rotating, so that a shared host's drift hits all alike.
+    Returns each server's runs and the ratios against llama-server: cold, warm (the median of
+    the rounds' own) and each warm round's."""
+    names = ["batchscope", *([INT8_SERVER] if int8 else []), "llama-server"]
     with contextlib.ExitStack() as stack:
         urls = {}
         for name in names:
             port = free_port()
-            cmd = (llama_server_command(bin_dir, gguf, port, threads, slots=slots)
-                   if name == "llama-server"
-                   else server_commands(name, port, "auto", workdir, workdir / f"{tag}.db"))
+            if name == "llama-server":
+                cmd = llama_server_command(bin_dir, gguf, port, threads, slots=slots)
+            else:
+                cmd = server_commands("batchscope", port, "auto", workdir,
+                                      workdir / f"{tag}-{len(urls)}.db")
+                if name == INT8_SERVER:
+                    cmd += ["--activations", "int8"]
             urls[name], _ = stack.enter_context(
-                running_server(name, cmd, port, workdir / f"{name}-{tag}.log", log))
+                running_server(name, cmd, port, workdir / f"server-{len(urls)}-{tag}.log", log))
 
         def drive(name: str, label: str) -> dict:
             log(f"{tag}: {name}, {label}...")
-            run = bench_serve(urls[name], workdir / f"{name}-{tag}.json", flags)
+            run = bench_serve(urls[name], workdir / f"run-{tag}.json", flags)
             log(f"{tag}: {name}, {label}: {run['output_tps']:.1f} output tok/s, p99 TTFT "
                 f"{run['ttft_p99_ms']:.0f} ms")
             return run
 
         servers = {name: {"cold": drive(name, "cold"), "warm": []} for name in names}
         for i in range(rounds):
-            for name in names if i % 2 == 0 else names[::-1]:
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 servers[name]["warm"].append(drive(name, f"warm {i + 1}/{rounds}"))
-    ours, peer = servers["batchscope"], servers["llama-server"]
-    warm = [a["output_tps"] / b["output_tps"]
-            for a, b in zip(ours["warm"], peer["warm"], strict=True)]
-    ratios = {"cold": ours["cold"]["output_tps"] / peer["cold"]["output_tps"],
-              "warm": statistics.median(warm), "warm_rounds": warm}
-    return {"servers": servers, "ratios": ratios, "rounds": rounds}
+    peer = servers["llama-server"]
+    section = {"servers": servers, "ratios": _ratios(servers["batchscope"], peer),
+               "rounds": rounds}
+    if int8:
+        section["ratios_int8"] = _ratios(servers[INT8_SERVER], peer)
+    return section
 
 
 def section_serve_one(bin_dir: Path, gguf: Path, threads: int, workdir: Path,
@@ -316,7 +337,7 @@ def section_serve_one(bin_dir: Path, gguf: Path, threads: int, workdir: Path,
     """batchscope serve and llama-server, one request at a time (see the module docstring)."""
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     return serve_in_rounds(bin_dir, gguf, threads, workdir, rounds, BENCH_SERVE_ONE, 1,
-                           "serve1") | {"started": started}
+                           "serve1", int8=True) | {"started": started}
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -409,11 +430,17 @@ def render(data: dict) -> str:
         lines.append("")
     if "serve1" in data:
         s = data["serve1"]
+        int8 = s.get("ratios_int8")  # measured since the option was added
+        servers = ("`batchscope serve` (its default weights, q4; and with `--activations "
+                   "int8`, an option: activations rounded to 8 bits, as llama.cpp's Q4 "
+                   "matmuls do) and `llama-server -np 1` on the Q4_1 GGUF, all three running"
+                   if int8 else "`batchscope serve` (its default weights, q4) and "
+                   "`llama-server -np 1` on the Q4_1 GGUF, both running")
         lines += ["## Serving, one stream", "", f"Run {s['started']}: {host_text(s['host'])}.",
                   "", f"`batchscope bench serve {' '.join(BENCH_SERVE_ONE)}` against "
-                  "`batchscope serve` (its default weights, q4) and `llama-server -np 1` on the "
-                  f"Q4_1 GGUF, both running: once each cold, then {s['rounds']} warm "
-                  f"round{'s' if s['rounds'] != 1 else ''} of the two in turn. Warm figures "
+                  f"{servers}: once each cold, then {s['rounds']} warm "
+                  f"round{'s' if s['rounds'] != 1 else ''} of the "
+                  f"{'three' if int8 else 'two'} in turn. Warm figures "
                   "are the rounds' medians (failed: their sum); the warm ratio is the median "
                   "of the rounds' own.", "",
                   "| server | run | output tok/s | median TPOT ms | median TTFT ms | failed |",
@@ -423,13 +450,19 @@ def render(data: dict) -> str:
                 lines.append(f"| {name} | {phase} | {r['output_tps']:.1f} | "
                              f"{r['tpot_median_ms']:.1f} | {r['ttft_median_ms']:.0f} | "
                              f"{r['failed']} |")
-        lines += ["", "| run | batchscope / llama-server | goal |", "|---|---|---|"]
+        lines += ["", "| run | batchscope / llama-server | goal (the default) |"
+                  + (" int8 activations / llama-server |" if int8 else ""),
+                  "|---|---|---|" + ("---|" if int8 else "")]
         for phase in ("cold", "warm"):
             ratio = s["ratios"][phase]
             lines.append(f"| {phase} | {ratio:.2f}x | >= {SERVE_ONE_GOAL:.1f}x: "
-                         f"{'met' if ratio >= SERVE_ONE_GOAL else 'not met'} |")
+                         f"{'met' if ratio >= SERVE_ONE_GOAL else 'not met'} |"
+                         + (f" {int8[phase]:.2f}x |" if int8 else ""))
         lines += ["", "Warm ratio per round: "
-                  + ", ".join(f"{x:.2f}x" for x in s["ratios"]["warm_rounds"]) + "."]
+                  + ", ".join(f"{x:.2f}x" for x in s["ratios"]["warm_rounds"]) + "."
+                  + (" Int8 activations: "
+                     + ", ".join(f"{x:.2f}x" for x in int8["warm_rounds"]) + "."
+                     if int8 else "")]
         lines.append("")
     if "serve" in data:
         s = data["serve"]

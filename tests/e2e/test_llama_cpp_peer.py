@@ -183,6 +183,27 @@ def test_the_one_stream_section_gives_each_run_and_the_goal(peer):
     assert "Warm ratio per round: 1.43x, 1.12x, 2.17x." in md
 
 
+def test_the_one_stream_section_gives_the_int8_option_beside_the_default(peer):
+    run = ONE_STREAM_RUN
+    ours = [dict(run, output_tps=x) for x in (100.0, 90.0)]
+    int8 = [dict(run, output_tps=x) for x in (140.0, 120.0)]
+    theirs = [dict(run, output_tps=x) for x in (100.0, 80.0)]
+    section = rounds_section(run, dict(run, output_tps=80.0), ours, theirs, 1.25,
+                             "2026-12-04 23:00:00")
+    section["servers"] = {"batchscope": section["servers"]["batchscope"],
+                          peer.INT8_SERVER: {"cold": dict(run, output_tps=120.0), "warm": int8},
+                          "llama-server": section["servers"]["llama-server"]}
+    section["ratios_int8"] = peer._ratios(section["servers"][peer.INT8_SERVER],
+                                          section["servers"]["llama-server"])
+    md = peer.render({"gguf": "model.gguf", "serve1": section})
+    assert "then 2 warm rounds of the three in turn" in md and "--activations int8" in md
+    assert "| batchscope, int8 activations | warm | 130.0 |" in md  # the rounds' median
+    # the goal is the default's; the option's ratio stands beside it
+    assert "| cold | 1.25x | >= 1.3x: not met | 1.50x |" in md
+    assert "| warm | 1.06x | >= 1.3x: not met | 1.45x |" in md
+    assert "Int8 activations: 1.40x, 1.50x." in md
+
+
 def test_a_one_stream_section_of_one_warm_run_still_renders(peer, tmp_path):
     run = ONE_STREAM_RUN
     saved = tmp_path / "llama_cpp.json"
