@@ -12,6 +12,14 @@ sequence takes the block right after its last one when that is free, and a seque
 starts, or whose next block is taken, starts in the largest run of free blocks: at its start
 when the run begins the pool, else in its middle, leaving the first half to the sequence
 before the run (the engine's decode: benchmarks/results/build_ab_blocks.md).
+
+With `copy_partial`, a prefix match does not stop at the last whole block: a finished
+sequence's last, partly filled block is cached too (keyed by the chain before it and the
+tokens it holds), and a prompt that goes on past a matched chain with some of the tokens of a
+cached block under that chain (partly filled or full) gets those rows copied into a block of
+its own (`take_copies`: the engine copies them in the pool before the step that needs them),
+so a repeated prompt computes one token, not up to a block (from ROWS_WORTH_COPYING rows on;
+fewer are computed again). A shared block is still never written: the copy is.
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ class NoFreeBlocksError(RuntimeError):
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set once the block is full and registered
+    block_hash: int | None = None  # set once the block is registered (full, or a finished tail)
     token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions
+    parent: int | None = None  # a registered block's chain hash before it
 
 
 @dataclass
@@ -40,6 +49,7 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # prompt tokens found cached
     evictions: int = 0
+    copied: int = 0  # of the hits, rows copied from a block shared only in part
 
 
 @dataclass
@@ -58,13 +68,42 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+# The fewest rows the engine copies: a copy is a gather and a scatter per layer evaluated before
+# the step, which cost more than computing 1-3 more rows in the step and less from 4 rows on
+# (benchmarks/results/prefix_copy.md: a tail of 5 tokens, 4 rows copied, 1.21x shorter).
+ROWS_WORTH_COPYING = 4
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """Rows [0, rows) of block `source` to be copied into block `dest` (the same rows), the
+    first block of `seq_id`'s own."""
+
+    seq_id: str
+    source: int
+    dest: int
+    rows: int
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):  # the shorter decides
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 copy_partial: bool = False, min_copy_rows: int = 1):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.copy_partial = copy_partial and enable_prefix_caching
+        self.min_copy_rows = max(1, min_copy_rows)  # fewer matched rows are computed instead
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free = np.ones(num_blocks, dtype=bool)  # never used, or released unhashed
         # Counted as blocks come and go: the scheduler asks for it for every running request
@@ -73,6 +112,10 @@ class BlockManager:
         self._num_free = num_blocks
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed, LRU first
         self._by_hash: dict[int, int] = {}
+        # copy_partial: chain hash -> the registered blocks that follow it, and the copies
+        # matched but not yet taken (each holds a reference on its source until then).
+        self._children: dict[int | None, set[int]] = {}
+        self._copies: list[KVCopy] = []
         self._seqs: dict[str, _SeqBlocks] = {}
         self.stats = PrefixCacheStats()
         # Called with a block's hash when it is evicted from the prefix cache (the state
@@ -122,11 +165,12 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def match_prefix(self, seq_id: str, token_ids: list[int]) -> int:
-        """Start a sequence's table with the cached full blocks of its prefix.
+        """Start a sequence's table with the cached full blocks of its prefix (and, with
+        copy_partial, a block of its own for the rows it copies after them).
 
         Returns how many tokens are covered. At least one token is always left to compute
         (its logits are needed), so a prefix that is a whole number of blocks stops one block
-        short; a shared block is never written again.
+        short (with copy_partial, one token short); a shared block is never written again.
         """
         if seq_id in self._seqs and self._seqs[seq_id].table:
             raise ValueError(f"sequence {seq_id} already holds blocks")
@@ -148,8 +192,54 @@ class BlockManager:
             parent = h
         seq.num_hashed = len(seq.table)
         covered = len(seq.table) * self.block_size
+        if self.copy_partial:
+            covered += self._match_rows(seq_id, parent, token_ids[covered:len(token_ids) - 1])
         self.stats.hits += covered
         return covered
+
+    def _match_rows(self, seq_id: str, parent: int | None, tokens: list[int]) -> int:
+        """The most leading tokens of `tokens` that a registered block under `parent` holds:
+        a block of the sequence's own takes them by a copy (KVCopy). Returns how many."""
+        best, source = 0, None
+        for block_id in self._children.get(parent, ()):
+            n = _common_prefix(self.blocks[block_id].token_ids, tokens)
+            if n > best:
+                best, source = n, block_id
+        if best < self.min_copy_rows:
+            return 0
+        seq = self._seqs[seq_id]
+        self._take(source)  # held until the copy is taken: not evicted by the allocation below
+        if not self.num_free_blocks:
+            self._release(source)
+            return 0
+        dest = self._pop_free(seq.table[-1] if seq.table else None)
+        seq.table.append(dest)
+        self._copies.append(KVCopy(seq_id, source, dest, best))
+        self.stats.copied += best
+        return best
+
+    def take_copies(self) -> list[KVCopy]:
+        """The copies matched since the last call, to be done in the pool before the next step
+        runs; their sources are released (they stay cached until evicted or reused)."""
+        copies, self._copies = self._copies, []
+        for c in copies:
+            self._release(c.source)
+        return copies
+
+    def register_tail(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Key a sequence's last block when it is partly filled with computed tokens (called
+        as it ends, before `free`): a later prompt that goes on the same way copies its rows."""
+        seq = self._seqs.get(seq_id)
+        if not self.copy_partial or seq is None:
+            return
+        i, rows = seq.num_hashed, num_computed - seq.num_hashed * self.block_size
+        if not 0 < rows < self.block_size or i >= len(seq.table):
+            return
+        block = self.blocks[seq.table[i]]
+        tokens = tuple(token_ids[i * self.block_size:num_computed])
+        h = chain_hash(seq.last_hash, tokens)
+        if block.ref_count == 1 and block.block_hash is None and h not in self._by_hash:
+            self._index(block, h, tokens, seq.last_hash)
 
     def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """Key the blocks that are now full of computed tokens, so later requests can share them."""
@@ -163,9 +253,7 @@ class BlockManager:
             h = chain_hash(seq.last_hash, tokens)
             block = self.blocks[seq.table[i]]
             if h not in self._by_hash and block.block_hash is None:
-                block.block_hash = h
-                block.token_ids = tokens
-                self._by_hash[h] = block.block_id
+                self._index(block, h, tokens, seq.last_hash)
             seq.hashes.append(h)
             seq.num_hashed += 1
 
@@ -222,6 +310,9 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        for c in [c for c in self._copies if c.seq_id == seq_id]:  # never to be done
+            self._copies.remove(c)
+            self._release(c.source)
         # Tail first, so that when the LRU evicts it takes the end of a chain before its head.
         for block_id in reversed(seq.table):
             self._release(block_id)
@@ -238,6 +329,12 @@ class BlockManager:
                 self._put_free(block_id)
 
     # ---- internals -----------------------------------------------------------------------
+    def _index(self, block: Block, h: int, tokens: tuple[int, ...], parent: int | None) -> None:
+        block.block_hash, block.token_ids, block.parent = h, tokens, parent
+        self._by_hash[h] = block.block_id
+        if self.copy_partial:
+            self._children.setdefault(parent, set()).add(block.block_id)
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -261,8 +358,14 @@ class BlockManager:
             del self._by_hash[block.block_hash]
             if self.on_evict is not None:
                 self.on_evict(block.block_hash)
+            if self.copy_partial:
+                siblings = self._children[block.parent]
+                siblings.discard(block_id)
+                if not siblings:
+                    del self._children[block.parent]
             block.block_hash = None
             block.token_ids = ()
+            block.parent = None
             self.stats.evictions += 1
         block = self.blocks[block_id]
         block.ref_count = 1
@@ -284,6 +387,8 @@ class BlockManager:
         for seq in self._seqs.values():
             for b in seq.table:
                 held[b] = held.get(b, 0) + 1
+        for c in self._copies:  # a copy not yet taken holds its source
+            held[c.source] = held.get(c.source, 0) + 1
         free, cached = set(np.flatnonzero(self._free).tolist()), set(self._cached)
         if len(free) != self._num_free:
             raise AssertionError(f"{self._num_free} free blocks counted, {len(free)} marked")
@@ -299,3 +404,7 @@ class BlockManager:
         for h, b in self._by_hash.items():
             if self.blocks[b].block_hash != h:
                 raise AssertionError(f"hash index points at block {b} with another hash")
+        children = {(block.parent, block.block_id) for block in self.blocks
+                    if block.block_hash is not None} if self.copy_partial else set()
+        if {(p, b) for p, bs in self._children.items() for b in bs} != children:
+            raise AssertionError("the index of blocks by the chain before them is stale")

@@ -6,7 +6,9 @@ The first choice is submitted as any request. The others are held (`Engine.submi
 full blocks in the prefix cache, so each further choice is admitted holding those blocks by
 reference count (`BlockManager.match_prefix`) and computes only the prompt's tail after the
 last full block (at least one token, whose logits it samples from) into a block of its own:
-the partial block is copied by recomputing it, never written by two choices. Each choice then
+the partial block is copied by recomputing it (or, where the prompt is whole blocks, the last
+one's rows but the last are copied from it: BlockManager's copy_partial), never written by two
+choices. Each choice then
 samples on its own (seed + i when the request is seeded), stops on its own and frees its blocks
 when it ends; a shared block goes back to the pool (cached for reuse) when its last holder
 ends. Cancelling the first choice before its first token releases the others at once.

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from engine.block_manager import BlockManager
+from engine.block_manager import ROWS_WORTH_COPYING, BlockManager
 from engine.config import EngineConfig, KernelPath, KernelPolicy
 from engine.distributed.launch import DistributedError
 from engine.draft import draft_proposer
@@ -321,10 +321,15 @@ class Engine:
         if not self.loaded.max_context:
             log.info("model %s names no context length (max_position_embeddings): a request "
                      "may reach %d tokens", self.loaded.name, self.max_model_len)
-        self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size,
-                                          cfg.enable_prefix_caching)
         family = family_for(self.loaded.model, self.loaded.config)
         self.state_slots, states = state_pool_for(family, cfg) or (None, None)
+        # Rows of a block shared in part are copied in this process's pool: not where ranks
+        # hold the pool in shards, nor for recurrent layers (their state resumes only at
+        # checkpoints kept at whole blocks).
+        self.block_manager = BlockManager(
+            cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching,
+            copy_partial=states is None and cfg.tensor_parallel_size == 1,
+            min_copy_rows=ROWS_WORTH_COPYING)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.state_slots)
         self.runner = build_runner(cfg, self.loaded, family, states,
@@ -409,6 +414,9 @@ class Engine:
         else:
             drafts, speculation = self._proposals()
             plan = self.scheduler.schedule(drafts)
+            copies = self.block_manager.take_copies()
+            if copies:  # prompts matched into blocks shared in part: their rows, before the step
+                self.pool.copy_rows(copies)
             for g in plan.groups:
                 g.trace = self._traced(g.seq_id)
             path = self._path_for(plan.num_rows)
@@ -671,6 +679,7 @@ class Engine:
                 self._finish(req, FinishReason.ERROR, error="KV cache reset after an engine error")
             bm = self.block_manager
             self.block_manager = BlockManager(bm.num_blocks, bm.block_size,
-                                              bm.enable_prefix_caching)
+                                              bm.enable_prefix_caching, bm.copy_partial,
+                                              bm.min_copy_rows)
             self.scheduler.bm = self.block_manager
             self.pool.reset()

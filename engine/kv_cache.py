@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engine.block_manager import KVCopy
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
@@ -83,6 +85,18 @@ class KVPool:
         if self._keys is None:
             self._allocate(self._storage_for(dtype))
         return self._keys[layer], self._values[layer]
+
+    def copy_rows(self, copies: list[KVCopy]) -> None:
+        """Each copy's rows into its destination block, in every layer, evaluated now and on
+        their own: queued into the next step's graph instead, they slowed that step by more
+        than they cost apart."""
+        bs = self.block_size
+        src = mx.array([c.source * bs + r for c in copies for r in range(c.rows)])
+        dst = mx.array([c.dest * bs + r for c in copies for r in range(c.rows)])
+        for layer in range(len(self._keys)):
+            self._keys[layer][:, dst] = self._keys[layer][:, src]
+            self._values[layer][:, dst] = self._values[layer][:, src]
+        mx.eval(self.state())
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Gather the keys and values at `slots` (in order) -> (kv_heads, len(slots), head_dim)."""

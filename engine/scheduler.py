@@ -271,6 +271,7 @@ class Scheduler:
                 return False
 
     def _preempt(self, seq: Sequence) -> None:
+        self.bm.register_tail(seq.seq_id, seq.token_ids, seq.num_computed)
         self.bm.free(seq.seq_id)
         if self.states is not None:
             self.states.free(seq.seq_id)
@@ -289,6 +290,7 @@ class Scheduler:
             elif seq in self.waiting:
                 self.waiting.remove(seq)
         finally:
+            self.bm.register_tail(seq.seq_id, seq.token_ids, seq.num_computed)
             self.bm.free(seq.seq_id)
             if self.states is not None:
                 self.states.free(seq.seq_id)

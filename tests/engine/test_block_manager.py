@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, NoFreeBlocksError
+from engine.block_manager import BlockManager, KVCopy, NoFreeBlocksError
 
 
 def test_allocate_grows_table_on_demand_and_free_returns_blocks():
@@ -143,19 +143,107 @@ def test_blocks_freed_by_trim_are_taken_again_in_place():
     bm.check_invariants()
 
 
+# ---- copy_partial: rows of a block shared in part are copied ---------------------------------
+
+
+def finished(bm: BlockManager, seq_id: str, tokens: list[int], computed: int) -> list[int]:
+    """A sequence that computed `computed` of `tokens` and ended; returns its table."""
+    bm.match_prefix(seq_id, tokens)
+    bm.allocate(seq_id, computed)
+    bm.register_full_blocks(seq_id, tokens, computed)
+    table = bm.block_table(seq_id)
+    bm.register_tail(seq_id, tokens, computed)
+    bm.free(seq_id)
+    return table
+
+
+def test_a_repeated_prompt_copies_the_rows_of_the_last_part_filled_block():
+    bm = BlockManager(num_blocks=8, block_size=4, copy_partial=True)
+    prompt = list(range(10))  # two full blocks + 2 tokens
+    table = finished(bm, "a", prompt + [50, 51], 11)  # the reply's first token computed too
+    # Whole blocks by reference as before, then the tail's first row by a copy: one token
+    # (the last, whose logits are needed) left to compute.
+    assert bm.match_prefix("b", prompt) == 9
+    new = bm.block_table("b")
+    assert new[:2] == table[:2] and new[2] not in table
+    assert bm.take_copies() == [KVCopy("b", table[2], new[2], 1)]
+    assert bm.take_copies() == []
+    assert bm.stats.copied == 1 and bm.stats.hits == 9
+    bm.check_invariants()
+    # The tail stays cached: a third request takes it again.
+    bm.free("b")
+    assert bm.match_prefix("c", prompt) == 9
+    bm.check_invariants()
+
+
+def test_a_prompt_of_whole_blocks_copies_all_but_the_last_token_of_its_last_block():
+    bm = BlockManager(num_blocks=8, block_size=4, copy_partial=True)
+    prompt = list(range(8))
+    table = finished(bm, "a", prompt, 8)
+    assert bm.match_prefix("b", prompt) == 7
+    assert bm.take_copies() == [KVCopy("b", table[1], bm.block_table("b")[1], 3)]
+    bm.check_invariants()
+
+
+def test_a_prompt_that_parts_inside_a_block_copies_the_rows_before_it():
+    bm = BlockManager(num_blocks=8, block_size=4, copy_partial=True)
+    table = finished(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 9)
+    assert bm.match_prefix("b", [1, 2, 3, 4, 5, 6, 0, 0, 0]) == 6  # 5, 6 copied, 0 differs
+    assert bm.take_copies() == [KVCopy("b", table[1], bm.block_table("b")[1], 2)]
+    # Nothing under another chain: a different first block matches nothing.
+    assert bm.match_prefix("c", [9, 2, 3, 4, 5, 6, 7]) == 0
+    assert bm.take_copies() == []
+    bm.check_invariants()
+
+
+def test_fewer_rows_than_worth_copying_are_left_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=8, copy_partial=True, min_copy_rows=4)
+    table = finished(bm, "a", list(range(14)), 14)
+    assert bm.match_prefix("b", list(range(11))) == 8  # 2 rows matched: computed again
+    assert bm.take_copies() == []
+    assert bm.match_prefix("c", list(range(13))) == 12  # 4 rows: copied
+    assert bm.take_copies() == [KVCopy("c", table[1], bm.block_table("c")[1], 4)]
+    bm.check_invariants()
+
+
+def test_a_copy_never_taken_gives_its_source_back_when_its_sequence_goes():
+    bm = BlockManager(num_blocks=4, block_size=4, copy_partial=True)
+    table = finished(bm, "a", [1, 2, 3, 4, 5, 6], 6)
+    assert bm.match_prefix("b", [1, 2, 3, 4, 5, 6, 7]) == 6
+    assert bm.blocks[table[1]].ref_count == 1  # held for the copy: not evictable
+    bm.free("b")  # e.g. admitted, then no room for its prefill
+    assert bm.take_copies() == []
+    assert bm.blocks[table[1]].ref_count == 0
+    bm.check_invariants()
+
+
+def test_an_evicted_tail_is_forgotten_and_without_copy_partial_nothing_is_copied():
+    bm = BlockManager(num_blocks=2, block_size=4, copy_partial=True)
+    finished(bm, "a", [1, 2, 3, 4, 5, 6], 6)
+    bm.allocate("x", 8)  # both blocks: the cached ones are evicted
+    bm.free("x")
+    assert bm.match_prefix("b", [1, 2, 3, 4, 5, 6, 7]) == 0
+    bm.check_invariants()
+    plain = BlockManager(num_blocks=8, block_size=4)
+    finished(plain, "a", [1, 2, 3, 4, 5, 6], 6)
+    assert plain.match_prefix("b", [1, 2, 3, 4, 5, 6, 7]) == 4
+    assert plain.take_copies() == []
+
+
 # ---- property-based: random operation sequences never leak or double-free ---------------------
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["start", "grow", "commit", "free"]), st.integers(0, 5),
+    st.tuples(st.sampled_from(["start", "grow", "commit", "free", "take"]), st.integers(0, 5),
               st.integers(1, 12), st.integers(0, 2)),
     max_size=60,
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, prefix_caching=st.booleans())
-def test_random_operations_keep_every_block_accounted_for(ops, prefix_caching):
-    bm = BlockManager(num_blocks=10, block_size=3, enable_prefix_caching=prefix_caching)
+@given(ops=ops, prefix_caching=st.booleans(), copy_partial=st.booleans())
+def test_random_operations_keep_every_block_accounted_for(ops, prefix_caching, copy_partial):
+    bm = BlockManager(num_blocks=10, block_size=3, enable_prefix_caching=prefix_caching,
+                      copy_partial=copy_partial)
     tokens: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
     for op, sid, n, flavour in ops:
@@ -166,7 +254,8 @@ def test_random_operations_keep_every_block_accounted_for(ops, prefix_caching):
             tokens[seq] = prompt
             computed[seq] = bm.match_prefix(seq, prompt)
             assert computed[seq] < len(prompt)
-            assert computed[seq] % bm.block_size == 0
+            assert computed[seq] % bm.block_size == 0 or bm.copy_partial
+            assert len(bm.block_table(seq)) == -(-computed[seq] // bm.block_size)
         elif op == "grow" and seq in tokens:
             target = min(len(tokens[seq]), computed[seq] + n)
             needed = bm.blocks_needed(seq, target)
@@ -179,8 +268,13 @@ def test_random_operations_keep_every_block_accounted_for(ops, prefix_caching):
         elif op == "commit" and seq in tokens:
             bm.register_full_blocks(seq, tokens[seq], computed[seq])
         elif op == "free" and seq in tokens:
+            if flavour:  # it ended (its tail kept where it can be), else preempted or failed
+                bm.register_tail(seq, tokens[seq], computed[seq])
             bm.free(seq)
             del tokens[seq], computed[seq]
+        elif op == "take":
+            for c in bm.take_copies():
+                assert bm.block_table(c.seq_id)[-1] == c.dest and 0 < c.rows <= bm.block_size
         bm.check_invariants()
         assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
     for seq in list(tokens):

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import threading
 
+import numpy as np
 import pytest
 
 from engine.sampling import SamplingParams
@@ -79,7 +80,9 @@ def test_prefix_cache_hits_and_gives_the_same_tokens(make_engine):
     second = engine.generate(prompt, greedy())
     assert second.token_ids == first.token_ids
     assert first.cached_prompt_tokens == 0
+    # Blocks of 4: the tail (at most 3 rows, too few to copy) is computed again.
     assert second.cached_prompt_tokens == (len(engine.encode(prompt)) - 1) // 4 * 4
+    assert engine.block_manager.stats.copied == 0
     assert engine.block_manager.stats.hits > 0
     assert engine.block_manager.num_cached_blocks > 0
     assert_no_blocks_held(engine)
@@ -394,3 +397,24 @@ def test_result_can_be_read_twice(make_engine):
     handle = engine.submit("hello", greedy(2))
     first = handle.result()
     assert handle.result() is first and list(handle) == []
+
+
+@pytest.mark.parametrize("attention", ["native", "mlx"])
+def test_a_repeated_prompt_copies_its_last_rows_and_emits_the_same_logits(make_engine,
+                                                                         attention):
+    """The rows a repeated prompt copies from the first request's last block are the ones
+    that request computed: the second computes one token and emits the same tokens with the
+    same logits (the MLX-ops path, which GPU backends run, updates the pool by scatter)."""
+    engine = make_engine(block_size=16, attention=attention)
+    prompt = "a prompt whose last block is only partly full, at twenty"
+    ids = engine.encode(prompt)
+    tail = (len(ids) - 1) % 16
+    assert tail >= engine.block_manager.min_copy_rows  # rows enough to be copied
+    first = engine.submit(prompt, greedy(8), trace=True).result()
+    second = engine.submit(prompt, greedy(8), trace=True).result()
+    assert second.cached_prompt_tokens == len(ids) - 1
+    assert engine.block_manager.stats.copied == tail
+    assert second.token_ids == first.token_ids
+    logits = [np.stack([t["logits"][-1] for t in r.trace]) for r in (first, second)]
+    assert np.abs(logits[0] - logits[1]).max() <= 1e-5
+    assert_no_blocks_held(engine)
