@@ -1,0 +1,140 @@
+"""A repeated prompt's first token: its last block's rows copied, against computed again.
+
+A prompt sent a second time matches its whole blocks in the prefix cache; the tokens after them
+(the tail: 1 to 16 of them) are either copied from the first request's last block, all but the
+last (engine/block_manager.py's copy_partial; here at any number of rows, where the engine
+copies from ROWS_WORTH_COPYING on) or computed again in the request's first step (the engine
+before it). Two engines in this process, one of each, on the same model: for
+each tail length, a prompt of --context + tail tokens is sent once (cold) and then again; the
+second request's time (max_tokens 1: its prefill step and the sampled token) is what the table
+gives, each engine measured in turn, the first alternating by round, medians over --rounds.
+Every prompt has a distinct first word, so nothing but the request's own first run is cached.
+
+    .venv/bin/python benchmarks/prefix_copy.py [--weights auto] [--context 160]
+        [--tails 2 3 4 5 8 12 15] [--rounds 5]
+
+Writes benchmarks/results/prefix_copy.{md,json} unless --out says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
+from engine.block_manager import ROWS_WORTH_COPYING
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.platform import backend_info
+from engine.sampling import SamplingParams
+
+HERE = Path(__file__).parent
+WORDS = ("Continuous batching lets an inference server add and remove requests at every step, "
+         "so the accelerator never waits for the slowest request of a static batch. ").split()
+SIDES = ("copy", "recompute")
+
+
+def log(msg: str) -> None:
+    print(f"# {msg}", file=sys.stderr, flush=True)
+
+
+def prompt_ids(eng: Engine, tag: str, length: int) -> list[int]:
+    words = [tag] + [WORDS[i % len(WORDS)] for i in range(length)]
+    ids = eng.encode(" ".join(words))[:length]
+    if len(ids) != length:
+        raise RuntimeError(f"the prompt text gave {len(ids)} tokens, not {length}")
+    return ids
+
+
+def repeated(eng: Engine, ids: list[int]) -> tuple[float, int]:
+    """The second of two identical requests: (seconds, cached prompt tokens)."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    eng.generate(ids, params)
+    t0 = time.perf_counter()
+    result = eng.generate(ids, params)
+    return time.perf_counter() - t0, result.cached_prompt_tokens
+
+
+def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    engines = {}
+    try:
+        for side in SIDES:
+            eng = Engine(EngineConfig(weights=weights)).start()
+            if side == "recompute":  # before any request: nothing indexed, nothing copied
+                eng.block_manager.copy_partial = False
+            else:  # any number of rows, so the table shows where copying pays
+                eng.block_manager.min_copy_rows = 1
+            engines[side] = eng
+        block = engines["copy"].block_manager.block_size
+        times: dict[str, dict[int, list[float]]] = {s: {t: [] for t in tails} for s in SIDES}
+        cached: dict[str, dict[int, int]] = {s: {} for s in SIDES}
+        for r in range(rounds):
+            log(f"round {r + 1} of {rounds}")
+            for tail in tails:
+                for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                    eng = engines[side]
+                    ids = prompt_ids(eng, f"Round{r}{side}{tail}:", context + tail)
+                    seconds, cached[side][tail] = repeated(eng, ids)
+                    times[side][tail].append(seconds * 1e3)
+        model = engines["copy"].loaded
+        info = {"model": model.name, "weights": model.weights, "block_size": block,
+                "backend": backend_info()["backend"]}
+    finally:
+        for eng in engines.values():
+            eng.stop()
+    rows = []
+    for tail in tails:
+        med = {s: statistics.median(times[s][tail]) for s in SIDES}
+        rows.append({"tail": tail, "prompt_tokens": context + tail,
+                     "cached": {s: cached[s][tail] for s in SIDES},
+                     "ms": med, "runs_ms": {s: times[s][tail] for s in SIDES},
+                     "ratio": med["recompute"] / med["copy"]})
+    return {"started": started, "context": context,
+            "rounds": rounds, **info, "rows": rows}
+
+
+def render(data: dict) -> str:
+    lines = [f"A repeated prompt's first token on {data['model']} ({data['weights']}, backend "
+             f"{data['backend']}, blocks of {data['block_size']} tokens), "
+             f"`benchmarks/prefix_copy.py`, run {data['started']}: prompts of "
+             f"{data['context']} tokens plus the tail, each sent twice; the second request's "
+             f"time with max_tokens 1, medians of {data['rounds']} rounds, the two engines in "
+             "turn; the copying one copies any number of rows (the engine copies from "
+             f"{ROWS_WORTH_COPYING} on). Cached: the prompt tokens the second request did not "
+             "compute.", "",
+             "| tail tokens | copied: cached | ms | computed again: cached | ms | "
+             "computed again / copied |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['tail']} | {r['cached']['copy']} | {r['ms']['copy']:.1f} | "
+                     f"{r['cached']['recompute']} | {r['ms']['recompute']:.1f} | "
+                     f"{r['ratio']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--context", type=int, default=160,
+                    help="prompt tokens before the tail (a multiple of the block size)")
+    ap.add_argument("--tails", type=int, nargs="+", default=[2, 3, 4, 5, 8, 12, 15])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=str(HERE / "results" / "prefix_copy"))
+    args = ap.parse_args(argv)
+    data = measure(args.weights, args.context, args.tails, args.rounds)
+    text = render(data)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    print(text)
+    print(f"(written to {out.with_suffix('.md')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
