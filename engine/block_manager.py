@@ -112,9 +112,11 @@ class BlockManager:
         self._num_free = num_blocks
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed, LRU first
         self._by_hash: dict[int, int] = {}
-        # copy_partial: chain hash -> the registered blocks that follow it, and the copies
-        # matched but not yet taken (each holds a reference on its source until then).
-        self._children: dict[int | None, set[int]] = {}
+        # copy_partial: (chain hash, first min_copy_rows tokens) -> the registered blocks that
+        # follow that chain and start so (a match of fewer rows is not copied, so a prompt
+        # looks only at blocks it could copy from), and the copies matched but not yet taken
+        # (each holds a reference on its source until then).
+        self._children: dict[tuple[int | None, tuple[int, ...]], set[int]] = {}
         self._copies: list[KVCopy] = []
         self._seqs: dict[str, _SeqBlocks] = {}
         self.stats = PrefixCacheStats()
@@ -201,7 +203,7 @@ class BlockManager:
         """The most leading tokens of `tokens` that a registered block under `parent` holds:
         a block of the sequence's own takes them by a copy (KVCopy). Returns how many."""
         best, source = 0, None
-        for block_id in self._children.get(parent, ()):
+        for block_id in self._children.get((parent, tuple(tokens[:self.min_copy_rows])), ()):
             n = _common_prefix(self.blocks[block_id].token_ids, tokens)
             if n > best:
                 best, source = n, block_id
@@ -332,8 +334,11 @@ class BlockManager:
     def _index(self, block: Block, h: int, tokens: tuple[int, ...], parent: int | None) -> None:
         block.block_hash, block.token_ids, block.parent = h, tokens, parent
         self._by_hash[h] = block.block_id
-        if self.copy_partial:
-            self._children.setdefault(parent, set()).add(block.block_id)
+        if self.copy_partial and len(tokens) >= self.min_copy_rows:
+            self._children.setdefault(self._child_key(block), set()).add(block.block_id)
+
+    def _child_key(self, block: Block) -> tuple[int | None, tuple[int, ...]]:
+        return block.parent, block.token_ids[:self.min_copy_rows]
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -358,11 +363,11 @@ class BlockManager:
             del self._by_hash[block.block_hash]
             if self.on_evict is not None:
                 self.on_evict(block.block_hash)
-            if self.copy_partial:
-                siblings = self._children[block.parent]
+            siblings = self._children.get(self._child_key(block))
+            if siblings is not None:
                 siblings.discard(block_id)
                 if not siblings:
-                    del self._children[block.parent]
+                    del self._children[self._child_key(block)]
             block.block_hash = None
             block.token_ids = ()
             block.parent = None
@@ -404,7 +409,8 @@ class BlockManager:
         for h, b in self._by_hash.items():
             if self.blocks[b].block_hash != h:
                 raise AssertionError(f"hash index points at block {b} with another hash")
-        children = {(block.parent, block.block_id) for block in self.blocks
-                    if block.block_hash is not None} if self.copy_partial else set()
-        if {(p, b) for p, bs in self._children.items() for b in bs} != children:
+        children = {(self._child_key(block), block.block_id) for block in self.blocks
+                    if block.block_hash is not None
+                    and len(block.token_ids) >= self.min_copy_rows} if self.copy_partial else set()
+        if {(k, b) for k, bs in self._children.items() for b in bs} != children:
             raise AssertionError("the index of blocks by the chain before them is stale")
