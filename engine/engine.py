@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from engine.block_manager import ROWS_WORTH_COPYING, BlockManager
+from engine.block_manager import ROWS_WORTH_COPYING, BlockManager, KVCopy
 from engine.config import EngineConfig, KernelPath, KernelPolicy
 from engine.distributed.launch import DistributedError
 from engine.draft import draft_proposer
@@ -415,14 +415,12 @@ class Engine:
             drafts, speculation = self._proposals()
             plan = self.scheduler.schedule(drafts)
             copies = self.block_manager.take_copies()
-            if copies:  # prompts matched into blocks shared in part: their rows, before the step
-                self.pool.copy_rows(copies)
             for g in plan.groups:
                 g.trace = self._traced(g.seq_id)
             path = self._path_for(plan.num_rows)
         t1 = time.perf_counter()  # scheduled: the rest until booking is the model's
         if ahead is None:
-            pending, error = self._launch(plan, path, self.step_count)
+            pending, error = self._launch(plan, path, self.step_count, copies=copies)
         if pending is not None:
             self._ahead = self._look_ahead(plan, pending)
         if pending is None:
@@ -473,14 +471,18 @@ class Engine:
         self.steps.append(record)
 
     def _launch(self, plan: SchedulerOutput, path: KernelPath, step: int,
-                tokens: mx.array | None = None) -> tuple[object | None, str | None]:
+                tokens: mx.array | None = None,
+                copies: list[KVCopy] | None = None) -> tuple[object | None, str | None]:
         """The plan's forward and sampling, queued (the runner's PendingStep): (pending, None),
         or (None, the error in words) when it failed; (None, None) for an empty plan. step:
-        the number its record will have."""
+        the number its record will have; copies: rows the plan's new prompts matched in blocks
+        shared in part, copied first (a failed copy fails the step, as a failed forward)."""
         if not plan.groups:
             return None, None
         plan.step = step
         try:
+            if copies:
+                self.pool.copy_rows(copies)
             if self.before_forward is not None:
                 self.before_forward(plan)
             return self.runner.launch(plan.groups, path, tokens), None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from engine.block_manager import BlockManager
 from engine.config import ValueEnum
 from engine.sampling import SamplingParams
-from engine.sequence import LogitsProcessor, SeqStatus, Sequence
+from engine.sequence import FinishReason, LogitsProcessor, SeqStatus, Sequence
 from engine.state_slots import StateSlots
 
 if TYPE_CHECKING:
@@ -290,7 +290,8 @@ class Scheduler:
             elif seq in self.waiting:
                 self.waiting.remove(seq)
         finally:
-            self.bm.register_tail(seq.seq_id, seq.token_ids, seq.num_computed)
+            if reason != FinishReason.ERROR:  # a failed step may have left its rows unwritten
+                self.bm.register_tail(seq.seq_id, seq.token_ids, seq.num_computed)
             self.bm.free(seq.seq_id)
             if self.states is not None:
                 self.states.free(seq.seq_id)

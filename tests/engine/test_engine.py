@@ -418,3 +418,18 @@ def test_a_repeated_prompt_copies_its_last_rows_and_emits_the_same_logits(make_e
     logits = [np.stack([t["logits"][-1] for t in r.trace]) for r in (first, second)]
     assert np.abs(logits[0] - logits[1]).max() <= 1e-5
     assert_no_blocks_held(engine)
+
+
+def test_a_failed_copy_fails_its_request_and_leaves_no_block_held(make_engine):
+    engine = make_engine(block_size=16)
+    prompt = "a prompt whose last block is only partly full, at twenty"
+    first = engine.generate(prompt, greedy(4))
+
+    def broken(copies):
+        raise RuntimeError("the pool could not copy")
+    engine.pool.copy_rows = broken
+    failed = engine.generate(prompt, greedy(4))
+    assert failed.reason == "error" and "the pool could not copy" in failed.error
+    assert_no_blocks_held(engine)
+    del engine.pool.copy_rows  # the engine goes on
+    assert engine.generate(prompt, greedy(4)).token_ids == first.token_ids
