@@ -222,7 +222,8 @@ class BlockManager:
 
     def take_copies(self) -> list[KVCopy]:
         """The copies matched since the last call, to be done in the pool before the next step
-        runs; their sources are released (they stay cached until evicted or reused)."""
+        runs and before anything is allocated again: their sources are released now (cached,
+        so an allocation could evict them)."""
         copies, self._copies = self._copies, []
         for c in copies:
             self._release(c.source)

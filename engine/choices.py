@@ -8,10 +8,10 @@ reference count (`BlockManager.match_prefix`) and computes only the prompt's tai
 last full block (at least one token, whose logits it samples from) into a block of its own:
 the partial block is copied by recomputing it (or, where the prompt is whole blocks, the last
 one's rows but the last are copied from it: BlockManager's copy_partial), never written by two
-choices. Each choice then
-samples on its own (seed + i when the request is seeded), stops on its own and frees its blocks
-when it ends; a shared block goes back to the pool (cached for reuse) when its last holder
-ends. Cancelling the first choice before its first token releases the others at once.
+choices. Each choice then samples on its own (seed + i when the request is seeded), stops on
+its own and frees its blocks when it ends; a shared block goes back to the pool (cached for
+reuse) when its last holder ends. Cancelling the first choice before its first token releases
+the others at once.
 
 Without prefix caching (`--no-prefix-caching`) the choices compute the prompt each; a model
 with recurrent layers shares the blocks up to its deepest state checkpoint of the prompt
