@@ -124,6 +124,14 @@ class BlockManager:
         # checkpoints kept at its end go with it, engine/state_slots.py).
         self.on_evict: Callable[[int], None] | None = None
 
+    def emptied(self) -> BlockManager:
+        """A manager with these settings and hooks and no block in use or cached (for a pool
+        that was reset)."""
+        fresh = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching,
+                             self.copy_partial, self.min_copy_rows)
+        fresh.on_evict = self.on_evict
+        return fresh
+
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

@@ -679,9 +679,6 @@ class Engine:
             log.exception("KV pool unusable after a failed step: dropping it")
             for req in list(self._requests.values()):
                 self._finish(req, FinishReason.ERROR, error="KV cache reset after an engine error")
-            bm = self.block_manager
-            self.block_manager = BlockManager(bm.num_blocks, bm.block_size,
-                                              bm.enable_prefix_caching, bm.copy_partial,
-                                              bm.min_copy_rows)
+            self.block_manager = self.block_manager.emptied()
             self.scheduler.bm = self.block_manager
             self.pool.reset()

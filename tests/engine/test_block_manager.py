@@ -230,6 +230,20 @@ def test_an_evicted_tail_is_forgotten_and_without_copy_partial_nothing_is_copied
     assert plain.take_copies() == []
 
 
+def test_an_emptied_manager_keeps_the_settings_and_hooks_and_holds_nothing():
+    bm = BlockManager(num_blocks=8, block_size=4, copy_partial=True, min_copy_rows=2)
+    evicted: list[int] = []
+    bm.on_evict = evicted.append
+    finished(bm, "a", list(range(10)), 10)
+    fresh = bm.emptied()
+    assert (fresh.num_blocks, fresh.block_size, fresh.enable_prefix_caching, fresh.copy_partial,
+            fresh.min_copy_rows) == (8, 4, True, True, 2)
+    assert fresh.on_evict == evicted.append  # the state pool's hook, for a hybrid model
+    assert fresh.num_free_blocks == 8 and fresh.num_cached_blocks == 0
+    assert fresh.match_prefix("b", list(range(10))) == 0
+    fresh.check_invariants()
+
+
 # ---- property-based: random operation sequences never leak or double-free ---------------------
 
 ops = st.lists(
