@@ -3,12 +3,14 @@
 A prompt sent a second time matches its whole blocks in the prefix cache; the tokens after them
 (the tail: 1 to 16 of them) are either copied from the first request's last block, all but the
 last (engine/block_manager.py's copy_partial; here at any number of rows, where the engine
-copies from ROWS_WORTH_COPYING on) or computed again in the request's first step (the engine
-before it). Two engines in this process, one of each, on the same model: for
-each tail length, a prompt of --context + tail tokens is sent once (cold) and then again; the
-second request's time (max_tokens 1: its prefill step and the sampled token) is what the table
-gives, each engine measured in turn, the first alternating by round, medians over --rounds.
-Every prompt has a distinct first word, so nothing but the request's own first run is cached.
+copies from ROWS_WORTH_COPYING on), or copied the same way but left to the first step's graph
+instead of evaluated before it (KVPool.copy_rows' evaluate=False: the reason the engine
+evaluates it apart), or computed again in the request's first step (the engine before the
+copy). Three engines in this process, one of each, on the same model: for each tail length, a
+prompt of --context + tail tokens is sent once (cold) and then again; the second request's
+time (max_tokens 1: its prefill step and the sampled token) is what the table gives, each
+engine measured in turn, the order rotating by round, medians over --rounds. Every prompt has a
+distinct first word, so nothing but the request's own first run is cached.
 
     .venv/bin/python benchmarks/prefix_copy.py [--weights auto] [--context 160]
         [--tails 2 3 4 5 8 12 15] [--rounds 5]
@@ -19,6 +21,7 @@ Writes benchmarks/results/prefix_copy.{md,json} unless --out says otherwise.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -35,7 +38,7 @@ from engine.sampling import SamplingParams
 HERE = Path(__file__).parent
 WORDS = ("Continuous batching lets an inference server add and remove requests at every step, "
          "so the accelerator never waits for the slowest request of a static batch. ").split()
-SIDES = ("copy", "recompute")
+SIDES = ("copy", "copy_in_step", "recompute")
 
 
 def log(msg: str) -> None:
@@ -69,6 +72,8 @@ def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
                 eng.block_manager.copy_partial = False
             else:  # any number of rows, so the table shows where copying pays
                 eng.block_manager.min_copy_rows = 1
+            if side == "copy_in_step":
+                eng.pool.copy_rows = functools.partial(eng.pool.copy_rows, evaluate=False)
             engines[side] = eng
         block = engines["copy"].block_manager.block_size
         times: dict[str, dict[int, list[float]]] = {s: {t: [] for t in tails} for s in SIDES}
@@ -76,7 +81,7 @@ def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
         for r in range(rounds):
             log(f"round {r + 1} of {rounds}")
             for tail in tails:
-                for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
                     eng = engines[side]
                     ids = prompt_ids(eng, f"Round{r}{side}{tail}:", context + tail)
                     seconds, cached[side][tail] = repeated(eng, ids)
@@ -93,7 +98,8 @@ def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
         rows.append({"tail": tail, "prompt_tokens": context + tail,
                      "cached": {s: cached[s][tail] for s in SIDES},
                      "ms": med, "runs_ms": {s: times[s][tail] for s in SIDES},
-                     "ratio": med["recompute"] / med["copy"]})
+                     "ratio": med["recompute"] / med["copy"],
+                     "in_step_ratio": med["copy_in_step"] / med["copy"]})
     return {"started": started, "context": context,
             "rounds": rounds, **info, "rows": rows}
 
@@ -103,16 +109,19 @@ def render(data: dict) -> str:
              f"{data['backend']}, blocks of {data['block_size']} tokens), "
              f"`benchmarks/prefix_copy.py`, run {data['started']}: prompts of "
              f"{data['context']} tokens plus the tail, each sent twice; the second request's "
-             f"time with max_tokens 1, medians of {data['rounds']} rounds, the two engines in "
-             "turn; the copying one copies any number of rows (the engine copies from "
-             f"{ROWS_WORTH_COPYING} on). Cached: the prompt tokens the second request did not "
+             f"time with max_tokens 1, medians of {data['rounds']} rounds, the engines in "
+             "turn; the copying ones copy any number of rows (the engine copies from "
+             f"{ROWS_WORTH_COPYING} on), evaluated before the step (as the engine does) or left "
+             "to the step's graph. Cached: the prompt tokens the second request did not "
              "compute.", "",
-             "| tail tokens | copied: cached | ms | computed again: cached | ms | "
-             "computed again / copied |", "|---|---|---|---|---|---|"]
+             "| tail tokens | copied: cached | ms | copied in the step's graph: ms | computed "
+             "again: cached | ms | computed again / copied | in the step's graph / copied |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         lines.append(f"| {r['tail']} | {r['cached']['copy']} | {r['ms']['copy']:.1f} | "
+                     f"{r['ms']['copy_in_step']:.1f} | "
                      f"{r['cached']['recompute']} | {r['ms']['recompute']:.1f} | "
-                     f"{r['ratio']:.2f}x |")
+                     f"{r['ratio']:.2f}x | {r['in_step_ratio']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

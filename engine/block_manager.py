@@ -69,8 +69,9 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 
 # The fewest rows the engine copies: a copy is a gather and a scatter per layer evaluated before
-# the step, which cost more than computing 1-3 more rows in the step and less from 4 rows on
-# (benchmarks/results/prefix_copy.md: a tail of 5 tokens, 4 rows copied, 1.21x shorter).
+# the step, which cost about what computing 1-3 more rows in the step does and less from 4 rows
+# on (benchmarks/results/prefix_copy.md: tails of 2-4 tokens 0.96-1.08x, a tail of 5, 4 rows
+# copied, 1.20x shorter).
 ROWS_WORTH_COPYING = 4
 
 

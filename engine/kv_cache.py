@@ -86,17 +86,18 @@ class KVPool:
             self._allocate(self._storage_for(dtype))
         return self._keys[layer], self._values[layer]
 
-    def copy_rows(self, copies: list[KVCopy]) -> None:
+    def copy_rows(self, copies: list[KVCopy], evaluate: bool = True) -> None:
         """Each copy's rows into its destination block, in every layer, evaluated now and on
-        their own: queued into the next step's graph instead, they slowed that step by more
-        than they cost apart."""
+        their own: left to the next step's graph (evaluate=False), the two took longer at 6 of
+        7 tail lengths, up to 1.30x (benchmarks/results/prefix_copy.md)."""
         bs = self.block_size
         src = mx.array([c.source * bs + r for c in copies for r in range(c.rows)])
         dst = mx.array([c.dest * bs + r for c in copies for r in range(c.rows)])
         for layer in range(len(self._keys)):
             self._keys[layer][:, dst] = self._keys[layer][:, src]
             self._values[layer][:, dst] = self._values[layer][:, src]
-        mx.eval(self.state())
+        if evaluate:
+            mx.eval(self.state())
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Gather the keys and values at `slots` (in order) -> (kv_heads, len(slots), head_dim)."""
