@@ -18,6 +18,8 @@ the CPU ops for the rows of a step:
   there were ~25 per layer.
 - `gated_delta_rows`: a Gated DeltaNet layer's conv and recurrence (Qwen3.5 / Qwen3-Next) on a
   step's float32 rows, each sequence's states read from and written to its pool slots.
+- `read_bandwidth` and `time_quantized_linears`: measurements for the benchmarks, no part of
+  a step (the memory the native threads read, the quantized kernel without MLX's dispatch).
 
 When it is not built (no compiler, a build failure, or an MLX it was not built against), the
 engine falls back to MLX ops and says so at start; nothing else changes.
@@ -88,6 +90,13 @@ def layer_spec() -> type | None:
     or None when it cannot be loaded here."""
     module = _load()
     return module.LayerSpec if module else None
+
+
+def kernel_timing() -> tuple[Callable, Callable] | None:
+    """(read_bandwidth, time_quantized_linears): the benchmarks' measurements of the memory the
+    native threads read and of the quantized kernel on its own; None when not built."""
+    module = _load()
+    return (module.read_bandwidth, module.time_quantized_linears) if module else None
 
 
 def decode_quantized_fast() -> bool:

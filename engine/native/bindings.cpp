@@ -12,6 +12,7 @@
 #include "decode_quantized.h"
 #include "decoder_layer.h"
 #include "gated_delta.h"
+#include "kernel_timing.h"
 #include "paged_attention.h"
 #include "row_ops.h"
 #include "workers.h"
@@ -157,6 +158,13 @@ NB_MODULE(_kernels, m) {
         "A Gated DeltaNet layer's conv and delta-rule recurrence on a step's float32 rows, "
         "each group (num_rows, slot) one sequence; returns y (rows, Hv, Dv) and writes the "
         "groups' and snapshots' (row, slot) states into the pool arrays when evaluated.");
+  m.def("read_bandwidth", &batchscope::read_bandwidth, "bytes"_a, "rounds"_a = 3,
+        "GB/s of reading a buffer of `bytes` with every native thread, the best of `rounds` "
+        "(benchmarks/step_profile.py's memory ceiling).");
+  m.def("time_quantized_linears", &batchscope::time_quantized_linears, "ws"_a, "scales"_a,
+        "biases"_a, "bits"_a, "group_sizes"_a, nb::kw_only(), "rows"_a = 1, "rounds"_a = 5,
+        "`rows` rows through every quantized layer in turn, `rounds` times, as the fused "
+        "decoder layer calls the kernel (no MLX dispatch): per round, each layer's seconds.");
   m.def("native_threads", &batchscope::parallel_threads,
         "Threads the native ops' worker pool uses (the caller included).");
 }
