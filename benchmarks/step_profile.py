@@ -9,6 +9,12 @@ step calls them: q/k/v and gate/up stacked), the head, attention with its KV wri
 norms and RoPE. Scheduling (the engine's own bookkeeping per step, outside the model) comes
 from the step records of an engine run. Medians of --rounds.
 
+Then the quantized kernel on its own, as the fused layer calls it (no MLX dispatch): every
+linear layer of the step (q/k/v and gate/up stacked, as the fused layer holds them) and then
+the head, in that order each round, so the head's weights come from memory as in a step; and,
+in the same run, what the native threads read from memory (a 512 MB buffer). At one row the
+script puts the two side by side: how far the kernels are from reading at memory speed.
+
 "Python share" is the share of a step spent in Python outside evaluation: building the graph
 plus the engine's scheduling, over the step plus scheduling, where each step is built after the
 one before has computed. Then the engine's own decode steps (33 new tokens a request), built
@@ -178,25 +184,42 @@ def steady_steps(runner: ModelRunner, rows: int, steps: int, context: int = CONT
     return statistics.median(times) * 1e3
 
 
-def copy_bandwidth(rounds: int = 5, size: int = 512 * 2**20) -> float:
-    """The machine's memory-copy bandwidth, GB/s: bytes read plus written by a numpy copy of
-    `size` bytes (one thread), the fastest of `rounds`."""
-    import numpy as np
-
-    src = np.ones(size // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size / best / 1e9
+READ_BYTES = 512 * 2**20  # the memory-read measurement's buffer: far more than any cache
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the weights a decode step reads: every linear layer's and the head's."""
-    return sum(getattr(m, k).nbytes for m in model_layers(model)
-               for k in ("weight", "scales", "biases") if getattr(m, k, None) is not None)
+def kernel_layers(runner: ModelRunner, model) -> tuple[list, object] | None:
+    """The quantized layers a step's kernel calls, as the fused layer holds them (q/k/v and
+    gate/up stacked), and the head; None where a layer has no fused op or a layer is not
+    quantized (the float32 kernel is another measurement)."""
+    linears = []
+    for i in range(len(runner.family.layers)):
+        layer = runner.fused_layer_of(i)
+        if layer is None:
+            return None
+        spec = layer.spec
+        linears += [spec.qkv, spec.o, spec.gate_up, spec.down]
+    head = model_layers(model)[-1]
+    if any(not lin.bits for lin in linears) or getattr(head, "bits", 0) == 0:
+        return None
+    return linears, head
+
+
+def layer_bytes(layers) -> int:
+    return sum(a.nbytes for lin in layers for a in (lin.weight, lin.scales, lin.biases))
+
+
+def kernel_alone(layers: tuple[list, object], rows: int, rounds: int) -> dict[str, float]:
+    """ms of the linear layers and of the head through the quantized kernel on its own (every
+    linear layer, then the head, each round; medians of `rounds`)."""
+    linears, head = layers
+    every = [*linears, head]
+    _, time_quantized_linears = native.kernel_timing()
+    times = time_quantized_linears(
+        [lin.weight for lin in every], [lin.scales for lin in every],
+        [lin.biases for lin in every], [lin.bits for lin in every],
+        [lin.group_size for lin in every], rows=rows, rounds=rounds + 1)[1:]  # 1st: warm-up
+    return {"linear layers, kernel alone": statistics.median(sum(t[:-1]) for t in times) * 1e3,
+            "head, kernel alone": statistics.median(t[-1] for t in times) * 1e3}
 
 
 def engine_steps(weights: str, rows: list[int], activations: str,
@@ -252,9 +275,12 @@ def main() -> int:
             print(f"{n} rows: median step {ms:.2f} ms over {args.steps} steps")
         return 0
     table = {}
+    kernels = kernel_layers(runner, loaded.model) if native.kernel_timing() else None
     for n in args.rows:
         print(f"# {n} rows...", file=sys.stderr, flush=True)
         table[n] = profile(runner, family, n, args.rounds)
+        if kernels:
+            table[n] |= kernel_alone(kernels, n, args.rounds)
     steps = engine_steps(args.weights, args.rows, args.activations)
     sched = {n: steps[False][n]["scheduling"] for n in args.rows}
     names = list(next(iter(table.values())))
@@ -287,15 +313,21 @@ def main() -> int:
          for n in args.rows}, "{:.0%}")
     row("async scheduling / built after (step time)",
         {n: steps[False][n]["step"] / steps[True][n]["step"] for n in args.rows}, "{:.2f}x")
-    if 1 in table:
-        mb = weight_bytes(loaded.model) / 1e6
-        lin = table[1]["linear layers, alone op by op"] + table[1]["head, alone op by op"]
-        read = mb / lin  # MB per ms = GB/s
-        copy = copy_bandwidth()
-        lines += ["", f"At 1 row the linear layers and the head read {mb:.0f} MB of weights in "
-                  f"{lin:.1f} ms: {read:.1f} GB/s, "
-                  f"{read / copy:.0%} of this machine's memory-copy bandwidth ({copy:.1f} GB/s "
-                  "read + written by one thread's numpy copy of 512 MB)."]
+    if 1 in table and kernels:
+        read_bandwidth, _ = native.kernel_timing()
+        memory = read_bandwidth(READ_BYTES, 5)
+        linears, head = kernels
+
+        def read(mb: float, ms: float) -> str:  # MB per ms is GB/s
+            return f"{mb:.0f} MB in {ms:.2f} ms ({mb / ms:.1f} GB/s, {mb / ms / memory:.0%})"
+
+        lines += ["", "At 1 row the quantized kernel alone reads the linear layers' "
+                  f"{read(layer_bytes(linears) / 1e6, table[1]['linear layers, kernel alone'])}"
+                  " and the head's "
+                  f"{read(layer_bytes([head]) / 1e6, table[1]['head, kernel alone'])}; the "
+                  f"percentages are of the {memory:.1f} GB/s the same {native.threads()} native "
+                  f"threads read from memory in this run (the best of 5 reads of a "
+                  f"{READ_BYTES // 2**20} MB buffer)."]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

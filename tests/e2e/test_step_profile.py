@@ -1,0 +1,43 @@
+"""benchmarks/step_profile.py's kernel-alone measurement: it times the layers the fused
+decoder layer calls (q/k/v and gate/up stacked) and the head, and refuses a model whose
+layers the quantized kernel does not take."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from native_ops import native_op, runner_for
+
+from engine.testing import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import step_profile  # noqa: E402
+
+
+def test_the_kernel_alone_times_the_fused_layers_stacked_linears_and_the_head():
+    native_op("decoder_layers")
+    loaded = tiny_model()
+    runner = runner_for(loaded.model)
+    linears, head = step_profile.kernel_layers(runner, loaded.model)
+    blocks = loaded.model.model.layers
+    assert len(linears) == 4 * len(blocks)
+    attention, mlp = blocks[0].self_attn, blocks[0].mlp
+    outputs = [lin.weight.shape[0] for lin in linears[:4]]
+    assert outputs == [attention.q_proj.weight.shape[0] + 2 * attention.k_proj.weight.shape[0],
+                       attention.o_proj.weight.shape[0], 2 * mlp.gate_proj.weight.shape[0],
+                       mlp.down_proj.weight.shape[0]]
+    assert head.weight.shape[0] == loaded.config["vocab_size"]
+    every = [*linears, head]
+    assert step_profile.layer_bytes(every) == sum(
+        a.nbytes for lin in every for a in (lin.weight, lin.scales, lin.biases))
+    times = step_profile.kernel_alone((linears, head), rows=2, rounds=2)
+    assert set(times) == {"linear layers, kernel alone", "head, kernel alone"}
+    assert all(ms > 0 for ms in times.values())
+
+
+def test_a_float32_model_has_no_quantized_layers_to_time():
+    native_op("decoder_layers")
+    loaded = tiny_model(quantize=False)
+    assert step_profile.kernel_layers(runner_for(loaded.model), loaded.model) is None
