@@ -47,6 +47,14 @@ struct Problem {
 // step, and the next tile's loads then overlap this one's arithmetic.
 constexpr int PREFETCH_ROWS = 6;
 
+// 8-bit weights in a step of one or two rows are also prefetched into L2 this many tiles
+// ahead, where the range goes on that far: a one-row step's 8-bit head took ~15% less time
+// with it (its 32 MB read in ~1.3 ms against ~1.55; all-8-bit layers ~4% less); 4-bit layers
+// and steps of 4 rows or more took longer (a C++ harness timing quantized_linear_rows on the
+// embedded model's shapes, as benchmarks/step_profile.py's kernel-alone rows do). A prefetch
+// changes no arithmetic: the same bits.
+constexpr int FAR_TILES = 12;
+
 inline size_t row_words(const Problem& p) {
   return static_cast<size_t>(p.K) * p.bits / 32;
 }
@@ -170,9 +178,9 @@ struct Avx2 {
   }
 
   // As Avx512::fused: each 16 k's weights dequantized in registers as one VecAvx2 (lanes 0-7,
-  // 8-15), fed to the rows in dot's order.
+  // 8-15), fed to the rows in dot's order. No far prefetch (not measured on an AVX2 CPU).
   template <int BITS, int mr, int nr>
-  static void fused(const Problem& p, int n0) {
+  static void fused(const Problem& p, int n0, bool /*far*/) {
     VecAvx2 acc[mr][nr];
     for (int i = 0; i < mr; ++i)
       for (int j = 0; j < nr; ++j) acc[i][j] = VecAvx2::zero();
@@ -293,7 +301,7 @@ struct Avx512 {
   // multiplied with every row at once, with no buffer (the same fmas in the same order as
   // dequant + dot, so the same bits).
   template <int BITS, int mr, int nr>
-  static void fused(const Problem& p, int n0) {
+  static void fused(const Problem& p, int n0, bool far) {
     VecAvx512 acc[mr][nr];
     for (int i = 0; i < mr; ++i)
       for (int j = 0; j < nr; ++j) acc[i][j] = VecAvx512::zero();
@@ -335,6 +343,9 @@ struct Avx512 {
         for (int j = 0; j < nr; ++j) {
           const uint32_t* q = w0 + j * rw + word;
           __builtin_prefetch(q + 2 * nr * rw);  // two tiles ahead
+          if constexpr (BITS == 8 && mr <= 2) {
+            if (far) __builtin_prefetch(q + FAR_TILES * nr * rw, 0, 2);  // into L2
+          }
           const __m512i v =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
           if constexpr (BITS == 4) {
@@ -374,12 +385,13 @@ struct Avx512 {
 };
 #endif  // BATCHSCOPE_HAS_AVX512
 
+// far: the range goes on FAR_TILES tiles past this one (Avx512's far prefetch).
 template <class Kern, int R, int nr>
-void fused_tile(const Problem& p, int n0) {
+void fused_tile(const Problem& p, int n0, bool far) {
   if (p.bits == 4) {
-    Kern::template fused<4, R, nr>(p, n0);
+    Kern::template fused<4, R, nr>(p, n0, far);
   } else {
-    Kern::template fused<8, R, nr>(p, n0);
+    Kern::template fused<8, R, nr>(p, n0, far);
   }
 }
 
@@ -409,9 +421,9 @@ void fused_rows(const Problem& p, int n_begin, int n_end) {
   int n = n_begin;
   for (; n + nr <= n_end; n += nr) {
     if (n + 2 * nr < n_end) prefetch_scales(p, n + 2 * nr, std::min(nr, n_end - n - 2 * nr));
-    fused_tile<Kern, R, nr>(p, n);
+    fused_tile<Kern, R, nr>(p, n, n + (FAR_TILES + 1) * nr <= n_end);
   }
-  for (; n < n_end; ++n) fused_tile<Kern, R, 1>(p, n);
+  for (; n < n_end; ++n) fused_tile<Kern, R, 1>(p, n, false);
 }
 
 // Outputs [n_begin, n_end) of a step of at most FUSED_MR rows.
