@@ -23,8 +23,13 @@ layers, the head and sampling, as benchmarks/step_profile.py --steps runs them),
     .venv/bin/python benchmarks/build_ab.py --base REV --measure step [--rows 1 2 4 8]
         [--context 100]
 
-Writes benchmarks/results/build_ab.{md,json} (build_ab_step.{md,json} with --measure step)
-unless --out says otherwise.
+--measure kernel times the quantized kernel alone, for a change to it that a whole step is
+still too noisy to show: the linear layers and then the head through quantized_linear_rows,
+as the fused layer calls it (benchmarks/step_profile.py's kernel-alone rows); each process
+takes the median of KERNEL_PASSES passes. Both revisions need engine.native.kernel_timing().
+
+Writes benchmarks/results/build_ab.{md,json} (build_ab_step or build_ab_kernel with --measure
+step or kernel) unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RATES = ("prefill_tps", "decode_tps")
 STEPS = 300  # decode steps per process and row count (--measure step)
+KERNEL_PASSES = 100  # passes over the layers per process and row count (--measure kernel)
+KERNEL_PARTS = {"linears_ms": "linear layers, kernel alone", "head_ms": "head, kernel alone"}
 
 
 def child(weights: str, concurrency: list[int], max_tokens: int) -> dict:
@@ -79,6 +86,25 @@ def child_step(weights: str, rows: list[int], context: int) -> dict:
     runner = decode_runner(loaded, max(512, blocks_for(max(rows), context)))
     return {"engine_file": engine.__file__, "weights": loaded.weights,
             "rows": {str(r): {"ms": steady_steps(runner, r, STEPS, context)} for r in rows}}
+
+
+def child_kernel(weights: str, rows: list[int]) -> dict:
+    """Runs inside one build's process: the quantized kernel alone, ms per row count."""
+    # isort: off
+    import engine  # noqa: F401  (binds MLX to the optimized BLAS before mlx is imported)
+    # isort: on
+    from step_profile import decode_runner, kernel_alone, kernel_layers
+
+    from engine.model_loader import load_model
+
+    loaded = load_model("embedded", weights)
+    layers = kernel_layers(decode_runner(loaded), loaded.model)
+    if layers is None:
+        raise SystemExit(f"weights {loaded.weights}: no quantized layers for the kernel")
+    times = {r: kernel_alone(layers, r, KERNEL_PASSES) for r in rows}
+    return {"engine_file": engine.__file__, "weights": loaded.weights,
+            "rows": {str(r): {key: times[r][part] for key, part in KERNEL_PARTS.items()}
+                     for r in rows}}
 
 
 def run_build(tree: Path, args) -> dict:
@@ -128,16 +154,34 @@ def summarize(rounds: list[dict], concurrency: list[int]) -> list[dict]:
     return rows
 
 
-def summarize_step(rounds: list[dict], rows: list[int]) -> list[dict]:
+def summarize_step(rounds: list[dict], rows: list[int], key: str = "ms") -> list[dict]:
     out = []
     for r in rows:
-        base = [x["base"]["rows"][str(r)]["ms"] for x in rounds]
-        head = [x["head"]["rows"][str(r)]["ms"] for x in rounds]
+        base = [x["base"]["rows"][str(r)][key] for x in rounds]
+        head = [x["head"]["rows"][str(r)][key] for x in rounds]
         ratios = [b / h for b, h in zip(base, head, strict=True)]
         out.append({"rows": r, "base_ms": statistics.median(base),
                     "head_ms": statistics.median(head), "ratio": statistics.median(ratios),
                     "min": min(ratios), "max": max(ratios)})
     return out
+
+
+def render_kernel(parts: dict[str, list[dict]], args, head_rev: str) -> str:
+    lines = [f"The quantized kernel alone on the embedded model (weights {args.weights}), as the "
+             f"fused layer calls it: the linear layers, then the head; base {args.base} against "
+             f"the working tree (at {head_rev}): ms, each process the median of "
+             f"{KERNEL_PASSES} passes, medians of {args.rounds} interleaved rounds, each build "
+             "in a fresh process. Ratio: base / working tree (above 1: the working tree is "
+             "faster), median of the rounds' ratios (lowest-highest).",
+             "",
+             "| rows | linears: base ms | working tree ms | ratio "
+             "| head: base ms | working tree ms | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for lin, head in zip(parts["linears_ms"], parts["head_ms"], strict=True):
+        lines.append(f"| {lin['rows']} | " + " | ".join(
+            f"{p['base_ms']:.2f} | {p['head_ms']:.2f} | "
+            f"{p['ratio']:.2f}x ({p['min']:.2f}-{p['max']:.2f})" for p in (lin, head)) + " |")
+    return "\n".join(lines)
 
 
 def render_step(rows: list[dict], args, head_rev: str) -> str:
@@ -181,10 +225,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--measure", choices=("engine", "step"), default="engine",
-                    help="engine: prefill and decode tok/s; step: a decode step alone")
+    ap.add_argument("--measure", choices=("engine", "step", "kernel"), default="engine",
+                    help="engine: prefill and decode tok/s; step: a decode step alone; "
+                    "kernel: the quantized kernel alone")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8],
-                    help="--measure step: the row counts to time")
+                    help="--measure step or kernel: the row counts to time")
     ap.add_argument("--context", type=int, default=100,
                     help="--measure step: each decode row's context (default 100)")
     ap.add_argument("--out", default=None,
@@ -193,12 +238,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         result = (child_step(args.weights, args.rows, args.context) if args.measure == "step"
+                  else child_kernel(args.weights, args.rows) if args.measure == "kernel"
                   else child(args.weights, args.concurrency, args.max_tokens))
         print(json.dumps(result))
         return
     if args.out is None:
-        args.out = str(HERE / "results" / ("build_ab_step" if args.measure == "step"
-                                           else "build_ab"))
+        args.out = str(HERE / "results" / {"step": "build_ab_step", "kernel": "build_ab_kernel",
+                                           "engine": "build_ab"}[args.measure])
     if not args.base:
         ap.error("--base is required")
     head_rev, base_rev = short_rev("HEAD"), short_rev(args.base)
@@ -224,7 +270,13 @@ def main() -> None:
     if base_rev != args.base:  # a name (HEAD~1, a branch): the table says which commit it was
         args.base = f"{args.base} ({base_rev})"
     out = Path(args.out)
-    if args.measure == "step":
+    if args.measure == "kernel":
+        parts = {key: summarize_step(rounds, args.rows, key) for key in KERNEL_PARTS}
+        table = render_kernel(parts, args, head_rev)
+        record = {"base": args.base, "head": head_rev, "weights": args.weights,
+                  "measure": "kernel", "passes": KERNEL_PASSES, "parts": parts,
+                  "rounds": rounds}
+    elif args.measure == "step":
         rows = summarize_step(rounds, args.rows)
         table = render_step(rows, args, head_rev)
         record = {"base": args.base, "head": head_rev, "weights": args.weights,

@@ -37,3 +37,20 @@ def test_step_ratios_are_base_over_head_medians_of_the_rounds():
     assert "context of 300 tokens), base abc123 against the working tree (at def456)" in table
     assert "| 1 | 10.00 | 9.00 | 1.20x (1.00-1.25) |" in table
     assert "| 8 | 21.00 | 20.00 | 1.00x (0.70-1.20) |" in table
+
+
+def test_kernel_rows_give_the_linears_and_the_head_each_their_ratio():
+    def part(linears, head):
+        return {str(r): {"linears_ms": linears[r], "head_ms": head[r]} for r in linears}
+
+    rounds = [{"base": {"rows": part({1: 4.0}, {1: 1.5})},
+               "head": {"rows": part({1: 4.0}, {1: 1.2})}},   # 1.00x, 1.25x
+              {"base": {"rows": part({1: 3.6}, {1: 1.4})},
+               "head": {"rows": part({1: 4.0}, {1: 1.4})}}]   # 0.90x, 1.00x
+    parts = {key: build_ab.summarize_step(rounds, [1], key) for key in build_ab.KERNEL_PARTS}
+    assert parts["linears_ms"][0]["ratio"] == pytest.approx(0.95)
+    assert parts["head_ms"][0]["ratio"] == pytest.approx(1.125)
+    args = Namespace(base="abc123", weights="q4", rounds=2)
+    table = build_ab.render_kernel(parts, args, "def456")
+    assert "base abc123 against the working tree (at def456)" in table
+    assert "| 1 | 3.80 | 4.00 | 0.95x (0.90-1.00) | 1.45 | 1.30 | 1.12x (1.00-1.25) |" in table
