@@ -48,11 +48,10 @@ struct Problem {
 constexpr int PREFETCH_ROWS = 6;
 
 // 8-bit weights in a step of one or two rows are also prefetched into L2 this many tiles
-// ahead, where the range goes on that far: a one-row step's 8-bit head took ~15% less time
-// with it (its 32 MB read in ~1.3 ms against ~1.55; all-8-bit layers ~4% less); 4-bit layers
-// and steps of 4 rows or more took longer (a C++ harness timing quantized_linear_rows on the
-// embedded model's shapes, as benchmarks/step_profile.py's kernel-alone rows do). A prefetch
-// changes no arithmetic: the same bits.
+// ahead, where the range goes on that far: the embedded model's 8-bit head, read last in a
+// step, 1.17x at one row and 1.09x at two (benchmarks/build_ab.py --measure kernel,
+// results/build_ab_kernel_far_prefetch.md); 4-bit layers and steps of 4 rows or more were
+// slower with it when tried. A prefetch changes no arithmetic: the same bits.
 constexpr int FAR_TILES = 12;
 
 inline size_t row_words(const Problem& p) {
