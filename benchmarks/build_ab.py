@@ -49,7 +49,7 @@ ROOT = HERE.parent
 RATES = ("prefill_tps", "decode_tps")
 STEPS = 300  # decode steps per process and row count (--measure step)
 KERNEL_PASSES = 100  # passes over the layers per process and row count (--measure kernel)
-KERNEL_PARTS = {"linears_ms": "linear layers, kernel alone", "head_ms": "head, kernel alone"}
+KERNEL_KEYS = ("linears_ms", "head_ms")  # child_kernel's per row count
 
 
 def child(weights: str, concurrency: list[int], max_tokens: int) -> dict:
@@ -93,7 +93,7 @@ def child_kernel(weights: str, rows: list[int]) -> dict:
     # isort: off
     import engine  # noqa: F401  (binds MLX to the optimized BLAS before mlx is imported)
     # isort: on
-    from step_profile import decode_runner, kernel_alone, kernel_layers
+    from step_profile import HEAD_ALONE, LINEARS_ALONE, decode_runner, kernel_alone, kernel_layers
 
     from engine.model_loader import load_model
 
@@ -103,8 +103,8 @@ def child_kernel(weights: str, rows: list[int]) -> dict:
         raise SystemExit(f"weights {loaded.weights}: no quantized layers for the kernel")
     times = {r: kernel_alone(layers, r, KERNEL_PASSES) for r in rows}
     return {"engine_file": engine.__file__, "weights": loaded.weights,
-            "rows": {str(r): {key: times[r][part] for key, part in KERNEL_PARTS.items()}
-                     for r in rows}}
+            "rows": {str(r): {"linears_ms": times[r][LINEARS_ALONE],
+                              "head_ms": times[r][HEAD_ALONE]} for r in rows}}
 
 
 def run_build(tree: Path, args) -> dict:
@@ -271,7 +271,7 @@ def main() -> None:
         args.base = f"{args.base} ({base_rev})"
     out = Path(args.out)
     if args.measure == "kernel":
-        parts = {key: summarize_step(rounds, args.rows, key) for key in KERNEL_PARTS}
+        parts = {key: summarize_step(rounds, args.rows, key) for key in KERNEL_KEYS}
         table = render_kernel(parts, args, head_rev)
         record = {"base": args.base, "head": head_rev, "weights": args.weights,
                   "measure": "kernel", "passes": KERNEL_PASSES, "parts": parts,

@@ -185,6 +185,7 @@ def steady_steps(runner: ModelRunner, rows: int, steps: int, context: int = CONT
 
 
 READ_BYTES = 512 * 2**20  # the memory-read measurement's buffer: far more than any cache
+LINEARS_ALONE, HEAD_ALONE = "linear layers, kernel alone", "head, kernel alone"  # table rows
 
 
 def kernel_layers(runner: ModelRunner, model) -> tuple[list, object] | None:
@@ -210,16 +211,18 @@ def layer_bytes(layers) -> int:
 
 def kernel_alone(layers: tuple[list, object], rows: int, rounds: int) -> dict[str, float]:
     """ms of the linear layers and of the head through the quantized kernel on its own (every
-    linear layer, then the head, each round; medians of `rounds`)."""
+    linear layer, then the head, each round; medians of `rounds`), with the activations the
+    step's layers take (--activations int8: the kernel's int8 option, head included)."""
     linears, head = layers
     every = [*linears, head]
     _, time_quantized_linears = native.kernel_timing()
     times = time_quantized_linears(
         [lin.weight for lin in every], [lin.scales for lin in every],
         [lin.biases for lin in every], [lin.bits for lin in every],
-        [lin.group_size for lin in every], rows=rows, rounds=rounds + 1)[1:]  # 1st: warm-up
-    return {"linear layers, kernel alone": statistics.median(sum(t[:-1]) for t in times) * 1e3,
-            "head, kernel alone": statistics.median(t[-1] for t in times) * 1e3}
+        [lin.group_size for lin in every], rows=rows, rounds=rounds + 1,
+        int8_activations=linears[0].int8_activations)[1:]  # the first round: a warm-up
+    return {LINEARS_ALONE: statistics.median(sum(t[:-1]) for t in times) * 1e3,
+            HEAD_ALONE: statistics.median(t[-1] for t in times) * 1e3}
 
 
 def engine_steps(weights: str, rows: list[int], activations: str,
@@ -322,9 +325,8 @@ def main() -> int:
             return f"{mb:.0f} MB in {ms:.2f} ms ({mb / ms:.1f} GB/s, {mb / ms / memory:.0%})"
 
         lines += ["", "At 1 row the quantized kernel alone reads the linear layers' "
-                  f"{read(layer_bytes(linears) / 1e6, table[1]['linear layers, kernel alone'])}"
-                  " and the head's "
-                  f"{read(layer_bytes([head]) / 1e6, table[1]['head, kernel alone'])}; the "
+                  f"{read(layer_bytes(linears) / 1e6, table[1][LINEARS_ALONE])} and the head's "
+                  f"{read(layer_bytes([head]) / 1e6, table[1][HEAD_ALONE])}; the "
                   f"percentages are of the {memory:.1f} GB/s the same {native.threads()} native "
                   f"threads read from memory in this run (the best of 5 reads of a "
                   f"{READ_BYTES // 2**20} MB buffer)."]

@@ -163,8 +163,10 @@ NB_MODULE(_kernels, m) {
         "(benchmarks/step_profile.py's memory ceiling).");
   m.def("time_quantized_linears", &batchscope::time_quantized_linears, "ws"_a, "scales"_a,
         "biases"_a, "bits"_a, "group_sizes"_a, nb::kw_only(), "rows"_a = 1, "rounds"_a = 5,
+        "int8_activations"_a = false,
         "`rows` rows through every quantized layer in turn, `rounds` times, as the fused "
-        "decoder layer calls the kernel (no MLX dispatch): per round, each layer's seconds.");
+        "decoder layer calls the kernel (no MLX dispatch; int8_activations: its option): per "
+        "round, each layer's seconds.");
   m.def("native_threads", &batchscope::parallel_threads,
         "Threads the native ops' worker pool uses (the caller included).");
 }

@@ -24,17 +24,15 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// The sum of [p, p + bytes) as 32-bit integers (bytes a multiple of 64): something the
-// compiler cannot drop, from one load per 64 bytes.
+// The sum of [p, p + bytes) as 32-bit integers (bytes whole pages): something the compiler
+// cannot drop, from one load per 64 bytes.
 uint32_t sum_words(const uint8_t* p, size_t bytes) {
 #if BATCHSCOPE_HAS_AVX512
   __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-  size_t i = 0;
-  for (; i + 128 <= bytes; i += 128) {
+  for (size_t i = 0; i < bytes; i += 128) {
     a = _mm512_add_epi32(a, _mm512_load_si512(p + i));
     b = _mm512_add_epi32(b, _mm512_load_si512(p + i + 64));
   }
-  if (i < bytes) a = _mm512_add_epi32(a, _mm512_load_si512(p + i));
   return static_cast<uint32_t>(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
 #else
   uint32_t s = 0;
@@ -76,13 +74,14 @@ std::vector<std::vector<double>> time_quantized_linears(const std::vector<mx::ar
                                                         const std::vector<mx::array>& biases,
                                                         const std::vector<int>& bits,
                                                         const std::vector<int>& group_sizes,
-                                                        int rows, int rounds) {
+                                                        int rows, int rounds,
+                                                        bool int8_activations) {
   const size_t n = ws.size();
   check(n > 0, "no layers");
   check(scales.size() == n && biases.size() == n && bits.size() == n && group_sizes.size() == n,
         "ws, scales, biases, bits and group_sizes must have one entry per layer");
   check(rows >= 1 && rounds >= 1, "rows and rounds must be at least 1");
-  int max_in = 0, max_out = 0;
+  std::vector<int> ins(n), outs(n);
   for (size_t i = 0; i < n; ++i) {
     const std::string layer = "layer " + std::to_string(i) + ": ";
     check(ws[i].is_available() && scales[i].is_available() && biases[i].is_available(),
@@ -92,8 +91,8 @@ std::vector<std::vector<double>> time_quantized_linears(const std::vector<mx::ar
           layer + "group_size must be 32, 64 or 128");
     check(ws[i].dtype() == mx::uint32 && ws[i].ndim() == 2 && ws[i].flags().row_contiguous,
           layer + "w must be a row-contiguous 2-d uint32 array");
-    const int in = static_cast<int>(ws[i].shape(1)) * 32 / bits[i];
-    const int out = static_cast<int>(ws[i].shape(0));
+    const int in = ins[i] = static_cast<int>(ws[i].shape(1)) * 32 / bits[i];
+    const int out = outs[i] = static_cast<int>(ws[i].shape(0));
     for (const mx::array* a : {&scales[i], &biases[i]}) {
       check(a->ndim() == 2 && a->shape(0) == out && a->shape(1) == in / group_sizes[i] &&
                 a->flags().row_contiguous,
@@ -103,20 +102,18 @@ std::vector<std::vector<double>> time_quantized_linears(const std::vector<mx::ar
             layer + "scales and biases must be float16, bfloat16 or float32");
     }
     check(biases[i].dtype() == scales[i].dtype(), layer + "biases must have the scales' dtype");
-    max_in = std::max(max_in, in);
-    max_out = std::max(max_out, out);
   }
-  const std::vector<float> x(static_cast<size_t>(rows) * max_in, 1.0f);
-  std::vector<float> y(static_cast<size_t>(rows) * max_out);
+  const size_t max_in = *std::max_element(ins.begin(), ins.end());
+  const size_t max_out = *std::max_element(outs.begin(), outs.end());
+  const std::vector<float> x(rows * max_in, 1.0f);
+  std::vector<float> y(rows * max_out);
   std::vector<std::vector<double>> times(rounds, std::vector<double>(n));
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < n; ++i) {
       const auto t0 = Clock::now();
-      quantized_linear_rows(x.data(), rows, static_cast<int>(ws[i].shape(1)) * 32 / bits[i],
-                            ws[i].data<uint32_t>(), scales[i].data<void>(),
-                            biases[i].data<void>(), scales[i].dtype(),
-                            static_cast<int>(ws[i].shape(0)), group_sizes[i], bits[i],
-                            y.data());
+      quantized_linear_rows(x.data(), rows, ins[i], ws[i].data<uint32_t>(),
+                            scales[i].data<void>(), biases[i].data<void>(), scales[i].dtype(),
+                            outs[i], group_sizes[i], bits[i], y.data(), int8_activations);
       times[r][i] = seconds_since(t0);
     }
   }

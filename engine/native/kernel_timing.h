@@ -18,14 +18,15 @@ namespace mx = mlx::core;
 double read_bandwidth(size_t bytes, int rounds);
 
 // `rows` float32 rows (ones) through every layer in turn, `rounds` times, as
-// quantized_linear_rows (the fused layer's call) computes them: per round, each layer's
-// seconds. Layer i:
+// quantized_linear_rows (the fused layer's call) computes them, with its int8-activation
+// option where asked: per round, each layer's seconds. Layer i:
 // ws[i] (out, in * bits[i] / 32) uint32, scales[i] and biases[i] (out, in / group_sizes[i]).
 std::vector<std::vector<double>> time_quantized_linears(const std::vector<mx::array>& ws,
                                                         const std::vector<mx::array>& scales,
                                                         const std::vector<mx::array>& biases,
                                                         const std::vector<int>& bits,
                                                         const std::vector<int>& group_sizes,
-                                                        int rows, int rounds);
+                                                        int rows, int rounds,
+                                                        bool int8_activations);
 
 }  // namespace batchscope

@@ -47,7 +47,7 @@ def test_kernel_rows_give_the_linears_and_the_head_each_their_ratio():
                "head": {"rows": part({1: 4.0}, {1: 1.2})}},   # 1.00x, 1.25x
               {"base": {"rows": part({1: 3.6}, {1: 1.4})},
                "head": {"rows": part({1: 4.0}, {1: 1.4})}}]   # 0.90x, 1.00x
-    parts = {key: build_ab.summarize_step(rounds, [1], key) for key in build_ab.KERNEL_PARTS}
+    parts = {key: build_ab.summarize_step(rounds, [1], key) for key in build_ab.KERNEL_KEYS}
     assert parts["linears_ms"][0]["ratio"] == pytest.approx(0.95)
     assert parts["head_ms"][0]["ratio"] == pytest.approx(1.125)
     args = Namespace(base="abc123", weights="q4", rounds=2)

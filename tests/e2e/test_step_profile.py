@@ -41,3 +41,25 @@ def test_a_float32_model_has_no_quantized_layers_to_time():
     native_op("decoder_layers")
     loaded = tiny_model(quantize=False)
     assert step_profile.kernel_layers(runner_for(loaded.model), loaded.model) is None
+
+
+def test_with_int8_activations_the_kernel_alone_times_the_int8_option(monkeypatch):
+    native_op("decoder_layers")
+    from engine import native
+
+    loaded = tiny_model()
+    runner = step_profile.decode_runner(loaded, 64, activations="int8")
+    layers = step_profile.kernel_layers(runner, loaded.model)
+    read_bandwidth, time_quantized_linears = native.kernel_timing()
+    asked = []
+
+    def recorded(*args, **kwargs):
+        asked.append(kwargs["int8_activations"])
+        return time_quantized_linears(*args, **kwargs)
+
+    monkeypatch.setattr(native, "kernel_timing", lambda: (read_bandwidth, recorded))
+    step_profile.kernel_alone(layers, rows=1, rounds=1)
+    assert asked == [True]
+    step_profile.kernel_alone(step_profile.kernel_layers(runner_for(loaded.model), loaded.model),
+                              rows=1, rounds=1)
+    assert asked == [True, False]

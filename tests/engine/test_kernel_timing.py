@@ -43,6 +43,10 @@ def test_each_round_times_each_layer_in_turn():
                                    rounds=4)
     assert len(times) == 4
     assert all(len(t) == 2 and all(math.isfinite(x) and x > 0 for x in t) for t in times)
+    int8 = time_quantized_linears([w for w, _, _ in layers], [s for _, s, _ in layers],
+                                  [b for _, _, b in layers], [4, 8], [32, 64], rows=3,
+                                  rounds=2, int8_activations=True)
+    assert len(int8) == 2 and all(len(t) == 2 and min(t) > 0 for t in int8)
 
 
 def test_refuses_layers_it_cannot_time():
