@@ -50,8 +50,9 @@ constexpr int PREFETCH_ROWS = 6;
 // 8-bit weights in a step of one or two rows are also prefetched into L2 this many tiles
 // ahead, where the range goes on that far: the embedded model's 8-bit head, read last in a
 // step, 1.17x at one row and 1.09x at two (benchmarks/build_ab.py --measure kernel,
-// results/build_ab_kernel_far_prefetch.md); 4-bit layers and steps of 4 rows or more were
-// slower with it when tried. A prefetch changes no arithmetic: the same bits.
+// results/build_ab_kernel_far_prefetch.md). 4-bit layers and steps of 4 rows or more keep the
+// one prefetch: the far one is measured only where it applies. A prefetch changes no
+// arithmetic: the same bits.
 constexpr int FAR_TILES = 12;
 
 inline size_t row_words(const Problem& p) {
