@@ -178,8 +178,9 @@ struct Avx2 {
   }
 
   // As Avx512::fused: each 16 k's weights dequantized in registers as one VecAvx2 (lanes 0-7,
-  // 8-15), fed to the rows in dot's order. No far prefetch (not measured on an AVX2 CPU).
-  template <int BITS, int mr, int nr>
+  // 8-15), fed to the rows in dot's order. No far prefetch (not measured on an AVX2 CPU);
+  // GS: as Avx512's.
+  template <int BITS, int mr, int nr, int GS = 0>
   static void fused(const Problem& p, int n0, bool /*far*/) {
     VecAvx2 acc[mr][nr];
     for (int i = 0; i < mr; ++i)
@@ -196,8 +197,9 @@ struct Avx2 {
         s[j] = _mm256_set1_ps(scale_at(p.scales, p.scale_type, at));
         b[j] = _mm256_set1_ps(scale_at(p.biases, p.scale_type, at));
       }
-      const int k0 = g * p.group_size;
-      for (int k = k0; k < k0 + p.group_size; k += step) {
+      const int group_size = GS ? GS : p.group_size;
+      const int k0 = g * group_size;
+      for (int k = k0; k < k0 + group_size; k += step) {
         const size_t word = static_cast<size_t>(k) * BITS / 32;
         for (int j = 0; j < nr; ++j) {
           const uint32_t* q = w0 + j * rw + word;
@@ -299,8 +301,9 @@ struct Avx512 {
 
   // A step of at most MR rows: each chunk of packed weights is dequantized in registers and
   // multiplied with every row at once, with no buffer (the same fmas in the same order as
-  // dequant + dot, so the same bits).
-  template <int BITS, int mr, int nr>
+  // dequant + dot, so the same bits). GS: the group size where the caller knows it at compile
+  // time (0: p.group_size), so that a group's few chunks unroll into straight code.
+  template <int BITS, int mr, int nr, int GS = 0>
   static void fused(const Problem& p, int n0, bool far) {
     VecAvx512 acc[mr][nr];
     for (int i = 0; i < mr; ++i)
@@ -323,15 +326,25 @@ struct Avx512 {
     const size_t at = static_cast<size_t>(n0) * groups;
     scales_to_float(p.scales, p.scale_type, at, nr * groups, sc);
     scales_to_float(p.biases, p.scale_type, at, nr * groups, bi);
+    // With float16 or bfloat16 scales (at most 11 significant bits) scale * q (q < 16) is
+    // exact in float32, so a multiply and then an add give the fma's bits for the table; each
+    // reads its scalar straight from memory, where the fma needed a broadcast instruction of
+    // its own (with the group size built in: results/build_ab_kernel_group_size.md).
+    const bool exact_products = p.scale_type != ScaleType::f32;
     for (int g = 0; g < groups; ++g) {
       __m512 s[nr], b[nr];
       for (int j = 0; j < nr; ++j) {
         s[j] = _mm512_set1_ps(sc[static_cast<size_t>(j) * groups + g]);
         b[j] = _mm512_set1_ps(bi[static_cast<size_t>(j) * groups + g]);
-        if constexpr (BITS == 4) s[j] = _mm512_fmadd_ps(nibbles, s[j], b[j]);  // the table
+        if constexpr (BITS == 4) {  // the table
+          s[j] = exact_products ? _mm512_add_ps(_mm512_mul_ps(nibbles, s[j]), b[j])
+                                : _mm512_fmadd_ps(nibbles, s[j], b[j]);
+        }
       }
-      const int k0 = g * p.group_size;
-      for (int k = k0; k < k0 + p.group_size; k += step) {
+      const int group_size = GS ? GS : p.group_size;
+      const int k0 = g * group_size;
+#pragma GCC unroll 4
+      for (int k = k0; k < k0 + group_size; k += step) {
         const size_t word = static_cast<size_t>(k) * BITS / 32;
         // Above one row, the tile's weights for these k's first, then each row's x loaded
         // once and used for every output: x loaded per output made one load per fma, which
@@ -385,10 +398,13 @@ struct Avx512 {
 };
 #endif  // BATCHSCOPE_HAS_AVX512
 
-// far: the range goes on FAR_TILES tiles past this one (Avx512's far prefetch).
+// far: the range goes on FAR_TILES tiles past this one (Avx512's far prefetch). 4-bit weights
+// in the usual group sizes take a kernel with the group size built in.
 template <class Kern, int R, int nr>
 void fused_tile(const Problem& p, int n0, bool far) {
   if (p.bits == 4) {
+    if (p.group_size == 32) return Kern::template fused<4, R, nr, 32>(p, n0, far);
+    if (p.group_size == 64) return Kern::template fused<4, R, nr, 64>(p, n0, far);
     Kern::template fused<4, R, nr>(p, n0, far);
   } else {
     Kern::template fused<8, R, nr>(p, n0, far);

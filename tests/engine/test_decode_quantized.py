@@ -120,7 +120,7 @@ def test_a_row_gets_the_same_bits_alone_and_with_any_company(rows, k, n, bits, g
 
 @pytest.mark.parametrize("isa", ISAS[1:])
 @pytest.mark.parametrize("bits,group_size,dtype", COMBOS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 10])  # no buffer: AVX2 <= 2 rows, AVX-512 <= 8
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 10])  # no buffer: AVX2 <= 2 rows, AVX-512 <= 8
 def test_every_instruction_set_gives_the_portable_bits(isa, bits, group_size, dtype, rows):
     op = kernel()
     w, s, b = quantized(77, 256, bits, group_size, dtype, seed=6)
