@@ -494,12 +494,32 @@ def spec_live() -> Iterator[Live]:
         yield Live(url, app, engine, http)
 
 
-def hold_when(engine: Engine, condition) -> tuple[threading.Event, threading.Event]:
-    """Block the engine before the step after the first record meeting `condition`, so the
-    pages show that record as the latest batch; returns (reached, gate)."""
+def arrivals(engine: Engine, n: int) -> threading.Event:
+    """Set once the engine has been handed n requests (its submit_many, wrapped on the
+    instance: `del engine.submit_many` restores it)."""
+    arrived, submitted, real = threading.Event(), [0], engine.submit_many
+
+    def submit_many(submissions, **kwargs):
+        handles = real(submissions, **kwargs)
+        submitted[0] += len(submissions)
+        if submitted[0] >= n:
+            arrived.set()
+        return handles
+
+    engine.submit_many = submit_many
+    return arrived
+
+
+def hold_when(engine: Engine, condition,
+              after: threading.Event) -> tuple[threading.Event, threading.Event]:
+    """Block the engine until `after` is set (every request of the test handed over, so that
+    they share steps however the threads sending them are scheduled), and again before the
+    step after the first record meeting `condition`, so the pages show that record as the
+    latest batch; returns (reached, gate)."""
     reached, gate = threading.Event(), threading.Event()
 
     def hold(plan: Any) -> None:
+        after.wait(TIMEOUT)
         latest = engine.steps.recent(1)
         if not reached.is_set() and latest and condition(latest[0]):
             reached.set()
@@ -512,7 +532,7 @@ def hold_when(engine: Engine, condition) -> tuple[threading.Event, threading.Eve
 def look(live: Live, condition, prompts: list[str]) -> tuple[BeautifulSoup, dict, StepRecord]:
     """The page and its JSON twin while the latest step meets `condition`."""
     engine = live.engine
-    reached, gate = hold_when(engine, condition)
+    reached, gate = hold_when(engine, condition, arrivals(engine, len(prompts)))
     worker = threading.Thread(target=complete, args=(live, prompts, 24),
                               kwargs={"temperature": 0})
     worker.start()
@@ -523,6 +543,7 @@ def look(live: Live, condition, prompts: list[str]) -> tuple[BeautifulSoup, dict
         latest = engine.steps.recent(1)[0]
     finally:
         engine.before_forward = None
+        del engine.submit_many
         gate.set()
         worker.join(TIMEOUT)
     return page, data, latest
