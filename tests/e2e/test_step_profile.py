@@ -1,6 +1,6 @@
 """benchmarks/step_profile.py's kernel-alone measurement: it times the layers the fused
 decoder layer calls (q/k/v and gate/up stacked) and the head, and refuses a model whose
-layers the quantized kernel does not take."""
+layers the quantized kernel does not take; its in-cache rate times one layer over and over."""
 
 from __future__ import annotations
 
@@ -63,3 +63,25 @@ def test_with_int8_activations_the_kernel_alone_times_the_int8_option(monkeypatc
     step_profile.kernel_alone(step_profile.kernel_layers(runner_for(loaded.model), loaded.model),
                               rows=1, rounds=1)
     assert asked == [True, False]
+
+
+def test_the_in_cache_rate_times_the_first_layer_once_per_linear_layer(monkeypatch):
+    native_op("decoder_layers")
+    from engine import native
+
+    loaded = tiny_model()
+    layers = step_profile.kernel_layers(runner_for(loaded.model), loaded.model)
+    linears = layers[0]
+    read_bandwidth, time_quantized_linears = native.kernel_timing()
+    asked = []
+
+    def recorded(ws, scales, biases, bits, group_sizes, **kwargs):
+        asked.append((ws, kwargs["rows"]))
+        return time_quantized_linears(ws, scales, biases, bits, group_sizes, **kwargs)
+
+    monkeypatch.setattr(native, "kernel_timing", lambda: (read_bandwidth, recorded))
+    rate = step_profile.kernel_in_cache(layers, rounds=2)
+    (ws, rows), = asked
+    assert rows == 1 and len(ws) == len(linears)
+    assert all(w is linears[0].weight for w in ws)
+    assert rate > 0
