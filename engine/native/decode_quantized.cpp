@@ -329,9 +329,9 @@ struct Avx512 {
     // With float16 scales (11 significant bits, at most 65504) scale * q (q < 16) is exact in
     // float32, so a multiply and then an add give the fma's bits for the table; each reads
     // its scalar straight from memory, where the fma needed a broadcast instruction of its own
-    // (with the group size built in: results/build_ab_kernel_group_size.md). Not for bfloat16
-    // or float32 scales: a product near float32's largest value could round or overflow where
-    // the fma's does not.
+    // (the linears 1.05x at 1-4 rows: results/build_ab_kernel_table_multiply.md). Not for
+    // bfloat16 or float32 scales: a product near float32's largest value could round or
+    // overflow where the fma's does not.
     const bool exact_products = p.scale_type == ScaleType::f16;
     for (int g = 0; g < groups; ++g) {
       __m512 s[nr], b[nr];
