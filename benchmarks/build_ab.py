@@ -49,7 +49,7 @@ ROOT = HERE.parent
 RATES = ("prefill_tps", "decode_tps")
 STEPS = 300  # decode steps per process and row count (--measure step)
 KERNEL_PASSES = 100  # passes over the layers per process and row count (--measure kernel)
-KERNEL_KEYS = ("linears_ms", "head_ms")  # child_kernel's per row count
+KERNEL_KEYS = ("linears_ms", "head_ms")  # child_kernel's per row count, in this order
 
 
 def child(weights: str, concurrency: list[int], max_tokens: int) -> dict:
@@ -102,9 +102,10 @@ def child_kernel(weights: str, rows: list[int]) -> dict:
     if layers is None:
         raise SystemExit(f"weights {loaded.weights}: no quantized layers for the kernel")
     times = {r: kernel_alone(layers, r, KERNEL_PASSES) for r in rows}
+    labels = dict(zip(KERNEL_KEYS, (LINEARS_ALONE, HEAD_ALONE), strict=True))
     return {"engine_file": engine.__file__, "weights": loaded.weights,
-            "rows": {str(r): {"linears_ms": times[r][LINEARS_ALONE],
-                              "head_ms": times[r][HEAD_ALONE]} for r in rows}}
+            "rows": {str(r): {key: times[r][label] for key, label in labels.items()}
+                     for r in rows}}
 
 
 def run_build(tree: Path, args) -> dict:

@@ -209,18 +209,23 @@ def layer_bytes(layers) -> int:
     return sum(a.nbytes for lin in layers for a in (lin.weight, lin.scales, lin.biases))
 
 
-def kernel_alone(layers: tuple[list, object], rows: int, rounds: int) -> dict[str, float]:
-    """ms of the linear layers and of the head through the quantized kernel on its own (every
-    linear layer, then the head, each round; medians of `rounds`), with the activations the
-    step's layers take (--activations int8: the kernel's int8 option, head included)."""
-    linears, head = layers
-    every = [*linears, head]
+def time_in_turn(every: list, rows: int, rounds: int) -> list[list[float]]:
+    """Seconds of each layer in `every` through the quantized kernel alone, called in turn,
+    per round (`rounds` of them after a warm-up round), with the activations the step's layers
+    take (--activations int8: the kernel's int8 option)."""
     _, time_quantized_linears = native.kernel_timing()
-    times = time_quantized_linears(
+    return time_quantized_linears(
         [lin.weight for lin in every], [lin.scales for lin in every],
         [lin.biases for lin in every], [lin.bits for lin in every],
         [lin.group_size for lin in every], rows=rows, rounds=rounds + 1,
-        int8_activations=linears[0].int8_activations)[1:]  # the first round: a warm-up
+        int8_activations=every[0].int8_activations)[1:]
+
+
+def kernel_alone(layers: tuple[list, object], rows: int, rounds: int) -> dict[str, float]:
+    """ms of the linear layers and of the head through the quantized kernel on its own (every
+    linear layer, then the head, each round; medians of `rounds`)."""
+    linears, head = layers
+    times = time_in_turn([*linears, head], rows, rounds)
     return {LINEARS_ALONE: statistics.median(sum(t[:-1]) for t in times) * 1e3,
             HEAD_ALONE: statistics.median(t[-1] for t in times) * 1e3}
 
@@ -231,13 +236,8 @@ def kernel_in_cache(layers: tuple[list, object], rounds: int) -> float:
     that stay in the cores' caches, so memory does not set this rate (the median of
     `rounds`)."""
     linears, _ = layers
-    first, n = linears[0], len(linears)
-    _, time_quantized_linears = native.kernel_timing()
-    times = time_quantized_linears(
-        [first.weight] * n, [first.scales] * n, [first.biases] * n, [first.bits] * n,
-        [first.group_size] * n, rows=1, rounds=rounds + 1,
-        int8_activations=first.int8_activations)[1:]  # the first round: a warm-up
-    return layer_bytes([first]) * n / statistics.median(sum(t) for t in times) / 1e9
+    times = time_in_turn([linears[0]] * len(linears), 1, rounds)
+    return layer_bytes(linears[:1]) * len(linears) / statistics.median(map(sum, times)) / 1e9
 
 
 def engine_steps(weights: str, rows: list[int], activations: str,
