@@ -21,10 +21,12 @@ per-round ratios (server / engine, TTFT as engine / server so that 1.00x is no o
 lower is worse) with their range.
 
     .venv/bin/python benchmarks/serve_overhead.py [--weights auto] [--max-tokens 128]
-        [--rounds 7] [--base REV]
+        [--rounds 7] [--base REV] [--compare-flags FLAGS]
 
 --base REV also serves revision REV (a temporary git worktree with its own native kernels, as
 benchmarks/build_ab.py builds it) beside the working tree, measured in the same rounds.
+--compare-flags FLAGS also serves the working tree with these `batchscope serve` flags added
+(one string, e.g. "--loop asyncio --http h11"), measured in the same rounds.
 Writes benchmarks/results/serve_overhead.{md,json} unless --out says otherwise.
 """
 
@@ -35,6 +37,7 @@ import contextlib
 import http.client
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -249,6 +252,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--base", help="also serve this git revision, side by side")
+    ap.add_argument("--compare-flags", metavar="FLAGS",
+                    help="also serve this tree with these serve flags added, side by side")
     ap.add_argument("--out", default=str(HERE / "results" / "serve_overhead"))
     args = ap.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -256,16 +261,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="serve-overhead-") as tmp, \
             contextlib.ExitStack() as stack:
         work = Path(tmp)
-        trees = {"serve (this tree)": ROOT}
+        # Each server side: the tree it serves from and the flags it adds.
+        trees = {"serve (this tree)": (ROOT, [])}
         if args.base:
             stack.callback(lambda: os.system(
                 f"git -C {ROOT} worktree remove --force {work / 'base'} >/dev/null 2>&1"))
-            trees[f"serve ({args.base})"] = base_tree(args.base, work)
+            trees[f"serve ({args.base})"] = (base_tree(args.base, work), [])
+        if args.compare_flags:
+            trees[f"serve ({args.compare_flags})"] = (ROOT, shlex.split(args.compare_flags))
         ports, pids = {}, {}
-        for name, tree in trees.items():
+        for name, (tree, flags) in trees.items():
             port = free_port()
             cmd = server_commands("batchscope", port, args.weights, work,
-                                  work / f"{len(ports)}.db")
+                                  work / f"{len(ports)}.db") + flags
             # The server imports its own build: `python -c` puts the working directory first
             # on sys.path, then PYTHONPATH (which peers.server_env passes on).
             os.environ["PYTHONPATH"] = str(tree)
@@ -302,7 +310,8 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
             "max_tokens": args.max_tokens, "prompt_tokens": prompt_tokens, "weights": weights,
             "backend": f"MLX {info['mlx_version']} on {info['backend']} "
-                    f"({info['machine']}, BLAS {blas_name(info.get('blas'))})", "base": args.base}
+                    f"({info['machine']}, BLAS {blas_name(info.get('blas'))})", "base": args.base,
+            "compare_flags": args.compare_flags}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "rounds": rounds}, indent=1) + "\n")
