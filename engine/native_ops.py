@@ -112,6 +112,9 @@ class NativeOps:
         # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
         # for all of a row's math.
         self.row_ops = _row_ops(row_kernels, self.fused_attention)
+        # A step's tokens through an affine-quantized embedding as one op (the same setting).
+        self.embedding_kernel = _native_op("row_kernels", row_kernels, self.fused_attention,
+                                           native.quantized_embedding)
         # Consecutive llama-style layers as one op where all of their parts take the native
         # ops above (native.decoder_layers).
         self.layer_kernel = _layer_kernel(row_kernels, self.fused_attention)
@@ -289,6 +292,19 @@ class NativeOps:
             w, scales, biases = _stack_rows(modules, ["weight", "scales", "biases"])
             return "q", (w, scales, biases, quantized[0][3], quantized[0][4])
         return None, ()
+
+    def embed(self, module, tokens: mx.array) -> mx.array:
+        """An embedding module on a step's tokens (rows,): (1, rows, dims). MLX's
+        affine-quantized embedding at 4 or 8 bits is one native op with its bits (MLX's CPU
+        dequantize builds ~40 ops for it: more to schedule each step than to compute); any
+        other embedding is the module's own call."""
+        found = (None if self.embedding_kernel is None
+                 else quantized_weight(module, nn.QuantizedEmbedding))
+        if found is None:
+            return module(tokens[None])
+        weight, scales, biases, group_size, bits = found
+        return self.embedding_kernel(weight, scales, biases, tokens, group_size=group_size,
+                                     bits=bits)[None]
 
     def norm(self, module, x: mx.array) -> mx.array:
         """An RMS norm module (mlx-lm's nn.RMSNorm) on x: the native op where it applies."""

@@ -119,6 +119,11 @@ class Step:
         """An RMS norm module (mlx-lm's nn.RMSNorm) on x: the native op where it applies."""
         return self.runner.norm(module, x)
 
+    def embed(self, module, tokens: mx.array) -> mx.array:
+        """An embedding module on the step's tokens (rows,): (1, rows, dims), the native op
+        where it applies (NativeOps.embed)."""
+        return self.runner.embed(module, tokens)
+
     def attend(self, i: int, q: mx.array, k: mx.array | None, v: mx.array | None,
                scale: float, sinks: mx.array | None = None) -> mx.array:
         """Layer i's attention: store the rows' keys and values (unless the layer reads

@@ -90,7 +90,7 @@ class Family:
         raise NotImplementedError
 
     def embed(self, step: Step, tokens: mx.array) -> mx.array:
-        return self.inner.embed_tokens(tokens[None])  # (1, rows, hidden)
+        return step.embed(self.inner.embed_tokens, tokens)  # (1, rows, hidden)
 
     def layer(self, step: Step, i: int, x: mx.array) -> mx.array:
         raise NotImplementedError

@@ -46,7 +46,7 @@ class Gemma3(Family):
         return self.sliding_window if self.layers[i].self_attn.is_sliding else None
 
     def embed(self, step, tokens):
-        h = self.inner.embed_tokens(tokens[None])
+        h = step.embed(self.inner.embed_tokens, tokens)
         return h * self.embed_scale.astype(h.dtype)
 
     def layer(self, step, i, x):

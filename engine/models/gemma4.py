@@ -90,13 +90,13 @@ class Gemma4(Family):
     # ---- the forward ---------------------------------------------------------------------
     def embed(self, step, tokens):
         inner = self.inner
-        h = inner.embed_tokens(tokens[None]) * inner.embed_scale
+        h = step.embed(inner.embed_tokens, tokens) * inner.embed_scale
         self._per_layer = None
         if inner.hidden_size_per_layer_input:
             # Gemma4TextModel._get_per_layer_inputs and _project_per_layer_inputs, from the
             # step's own tokens (every row's, so each row's inputs are its token's).
             shape = (len(self.layers), inner.hidden_size_per_layer_input)
-            given = inner.embed_tokens_per_layer(tokens[None])
+            given = step.embed(inner.embed_tokens_per_layer, tokens)
             given = mx.unflatten(given * inner.embed_tokens_per_layer_scale, -1, shape)
             proj = step.linear(inner.per_layer_model_projection, h)
             proj = mx.unflatten(proj * inner.per_layer_projection_scale, -1, shape)

@@ -13,6 +13,8 @@ the CPU ops for the rows of a step:
   (MLX's CPU fallbacks build several, and on a few-row step dispatch dominates);
 - `logsumexp_rows`: the sampled rows' log-normalizer, with mlx.core.logsumexp's bits, its exps
   vectorized;
+- `quantized_embedding_rows`: MLX's affine-quantized embedding of a step's tokens as one op,
+  with mlx.core.dequantize's bits (MLX's CPU dequantize builds ~40 ops);
 - `decoder_layers`: consecutive llama-style decoder layers (the ops above, the KV write and
   the SwiGLU MLP of each) as one op, with the bits of those ops: one dispatch per step where
   there were ~25 per layer.
@@ -71,6 +73,12 @@ def row_ops() -> tuple[Callable, Callable, Callable] | None:
     """(rms_norm_rows, rope_rows, logsumexp_rows), or None when they cannot be loaded here."""
     module = _load()
     return (module.rms_norm_rows, module.rope_rows, module.logsumexp_rows) if module else None
+
+
+def quantized_embedding() -> Callable | None:
+    """The native quantized embedding op, or None when it cannot be loaded here."""
+    module = _load()
+    return module.quantized_embedding_rows if module else None
 
 
 def decoder_layers() -> Callable | None:

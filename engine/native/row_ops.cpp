@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -204,6 +206,96 @@ void RopeRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::ar
 
 void RopeRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("rope_rows runs on the CPU only");
+}
+
+mx::array quantized_embedding_rows(const mx::array& w, const mx::array& scales,
+                                   const mx::array& biases, const mx::array& ids,
+                                   int group_size, int bits, mx::StreamOrDevice s) {
+  constexpr Check check{"quantized_embedding_rows"};
+  check(bits == 4 || bits == 8, "bits must be 4 or 8, not " + std::to_string(bits));
+  check(w.ndim() == 2 && w.dtype() == mx::uint32, "w must be uint32 (V, D * bits / 32)");
+  const auto dtype = scales.dtype();
+  check(dtype == mx::float32 || dtype == mx::float16 || dtype == mx::bfloat16,
+        "scales must be float32, float16 or bfloat16");
+  const int64_t dims = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  check(group_size > 0 && dims % group_size == 0,
+        "group_size must divide the row's " + std::to_string(dims) + " values");
+  for (const auto* a : {&scales, &biases}) {
+    check(a->ndim() == 2 && a->dtype() == dtype && a->shape(0) == w.shape(0) &&
+              a->shape(1) == dims / group_size,
+          "scales and biases must be (V, D / group_size) of one dtype, not " + shape_str(*a));
+  }
+  check(ids.ndim() == 1 && (ids.dtype() == mx::int32 || ids.dtype() == mx::uint32),
+        "ids must be int32 or uint32 (rows,)");
+  auto stream = mx::to_stream(s);
+  return mx::array({ids.shape(0), static_cast<int>(dims)}, dtype,
+                   std::make_shared<QuantizedEmbeddingRows>(stream, group_size, bits),
+                   {row_contiguous(w, stream), row_contiguous(scales, stream),
+                    row_contiguous(biases, stream), row_contiguous(ids, stream)});
+}
+
+namespace {
+
+// T is the scales' type. MLX's half types compute each operation in float32 and round the
+// result to T (mlx/types/fp16.h, bf16.h), as MLX's CPU multiply and add ops do.
+template <class T, class Id>
+void embed_rows(const uint32_t* w, const T* scales, const T* biases, const Id* ids,
+                int rows, int64_t vocab, int dims, int group_size, int bits, T* out) {
+  const int per_word = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  const int64_t words = dims / per_word, groups = dims / group_size;
+  for (int r = 0; r < rows; ++r) {
+    T* o = out + static_cast<size_t>(r) * dims;
+    const int64_t id = ids[r];
+    if (id < 0 || id >= vocab) {
+      std::fill(o, o + dims, static_cast<T>(std::numeric_limits<float>::quiet_NaN()));
+      continue;
+    }
+    const uint32_t* wr = w + id * words;
+    const T* sr = scales + id * groups;
+    const T* br = biases + id * groups;
+    for (int k = 0; k < dims; ++k) {
+      const uint32_t q = (wr[k / per_word] >> ((k % per_word) * bits)) & mask;
+      const T product = static_cast<T>(static_cast<float>(q)) * sr[k / group_size];
+      o[k] = product + br[k / group_size];
+    }
+  }
+}
+
+}  // namespace
+
+void QuantizedEmbeddingRows::eval_cpu(const std::vector<mx::array>& inputs,
+                                      std::vector<mx::array>& outputs) {
+  auto& out = allocate(outputs[0]);
+  dispatch(stream(), inputs, out,
+           [w = mx::array::unsafe_weak_copy(inputs[0]),
+            scales = mx::array::unsafe_weak_copy(inputs[1]),
+            biases = mx::array::unsafe_weak_copy(inputs[2]),
+            ids = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
+            group_size = group_size_, bits = bits_]() mutable {
+             const int rows = static_cast<int>(ids.shape(0)), dims = static_cast<int>(out.shape(1));
+             auto run = [&](auto* type) {
+               using T = std::remove_pointer_t<decltype(type)>;
+               if (ids.dtype() == mx::uint32) {  // a step's sampled tokens (argmax's type)
+                 embed_rows(w.data<uint32_t>(), scales.data<T>(), biases.data<T>(),
+                            ids.data<uint32_t>(), rows, w.shape(0), dims, group_size, bits,
+                            out.data<T>());
+               } else {
+                 embed_rows(w.data<uint32_t>(), scales.data<T>(), biases.data<T>(),
+                            ids.data<int32_t>(), rows, w.shape(0), dims, group_size, bits,
+                            out.data<T>());
+               }
+             };
+             switch (out.dtype()) {
+               case mx::float16: return run(static_cast<mx::float16_t*>(nullptr));
+               case mx::bfloat16: return run(static_cast<mx::bfloat16_t*>(nullptr));
+               default: return run(static_cast<float*>(nullptr));
+             }
+           });
+}
+
+void QuantizedEmbeddingRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("quantized_embedding_rows runs on the CPU only");
 }
 
 }  // namespace batchscope

@@ -1,4 +1,5 @@
-// Per-row ops of a step on the CPU: RMS norm and RoPE at each row's own position, one MLX
+// Per-row ops of a step on the CPU: RMS norm, RoPE at each row's own position and the quantized
+// embedding of its token, one MLX
 // primitive each instead of the handful of ops MLX's CPU fallbacks build (on a decode step of
 // a few rows each op costs more in dispatch than in arithmetic). Each row is computed alone,
 // in a fixed order, so a row gets the same bits whatever shares its step.
@@ -31,6 +32,18 @@ mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::ar
 // up to float32 rounding, and faster than MLX's CPU op over a vocabulary's worth of columns
 // (tests/engine/test_row_ops.py checks the bits).
 mx::array logsumexp_rows(const mx::array& x, mx::StreamOrDevice s = {});
+
+// MLX's affine-quantized embedding (mlx.nn.QuantizedEmbedding) of `ids`, (rows,) int32 or
+// uint32: w
+// (V, D * bits / 32) uint32, scales and biases (V, D / group_size) float32, float16 or
+// bfloat16, bits 4 or 8. Row r is table row ids[r] as mlx.core.dequantize computes it on the
+// CPU: each packed value converted to the scales' type, times its group's scale, plus its
+// bias, each step rounded in that type (MLX's astype, multiply and add ops). Returns (rows, D)
+// in the scales' type. One op where MLX's CPU dequantize builds ~40 for a step's tokens; an
+// id outside [0, V) gives a row of NaN (the engine refuses such ids before a step).
+mx::array quantized_embedding_rows(const mx::array& w, const mx::array& scales,
+                                   const mx::array& biases, const mx::array& ids,
+                                   int group_size, int bits, mx::StreamOrDevice s = {});
 
 // The norm's and RoPE's arithmetic on memory in place (out may be x for the norm), for ops
 // that run them inside their own evaluation (decoder_layer.h). x: `rows` rows of D floats;
@@ -68,6 +81,25 @@ class RmsNormRows : public mx::Primitive {
 
  private:
   float eps_;
+};
+
+class QuantizedEmbeddingRows : public mx::Primitive {
+ public:
+  QuantizedEmbeddingRows(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "QuantizedEmbeddingRows";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedEmbeddingRows&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_;
+  int bits_;
 };
 
 class RopeRows : public mx::Primitive {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import math
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -156,3 +158,85 @@ def test_logsumexp_of_masked_rows_and_bad_input():
     for bad in (mx.zeros((4,)), mx.zeros((2, 3), dtype=mx.float16), mx.zeros((2, 0))):
         with pytest.raises(ValueError, match="x must be float32 \\(rows, V\\)"):
             lse(bad)
+
+
+# ---- the quantized embedding ------------------------------------------------------------------
+
+
+def quantized_embedding(dtype, bits: int, group_size: int, seed: int,
+                        vocab: int = 300, dims: int = 256) -> nn.QuantizedEmbedding:
+    """MLX's own quantized embedding of random rows whose sizes span 1e-3 to 30 (each row its
+    own scale): the products and sums round in every magnitude the scales' type has."""
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((vocab, dims)) * rng.choice([1e-3, 1.0, 30.0], size=(vocab, 1))
+    emb = nn.QuantizedEmbedding(vocab, dims, group_size=group_size, bits=bits)
+    emb.weight, emb.scales, emb.biases = mx.quantize(mx.array(table, dtype), group_size, bits)
+    return emb
+
+
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    view = mx.uint32 if a.dtype == mx.float32 else mx.uint16
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        np.array(a.view(view)), np.array(b.view(view)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantized_embedding_has_mlx_dequantize_bits(dtype, bits, group_size):
+    embed = native_op("quantized_embedding")
+    emb = quantized_embedding(dtype, bits, group_size, seed=bits + group_size)
+    ids = np.random.default_rng(1).integers(0, 300, 64)
+    ids[5] = ids[9] = 299  # repeated, and the last row
+    for id_type in (mx.int32, mx.uint32):  # a prompt's ids; a step's sampled tokens
+        tokens = mx.array(ids).astype(id_type)
+        ours = embed(emb.weight, emb.scales, emb.biases, tokens, group_size=group_size,
+                     bits=bits)
+        assert same_bits(ours, emb(tokens))
+
+
+def test_quantized_embedding_of_an_id_outside_the_table_is_nan_and_bad_input_is_refused():
+    embed = native_op("quantized_embedding")
+    emb = quantized_embedding(mx.float16, 4, 64, seed=3)
+    args = (emb.weight, emb.scales, emb.biases)
+    out = embed(*args, mx.array([3, 300, -1], dtype=mx.int32), group_size=64, bits=4)
+    assert same_bits(out[0], emb(mx.array([3]))[0])
+    assert mx.isnan(out[1:]).all().item()
+    ids = mx.array([0, 1], dtype=mx.int32)
+    cases = [((*args, ids), {"group_size": 64, "bits": 2}, "bits must be 4 or 8"),
+             ((*args, ids), {"group_size": 48, "bits": 4}, "group_size must divide"),
+             ((emb.weight, emb.scales, emb.biases[:10], ids), {"group_size": 64, "bits": 4},
+              "scales and biases must be"),
+             ((emb.weight, emb.scales, emb.biases.astype(mx.float32), ids),
+              {"group_size": 64, "bits": 4}, "scales and biases must be"),
+             ((*args, ids.astype(mx.float32)), {"group_size": 64, "bits": 4},
+              "ids must be int32 or uint32")]
+    for positional, keywords, message in cases:
+        with pytest.raises(ValueError, match=message):
+            embed(*positional, **keywords)
+
+
+def test_the_runner_embeds_quantized_tables_natively_and_others_by_the_module():
+    native_op("quantized_embedding")
+    loaded = tiny_model()  # 4-bit, groups of 32: its embedding too
+    model = loaded.model
+    runner = runner_for(model, "auto")
+    module = model.model.embed_tokens
+    assert type(module) is nn.QuantizedEmbedding
+    tokens = mx.array([5, 0, 77, 5], dtype=mx.int32)
+    ours = runner.embed(module, tokens)
+    assert "QuantizedEmbeddingRows" in primitive_names(ours)  # before it is evaluated
+    assert same_bits(ours, module(tokens[None]))
+    assert ours.shape == (1, 4, model.args.hidden_size)
+    plain = runner_for(model, "mlx")  # MLX's ops for every row op
+    assert plain.embedding_kernel is None
+    assert "QuantizedEmbeddingRows" not in primitive_names(plain.embed(module, tokens))
+    table = nn.Embedding(16, 8)  # not quantized: the module's own call
+    assert mx.array_equal(runner.embed(table, tokens[:3]), table(tokens[:3][None])).item()
+
+
+def primitive_names(out: mx.array) -> set[str]:
+    """The names of the primitives in the (unevaluated) graph that computes `out`."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    return set(re.findall(r'label ="([A-Za-z]+)"', dot.getvalue()))
