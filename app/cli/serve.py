@@ -44,35 +44,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                      help="the format tool calls are read in (and forced calls written in): "
                           "auto (default) picks it from the chat template; hermes also for a "
                           "template without tools (docs/api.md, Tool calls)")
-    srv.add_argument("--loop", choices=LOOPS, default="auto",
-                     help="uvicorn's event loop: auto (default) takes uvloop where it is "
-                          "installed (it is a dependency outside Windows), else asyncio's own")
-    srv.add_argument("--http", choices=HTTP_PARSERS, default="auto",
-                     help="uvicorn's HTTP implementation: auto (default) takes httptools where "
-                          "it is installed (a dependency), else the pure-Python h11")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
-
-
-# uvicorn's own names. Its C-built loop and parser (uvloop, httptools) cost the event loop less
-# CPU per streamed token than asyncio's loop and h11, and on a small machine the event loop
-# shares the cores with the step (docs/benchmarks.md: benchmarks/serve_overhead.py
-# --compare-flags "--loop asyncio --http h11").
-LOOPS = ("auto", "asyncio", "uvloop")
-HTTP_PARSERS = ("auto", "h11", "httptools")
-
-
-def server_implementation(loop: str, http: str) -> tuple[str, str]:
-    """The event loop and HTTP implementation uvicorn runs for these flags: "auto" resolved as
-    uvicorn resolves it (the C-built one where it imports)."""
-    import importlib.util
-
-    def pick(choice: str, fast: str, fallback: str) -> str:
-        if choice != "auto":
-            return choice
-        return fast if importlib.util.find_spec(fast) is not None else fallback
-
-    return pick(loop, "uvloop", "asyncio"), pick(http, "httptools", "h11")
 
 
 
@@ -123,12 +96,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warning = exposure_warning(settings.host, settings.api_key)
     if warning:
         logging.getLogger("batchscope").warning(warning)
-    loop, http = server_implementation(args.loop, args.http)
     logging.getLogger("batchscope").info(
-        "batchscope serving at %s (OpenAI-compatible API at %s/v1; event loop %s, HTTP %s)",
-        settings.url, settings.url, loop, http)
+        "batchscope serving at %s (OpenAI-compatible API at %s/v1)", settings.url, settings.url)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                lifespan="on", timeout_graceful_shutdown=10, loop=loop, http=http)
+                lifespan="on", timeout_graceful_shutdown=10)
     return 0
 
 

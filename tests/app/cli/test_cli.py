@@ -85,30 +85,3 @@ def test_db_upgrade_uses_batchscope_db(tmp_path, monkeypatch, capsys):
     flagged = tmp_path / "flag.db"
     assert main(["db", "upgrade", "--db", str(flagged)]) == 0  # the flag wins
     assert flagged.is_file()
-
-
-def test_serve_hands_its_loop_and_http_choices_to_uvicorn(tmp_path, monkeypatch):
-    """`--loop` and `--http` reach uvicorn.run as given; auto resolves to the C-built ones
-    where they import (both are dependencies: the CI environment has them)."""
-    import uvicorn
-
-    import app.web.app
-
-    calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
-    monkeypatch.setattr(app.web.app, "create_app", lambda *a, **kw: object())
-    db = str(tmp_path / "runs.db")
-    assert main(["serve", "--db", db, "--loop", "asyncio", "--http", "h11"]) == 0
-    assert main(["serve", "--db", db]) == 0
-    assert [(c["loop"], c["http"]) for c in calls] == [("asyncio", "h11"),
-                                                        ("uvloop", "httptools")]
-
-
-def test_auto_falls_back_to_the_pure_python_loop_and_parser(monkeypatch):
-    import importlib.util
-
-    from app.cli.serve import server_implementation
-
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert server_implementation("auto", "auto") == ("asyncio", "h11")
-    assert server_implementation("uvloop", "httptools") == ("uvloop", "httptools")
