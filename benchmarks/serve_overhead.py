@@ -26,7 +26,7 @@ lower is worse) with their range.
 --base REV also serves revision REV (a temporary git worktree with its own native kernels, as
 benchmarks/build_ab.py builds it) beside the working tree, measured in the same rounds.
 --compare-flags FLAGS also serves the working tree with these `batchscope serve` flags added
-(one string, e.g. "--loop asyncio --http h11"), measured in the same rounds.
+(one string, e.g. "--no-async-scheduling"), measured in the same rounds.
 Writes benchmarks/results/serve_overhead.{md,json} unless --out says otherwise.
 """
 
