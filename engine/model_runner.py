@@ -229,7 +229,7 @@ class ModelRunner(NativeOps):
         t0 = time.perf_counter()
         step = Step(self, groups, path, tokens)
         logits_rows, sampled = self._forward(step, groups)
-        samples = (draw(logits_rows, sampled, self.logsumexp, self._state_arrays())
+        samples = (draw(logits_rows, sampled, self.logsumexp, self._state_arrays(), self.greedy)
                    if sampled else None)
         return PendingStep(self, groups, step, logits_rows, sampled, samples, t0)
 
@@ -292,5 +292,7 @@ class ModelRunner(NativeOps):
         for g in groups:
             r += g.num_rows
             rows.extend(range(r - g.sampled_rows, r))
-        logits = family.head(step, x[:, mx.array(rows)])  # (1, sampled rows, vocab)
-        return logits[0], sampled
+        # Every row sampled (a decode step): x as it is, not a gather of all its rows.
+        sampled_x = x if len(rows) == r else x[:, mx.array(rows)]
+        logits = family.head(step, sampled_x)  # (1, sampled rows, vocab)
+        return logits.squeeze(0), sampled  # a view: no gather of row 0

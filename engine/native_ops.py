@@ -112,9 +112,12 @@ class NativeOps:
         # (engine/native/row_ops.h), with the native linear kernels: "mlx" keeps MLX's own ops
         # for all of a row's math.
         self.row_ops = _row_ops(row_kernels, self.fused_attention)
-        # A step's tokens through an affine-quantized embedding as one op (the same setting).
+        # A step's tokens through an affine-quantized embedding, and greedy sampling's token
+        # and logprob, one op each (the same setting).
         self.embedding_kernel = _native_op("row_kernels", row_kernels, self.fused_attention,
                                            native.quantized_embedding)
+        self.greedy_kernel = _native_op("row_kernels", row_kernels, self.fused_attention,
+                                        native.greedy)
         # Consecutive llama-style layers as one op where all of their parts take the native
         # ops above (native.decoder_layers).
         self.layer_kernel = _layer_kernel(row_kernels, self.fused_attention)
@@ -336,6 +339,15 @@ class NativeOps:
         if self.row_ops is not None and logits.dtype == mx.float32:
             return self.row_ops[2](logits)[:, None]
         return mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def greedy(self, logits: mx.array) -> tuple[mx.array, mx.array] | None:
+        """Greedy sampling of (rows, vocab) float32 logits as one native op: (each row's
+        token, uint32; its logprob), the bits of the sampler's own ops (engine/sampler.py's
+        draw, which asks); None where the op does not apply."""
+        if self.greedy_kernel is None or logits.dtype != mx.float32:
+            return None
+        token_ids, token_lp = self.greedy_kernel(logits)
+        return token_ids, token_lp
 
     def fused_layer(self, spec: FusedLayer, block_size: int, window: int) -> NativeLayer | None:
         """The fused op's spec of a layer (native.layer_spec(), every field named and checked

@@ -104,9 +104,20 @@ class Draw:
 
 
 def draw(logits: mx.array, groups: list[RowGroup],
-         logsumexp: Callable[[mx.array], mx.array], evaluate: list) -> Draw:
-    """`sample`'s graph, queued for evaluation with `evaluate`, not waited for."""
+         logsumexp: Callable[[mx.array], mx.array], evaluate: list,
+         greedy: Callable[[mx.array], tuple[mx.array, mx.array] | None] | None = None) -> Draw:
+    """`sample`'s graph, queued for evaluation with `evaluate`, not waited for. greedy: where
+    every row is greedy with no top logprobs and no drafts to check, (logits) -> (token ids,
+    their logprobs) with this graph's bits in fewer ops (NativeOps.greedy), or None."""
     logits = _processed(logits, groups)
+    k = max((g.params.logprobs if g.params else 0) for g in groups)
+    if greedy is not None and k == 0 and all(
+            (g.params is None or g.params.greedy) and not g.verify for g in groups):
+        found = greedy(logits)
+        if found is not None:
+            token_ids, token_lp = found
+            mx.async_eval(token_ids, token_lp, *evaluate)
+            return Draw(groups, token_ids, token_lp, token_lp, None, None, None)
     logprobs = logits - logsumexp(logits)
     greedy = mx.argmax(logprobs, axis=-1)
     # Per sampled row: the target's choice there. A sampling verify group also gets, per
@@ -139,7 +150,6 @@ def draw(logits: mx.array, groups: list[RowGroup],
             drafts.append(0)  # the group's last row: never a draft's
         draft_lp = mx.take_along_axis(logprobs, mx.array(drafts)[:, None], axis=-1)[:, 0]
     checks = mx.stack(checks) if checks else None
-    k = max((g.params.logprobs if g.params else 0) for g in groups)
     top_ids = top_lp = None
     wanted = [token_ids, token_lp, draft_lp, *evaluate]
     if k:

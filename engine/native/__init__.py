@@ -13,6 +13,8 @@ the CPU ops for the rows of a step:
   (MLX's CPU fallbacks build several, and on a few-row step dispatch dominates);
 - `logsumexp_rows`: the sampled rows' log-normalizer, with mlx.core.logsumexp's bits, its exps
   vectorized;
+- `greedy_rows`: greedy sampling's token and logprob per row, with the bits of the sampler's
+  MLX ops (logsumexp, subtract, argmax, take) in one op;
 - `quantized_embedding_rows`: MLX's affine-quantized embedding of a step's tokens as one op,
   with mlx.core.dequantize's bits (MLX's CPU dequantize builds ~40 ops);
 - `decoder_layers`: consecutive llama-style decoder layers (the ops above, the KV write and
@@ -73,6 +75,12 @@ def row_ops() -> tuple[Callable, Callable, Callable] | None:
     """(rms_norm_rows, rope_rows, logsumexp_rows), or None when they cannot be loaded here."""
     module = _load()
     return (module.rms_norm_rows, module.rope_rows, module.logsumexp_rows) if module else None
+
+
+def greedy() -> Callable | None:
+    """The native greedy-sampling op, or None when it cannot be loaded here."""
+    module = _load()
+    return module.greedy_rows if module else None
 
 
 def quantized_embedding() -> Callable | None:

@@ -51,6 +51,9 @@ NB_MODULE(_kernels, m) {
         "RoPE of (rows, heads, head_dim) float32 rows, each at its own position.");
   m.def("logsumexp_rows", &batchscope::logsumexp_rows, "x"_a, nb::kw_only(),
         "stream"_a = nb::none(), "log(sum(exp(x))) of each float32 row of (rows, V).");
+  m.def("greedy_rows", &batchscope::greedy_rows, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Per float32 row of (rows, V) logits: (the argmax of its logprobs as uint32, that "
+        "logprob), with the bits of MLX's ops.");
   m.def("quantized_embedding_rows", &batchscope::quantized_embedding_rows, "w"_a, "scales"_a,
         "biases"_a, "ids"_a, nb::kw_only(), "group_size"_a, "bits"_a, "stream"_a = nb::none(),
         "MLX's affine-quantized embedding of int32 or uint32 ids (rows,), with mlx.core.dequantize's "

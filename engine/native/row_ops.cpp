@@ -136,6 +136,55 @@ void LogSumExpRows::eval_cpu(const std::vector<mx::array>& inputs,
            });
 }
 
+std::vector<mx::array> greedy_rows(const mx::array& x, mx::StreamOrDevice s) {
+  constexpr Check check{"greedy_rows"};
+  check(x.ndim() == 2 && x.dtype() == mx::float32 && x.shape(1) > 0,
+        "x must be float32 (rows, V)");
+  auto stream = mx::to_stream(s);
+  return mx::array::make_arrays({{x.shape(0)}, {x.shape(0)}}, {mx::uint32, mx::float32},
+                                std::make_shared<GreedyRows>(stream),
+                                {row_contiguous(x, stream)});
+}
+
+void GreedyRows::eval_cpu(const std::vector<mx::array>& inputs,
+                          std::vector<mx::array>& outputs) {
+  auto& ids = allocate(outputs[0]);
+  auto& lps = allocate(outputs[1]);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_output_array(ids);
+  encoder.set_output_array(lps);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+                    ids = mx::array::unsafe_weak_copy(ids),
+                    lps = mx::array::unsafe_weak_copy(lps)]() mutable {
+    const int rows = static_cast<int>(x.shape(0)), n = static_cast<int>(x.shape(1));
+    auto body = [&](int begin, int end) {
+      thread_local std::vector<float> scratch;
+      for (int r = begin; r < end; ++r) {
+        const float* xr = x.data<float>() + static_cast<size_t>(r) * n;
+        const float lse = logsumexp_row(xr, n, scratch);
+        // MLX's argmax of the logprobs: start at index 0, move on a strictly larger value.
+        uint32_t at = 0;
+        float best = xr[0] - lse;
+        for (int j = 1; j < n; ++j) {
+          const float v = xr[j] - lse;
+          if (v > best) {
+            best = v;
+            at = static_cast<uint32_t>(j);
+          }
+        }
+        ids.data<uint32_t>()[r] = at;
+        lps.data<float>()[r] = best;
+      }
+    };
+    if (!parallel_for(rows, 1, body)) body(0, rows);
+  });
+}
+
+void GreedyRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("greedy_rows runs on the CPU only");
+}
+
 void LogSumExpRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("logsumexp_rows runs on the CPU only");
 }

@@ -33,6 +33,13 @@ mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::ar
 // (tests/engine/test_row_ops.py checks the bits).
 mx::array logsumexp_rows(const mx::array& x, mx::StreamOrDevice s = {});
 
+// x: (rows, V) float32 logits. Per row, the greedy token and its logprob as the sampler's MLX
+// ops give them: i = argmax(x - logsumexp(x)) (the first index of the largest, MLX's argmax),
+// and x[i] - logsumexp(x), the logsumexp that of logsumexp_rows. Returns {(rows,) uint32,
+// (rows,) float32}: one op and two passes over the vocabulary where MLX's ops take seven and
+// four.
+std::vector<mx::array> greedy_rows(const mx::array& x, mx::StreamOrDevice s = {});
+
 // MLX's affine-quantized embedding (mlx.nn.QuantizedEmbedding) of `ids`, (rows,) int32 or
 // uint32: w
 // (V, D * bits / 32) uint32, scales and biases (V, D / group_size) float32, float16 or
@@ -81,6 +88,19 @@ class RmsNormRows : public mx::Primitive {
 
  private:
   float eps_;
+};
+
+class GreedyRows : public mx::Primitive {
+ public:
+  explicit GreedyRows(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "GreedyRows";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
 };
 
 class QuantizedEmbeddingRows : public mx::Primitive {

@@ -160,6 +160,39 @@ def test_logsumexp_of_masked_rows_and_bad_input():
             lse(bad)
 
 
+# ---- greedy sampling --------------------------------------------------------------------------
+
+
+def sampler_ops(x: mx.array) -> tuple[mx.array, mx.array]:
+    """What engine/sampler.py's draw computes for greedy rows without the op."""
+    logprobs = x - ops()[2](x)[:, None]
+    ids = mx.argmax(logprobs, axis=-1)
+    return ids, mx.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+
+
+@pytest.mark.parametrize("shape,spread", [((1, 49152), 4.0), ((16, 49152), 30.0),
+                                          ((5, 17), 1.0)])
+def test_greedy_rows_has_the_bits_of_the_sampler_ops(shape, spread):
+    greedy = native_op("greedy")
+    x = random(shape, 12) * spread
+    x[0, 3] = x[0, 9] = x[0].max() + 1.0  # a tie for the largest: MLX's argmax takes the first
+    if shape[0] > 1:
+        x[-1, :] = 0.5  # a row of equal logits: token 0
+    ids, lp = greedy(mx.array(x))
+    want_ids, want_lp = sampler_ops(mx.array(x))
+    assert ids.dtype == mx.uint32 and lp.dtype == mx.float32
+    assert ids.tolist() == want_ids.tolist() and ids[0].item() == 3
+    assert shape[0] == 1 or ids[-1].item() == 0
+    assert np.array_equal(np.array(lp).view(np.uint32), np.array(want_lp).view(np.uint32))
+
+
+def test_greedy_rows_refuses_bad_input():
+    greedy = native_op("greedy")
+    for bad in (mx.zeros((4,)), mx.zeros((2, 3), dtype=mx.float16), mx.zeros((2, 0))):
+        with pytest.raises(ValueError, match="x must be float32 \\(rows, V\\)"):
+            greedy(bad)
+
+
 # ---- the quantized embedding ------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ on a row's raw logits before the log-softmax, per request, beside rows that have
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 from engine.model_runner import ModelRunner, pool_for
 from engine.models import family_for
@@ -80,3 +81,38 @@ def test_processors_apply_in_order():
 
     assert step({"b": [keep, ban(greedy), restore]})[0] == plain
     assert step({"b": [keep, restore, ban(greedy)]})[0]["b"][0][0] != greedy
+
+
+def test_greedy_rows_take_the_native_op_with_the_bits_of_the_sampler_ops():
+    """draw hands all-greedy steps without top logprobs or drafts to NativeOps.greedy; the
+    tokens and logprobs are those of its own ops. A step that wants top logprobs, samples or
+    verifies drafts keeps them."""
+    from engine.sampler import draw
+
+    model = tiny_model().model
+    family = family_for(model)
+    runner = ModelRunner(model, pool_for(family, 16, 16), "auto", "auto", family)
+    if runner.greedy_kernel is None:
+        pytest.skip("native ops not built")
+    logits = mx.random.normal((3, 300), key=mx.random.key(4)) * 5
+    calls = []
+
+    def greedy(x):
+        calls.append(x.shape)
+        return runner.greedy(x)
+
+    def groups(params):
+        return [RowGroup(f"s{i}", [1], 0, [0], True, params) for i in range(3)]
+
+    def read(params, with_op):
+        out = draw(logits, groups(params), runner.logsumexp, [],
+                   greedy if with_op else None).read()
+        return [(s.token_id, s.logprob, s.top) for o in out.values() for s in o.samples]
+
+    plain = SamplingParams()
+    assert read(plain, True) == read(plain, False) and calls == [(3, 300)]
+    with_top = SamplingParams(logprobs=2)
+    assert read(with_top, True) == read(with_top, False) and len(calls) == 1
+    sampling = SamplingParams(temperature=0.8, seed=1)
+    read(sampling, True)
+    assert len(calls) == 1
