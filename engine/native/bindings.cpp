@@ -56,8 +56,8 @@ NB_MODULE(_kernels, m) {
         "logprob), with the bits of MLX's ops.");
   m.def("quantized_embedding_rows", &batchscope::quantized_embedding_rows, "w"_a, "scales"_a,
         "biases"_a, "ids"_a, nb::kw_only(), "group_size"_a, "bits"_a, "stream"_a = nb::none(),
-        "MLX's affine-quantized embedding of int32 or uint32 ids (rows,), with mlx.core.dequantize's "
-        "bits: (rows, D) in the scales' dtype.");
+        "MLX's affine-quantized embedding of int32 or uint32 ids (rows,), with "
+        "mlx.core.dequantize's bits: (rows, D) in the scales' dtype.");
   // The fused layer's spec, made once per layer: every field named, checked when it is made;
   // Linear and Rope are its nested classes (LayerSpec.Linear, LayerSpec.Rope).
   using batchscope::LayerSpec;

@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "inputs.h"
@@ -322,7 +322,8 @@ void QuantizedEmbeddingRows::eval_cpu(const std::vector<mx::array>& inputs,
             biases = mx::array::unsafe_weak_copy(inputs[2]),
             ids = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
             group_size = group_size_, bits = bits_]() mutable {
-             const int rows = static_cast<int>(ids.shape(0)), dims = static_cast<int>(out.shape(1));
+             const int rows = static_cast<int>(ids.shape(0));
+             const int dims = static_cast<int>(out.shape(1));
              auto run = [&](auto* type) {
                using T = std::remove_pointer_t<decltype(type)>;
                if (ids.dtype() == mx::uint32) {  // a step's sampled tokens (argmax's type)

@@ -1,8 +1,8 @@
-// Per-row ops of a step on the CPU: RMS norm, RoPE at each row's own position and the quantized
-// embedding of its token, one MLX
-// primitive each instead of the handful of ops MLX's CPU fallbacks build (on a decode step of
-// a few rows each op costs more in dispatch than in arithmetic). Each row is computed alone,
-// in a fixed order, so a row gets the same bits whatever shares its step.
+// Per-row ops of a step on the CPU: RMS norm, RoPE at each row's own position, greedy sampling
+// and the quantized embedding of each row's token, one MLX primitive each instead of the
+// handful of ops MLX's CPU ops build (on a decode step of a few rows each op costs more in
+// dispatch than in arithmetic). Each row is computed alone, in a fixed order, so a row gets the
+// same bits whatever shares its step.
 #pragma once
 
 #include <cstddef>
