@@ -346,8 +346,7 @@ class NativeOps:
         draw, which asks); None where the op does not apply."""
         if self.greedy_kernel is None or logits.dtype != mx.float32:
             return None
-        token_ids, token_lp = self.greedy_kernel(logits)
-        return token_ids, token_lp
+        return tuple(self.greedy_kernel(logits))
 
     def fused_layer(self, spec: FusedLayer, block_size: int, window: int) -> NativeLayer | None:
         """The fused op's spec of a layer (native.layer_spec(), every field named and checked

@@ -105,15 +105,17 @@ class Draw:
 
 def draw(logits: mx.array, groups: list[RowGroup],
          logsumexp: Callable[[mx.array], mx.array], evaluate: list,
-         greedy: Callable[[mx.array], tuple[mx.array, mx.array] | None] | None = None) -> Draw:
-    """`sample`'s graph, queued for evaluation with `evaluate`, not waited for. greedy: where
-    every row is greedy with no top logprobs and no drafts to check, (logits) -> (token ids,
-    their logprobs) with this graph's bits in fewer ops (NativeOps.greedy), or None."""
+         greedy_op: Callable[[mx.array], tuple[mx.array, mx.array] | None] | None = None
+         ) -> Draw:
+    """`sample`'s graph, queued for evaluation with `evaluate`, not waited for. greedy_op:
+    where every row is greedy with no top logprobs and no drafts to check, (logits) -> (token
+    ids, their logprobs) with this graph's bits in fewer ops, or None where it does not apply
+    (NativeOps.greedy)."""
     logits = _processed(logits, groups)
     k = max((g.params.logprobs if g.params else 0) for g in groups)
-    if greedy is not None and k == 0 and all(
+    if greedy_op is not None and k == 0 and all(
             (g.params is None or g.params.greedy) and not g.verify for g in groups):
-        found = greedy(logits)
+        found = greedy_op(logits)
         if found is not None:
             token_ids, token_lp = found
             mx.async_eval(token_ids, token_lp, *evaluate)

@@ -36,8 +36,8 @@ mx::array logsumexp_rows(const mx::array& x, mx::StreamOrDevice s = {});
 // x: (rows, V) float32 logits. Per row, the greedy token and its logprob as the sampler's MLX
 // ops give them: i = argmax(x - logsumexp(x)) (the first index of the largest, MLX's argmax),
 // and x[i] - logsumexp(x), the logsumexp that of logsumexp_rows. Returns {(rows,) uint32,
-// (rows,) float32}: one op and two passes over the vocabulary where MLX's ops take seven and
-// four.
+// (rows,) float32}: one op where MLX's ops take seven, and after the logsumexp one pass over
+// the vocabulary where theirs make two (the subtraction written out, then the argmax).
 std::vector<mx::array> greedy_rows(const mx::array& x, mx::StreamOrDevice s = {});
 
 // MLX's affine-quantized embedding (mlx.nn.QuantizedEmbedding) of `ids`, (rows,) int32 or

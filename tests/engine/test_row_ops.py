@@ -163,6 +163,12 @@ def test_logsumexp_of_masked_rows_and_bad_input():
 # ---- greedy sampling --------------------------------------------------------------------------
 
 
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    view = mx.uint32 if a.dtype == mx.float32 else mx.uint16
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        np.array(a.view(view)), np.array(b.view(view)))
+
+
 def sampler_ops(x: mx.array) -> tuple[mx.array, mx.array]:
     """What engine/sampler.py's draw computes for greedy rows without the op."""
     logprobs = x - ops()[2](x)[:, None]
@@ -183,7 +189,7 @@ def test_greedy_rows_has_the_bits_of_the_sampler_ops(shape, spread):
     assert ids.dtype == mx.uint32 and lp.dtype == mx.float32
     assert ids.tolist() == want_ids.tolist() and ids[0].item() == 3
     assert shape[0] == 1 or ids[-1].item() == 0
-    assert np.array_equal(np.array(lp).view(np.uint32), np.array(want_lp).view(np.uint32))
+    assert same_bits(lp, want_lp)
 
 
 def test_greedy_rows_refuses_bad_input():
@@ -205,12 +211,6 @@ def quantized_embedding(dtype, bits: int, group_size: int, seed: int,
     emb = nn.QuantizedEmbedding(vocab, dims, group_size=group_size, bits=bits)
     emb.weight, emb.scales, emb.biases = mx.quantize(mx.array(table, dtype), group_size, bits)
     return emb
-
-
-def same_bits(a: mx.array, b: mx.array) -> bool:
-    view = mx.uint32 if a.dtype == mx.float32 else mx.uint16
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
-        np.array(a.view(view)), np.array(b.view(view)))
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
