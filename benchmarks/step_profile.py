@@ -1,7 +1,9 @@
 """Where a decode step's time goes, at 1, 4, 8 and 16 rows.
 
-The step as the engine runs it (ModelRunner.run on decode rows at a context of ~100 tokens),
-split into building the MLX graph in Python and evaluating it, and the same step with the
+The step as the engine runs it (ModelRunner.run on decode rows at a context of ~100 tokens):
+how many MLX primitives its graph holds (each one scheduled by the engine thread and run on
+MLX's stream thread), its time split into building the graph in Python and evaluating it, and
+the same step with the
 fused decoder layer turned off (engine/native/decoder_layer.h: each layer's ~25 ops
 dispatched one by one). Then the parts of the op-by-op layers, each timed alone over all
 layers with the step's own shapes and kernels, dispatch included: the linear layers (as the
@@ -34,6 +36,7 @@ their median, writing nothing: a steady workload for a sampling profiler, e.g.
 from __future__ import annotations
 
 import argparse
+import io
 import statistics
 import sys
 import time
@@ -96,15 +99,29 @@ def decode_groups(rows: int, context: int = CONTEXT) -> tuple[list[RowGroup], li
     return prefill, decode
 
 
+GRAPH_OPS = "ops in the step's graph (MLX primitives queued)"  # a count, not ms
+
+
+def graph_ops(*arrays: mx.array) -> int:
+    """How many primitives the unevaluated graph of `arrays` holds (what mx.async_eval queues:
+    each is scheduled on the engine thread and run on MLX's stream thread)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    return dot.getvalue().count("shape=rectangle")
+
+
 def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, float]:
     prefill, decode = decode_groups(rows)
     runner.run(prefill)
     # The step's graph is queued with mx.async_eval (engine/sampler.py) and waited for when
     # its samples are read: graph building is the time before that call, evaluation after.
     queued = [0.0]
+    ops = []  # the queued graph's size, counted on the first step (not timed)
     real_async_eval = mx.async_eval
 
     def timed_async_eval(*args):
+        if not ops:
+            ops.append(graph_ops(*args))
         queued[0] = time.perf_counter()
         real_async_eval(*args)
 
@@ -164,7 +181,7 @@ def profile(runner: ModelRunner, family, rows: int, rounds: int) -> dict[str, fl
              "head": median_ms(lambda: mx.eval(family.head(sample, x)), rounds),
              "attention + KV write": median_ms(attention, rounds),
              "RMS norms": median_ms(norms, rounds), "RoPE": median_ms(rope, rounds)}
-    return {"step": step, "step, layers op by op": unfused,
+    return {GRAPH_OPS: ops[0], "step": step, "step, layers op by op": unfused,
             "graph building": step - evaluated, "evaluation": evaluated,
             **{f"{name}, alone op by op": ms for name, ms in parts.items()}}
 
@@ -315,7 +332,8 @@ def main() -> int:
                      + " |")
 
     for name in names:
-        row(name, {n: table[n][name] for n in args.rows})
+        row(name, {n: table[n][name] for n in args.rows}, "{:.0f}" if name == GRAPH_OPS
+            else "{:.1f}")
     row("scheduling (engine, outside the model)", sched)
     row("Python share (graph building + scheduling)",
         {n: (table[n]["graph building"] + sched[n]) / (table[n]["step"] + sched[n])

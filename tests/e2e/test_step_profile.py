@@ -1,13 +1,15 @@
 """benchmarks/step_profile.py's kernel-alone measurement: it times the layers the fused
 decoder layer calls (q/k/v and gate/up stacked) and the head, and refuses a model whose
-layers the quantized kernel does not take; its in-cache rate times one layer over and over."""
+layers the quantized kernel does not take; its in-cache rate times one layer over and over;
+and it counts the ops a step's graph queues."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from native_ops import native_op, runner_for
+import mlx.core as mx
+from native_ops import decode_groups, native_op, runner_for
 
 from engine.testing import tiny_model
 
@@ -85,3 +87,37 @@ def test_the_in_cache_rate_times_the_first_layer_once_per_linear_layer(monkeypat
     assert rows == 1 and len(ws) == len(linears)
     assert all(w is linears[0].weight for w in ws)
     assert rate > 0
+
+
+def test_graph_ops_counts_the_primitives_a_graph_queues():
+    a = mx.array([1.0, 2.0])
+    mx.eval(a)
+    assert step_profile.graph_ops(a) == 0  # evaluated: nothing to queue
+    assert step_profile.graph_ops(mx.exp(a) * a) == 2
+    assert step_profile.graph_ops(mx.exp(a), mx.exp(a) * a) == 3  # two exps, one multiply
+
+
+def test_a_one_row_decode_step_queues_fewer_ops_on_the_native_row_kernels(monkeypatch):
+    """The graph a one-row decode step queues (mx.async_eval's arrays, as profile() counts
+    them): the native row kernels (the embedding, the fused layers, the greedy choice) take
+    fewer ops than MLX's own."""
+    native_op("decoder_layers")
+    loaded = tiny_model()
+    real_async_eval = mx.async_eval
+    queued = []
+
+    def counted(*arrays):
+        queued.append(step_profile.graph_ops(*arrays))
+        real_async_eval(*arrays)
+
+    counts = {}
+    for setting in ("auto", "mlx"):
+        runner = runner_for(loaded.model, setting)
+        prefill, decode = decode_groups([20])
+        runner.run(prefill)
+        queued.clear()
+        monkeypatch.setattr(mx, "async_eval", counted)
+        runner.run(decode)
+        monkeypatch.setattr(mx, "async_eval", real_async_eval)
+        counts[setting] = queued[0]
+    assert 0 < counts["auto"] < counts["mlx"] / 2, counts
