@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -144,10 +145,15 @@ def field_name(column: str) -> str:
     return column.removesuffix(_JSON_SUFFIX)
 
 
-STEP_COLUMNS: tuple[str, ...] = tuple(
-    _step_column(f) for f in fields(StepRecord) if f.name not in _STEP_UNSTORED)
-ENTRY_COLUMNS: tuple[str, ...] = tuple(
-    _entry_column(f) for f in fields(StepEntry) if f.name not in _ENTRY_UNSTORED)
+_STEP_STORED = tuple(f for f in fields(StepRecord) if f.name not in _STEP_UNSTORED)
+_ENTRY_STORED = tuple(f for f in fields(StepEntry) if f.name not in _ENTRY_UNSTORED)
+STEP_COLUMNS: tuple[str, ...] = tuple(_step_column(f) for f in _STEP_STORED)
+ENTRY_COLUMNS: tuple[str, ...] = tuple(_entry_column(f) for f in _ENTRY_STORED)
+# The stored fields' values of a record in one call, in column order: the runs writer converts
+# every step and entry while the engine computes on the same cores, and field by field through
+# dataclasses.fields() took about a sixth of its CPU per streamed token.
+_STEP_VALUES = operator.attrgetter(*(f.name for f in _STEP_STORED))
+_ENTRY_VALUES = operator.attrgetter(*(f.name for f in _ENTRY_STORED))
 
 
 def _values(obj: Any, cls: type) -> Iterator[tuple[Field, Any]]:
@@ -169,8 +175,11 @@ def _values(obj: Any, cls: type) -> Iterator[tuple[Field, Any]]:
 
 def step_row(record: StepRecord | dict) -> dict[str, Any]:
     """A step's stored fields by column (a StepRecord or its to_dict())."""
-    row = {_step_column(f): value for f, value in _values(record, StepRecord)
-           if f.name not in _STEP_UNSTORED}
+    if isinstance(record, StepRecord):
+        row = dict(zip(STEP_COLUMNS, _STEP_VALUES(record), strict=True))
+    else:
+        row = {_step_column(f): value for f, value in _values(record, StepRecord)
+               if f.name not in _STEP_UNSTORED}
     # Older records may hold None for these; a dense model's expert rows are NULL.
     row["preempted_json"] = list(row["preempted_json"] or [])
     row["expert_rows_json"] = row["expert_rows_json"] or None
@@ -185,8 +194,11 @@ def entry_rows(record: StepRecord | dict) -> list[dict[str, Any]]:
     entries = record["entries"] if isinstance(record, dict) else record.entries
     rows = []
     for entry in entries:
-        row = {_entry_column(f): value for f, value in _values(entry, StepEntry)
-               if f.name not in _ENTRY_UNSTORED}
+        if isinstance(entry, StepEntry):
+            row = dict(zip(ENTRY_COLUMNS, _ENTRY_VALUES(entry), strict=True))
+        else:
+            row = {_entry_column(f): value for f, value in _values(entry, StepEntry)
+                   if f.name not in _ENTRY_UNSTORED}
         row["sampled"] = bool(row["sampled"])
         rows.append(row)
     return rows

@@ -12,7 +12,15 @@ from sqlalchemy import event, text
 from app.db import Recorder
 from app.db.runs import get_run, list_runs
 from engine.events import FinishEvent, TokenEvent
-from engine.telemetry import StepEntry, StepRecord
+from engine.telemetry import (
+    ENTRY_COLUMNS,
+    STEP_COLUMNS,
+    RankTimes,
+    StepEntry,
+    StepRecord,
+    entry_rows,
+    step_row,
+)
 
 
 @pytest.fixture
@@ -258,3 +266,24 @@ def test_concurrent_producers_and_readers(db):
     for r in runs:
         assert get_run(db, r)["output_text"] == "".join(f"{i}," for i in range(300))
     rec.close()
+
+
+def test_a_step_and_its_saved_dict_give_the_same_rows():
+    """step_row and entry_rows read a live StepRecord by its fields in column order, and an
+    older version's to_dict() by name: the two must agree, column for column."""
+    record = replace(step_record(7, ["a", "b"]), preempted=["c"], expert_rows={"0": [1, 2]},
+                     ranks=[RankTimes(rank=0, wall_s=0.01, model_s=0.008, broadcast_s=0.001)],
+                     speculation="ngram", overlapped=True, discarded_rows=1)
+    record.entries[1] = replace(record.entries[1], phase="verify", rows=3, drafted=2,
+                                accepted=1, emitted=2)
+    row = step_row(record)
+    assert list(row) == list(STEP_COLUMNS)
+    assert row == step_row(record.to_dict())
+    assert row["step"] == 7 and row["preempted_json"] == ["c"] and row["overlapped"] is True
+    assert row["ranks_json"] == [{"rank": 0, "wall_s": 0.01, "model_s": 0.008,
+                                  "broadcast_s": 0.001, "all_sum_s": None}]
+    entries = entry_rows(record)
+    assert [list(e) for e in entries] == [list(ENTRY_COLUMNS)] * 2
+    assert entries == entry_rows(record.to_dict())
+    assert entries[1]["run_id"] == "b" and entries[1]["drafted"] == 2
+    assert "emitted" not in entries[1] and "entries" not in row
