@@ -253,6 +253,14 @@ class BlockManager:
         if block.ref_count == 1 and block.block_hash is None and h not in self._by_hash:
             self._index(block, h, tokens, seq.last_hash)
 
+    def has_blocks_to_register(self, seq_id: str, num_computed: int) -> bool:
+        """Whether register_full_blocks would key a block now (its caller can skip building
+        the token list otherwise)."""
+        if not self.enable_prefix_caching:
+            return False
+        seq = self._seqs[seq_id]
+        return seq.num_hashed < min(num_computed // self.block_size, len(seq.table))
+
     def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """Key the blocks that are now full of computed tokens, so later requests can share them."""
         if not self.enable_prefix_caching:

@@ -79,5 +79,5 @@ def resume(ahead: Ahead, running: set[str]) -> tuple[list[RowGroup], int]:
         if seq.num_computed != g.start or seq.num_tokens != g.start + 1:
             raise RuntimeError(f"{g.seq_id}: the step built ahead is at position {g.start}, "
                                f"the sequence at {seq.num_computed} of {seq.num_tokens}")
-        g.token_ids = [seq.token_ids[g.start]]
+        g.token_ids = seq.tokens(g.start, g.start + 1)
     return kept, len(ahead.groups) - len(kept)

@@ -65,7 +65,7 @@ class RowGroup:
     def of(cls, seq: Sequence, rows: int, phase: Phase, block_table: list[int]) -> RowGroup:
         """The next `rows` uncomputed tokens of a scheduled sequence."""
         start = seq.num_computed
-        return cls(seq.seq_id, seq.token_ids[start:start + rows], start, block_table,
+        return cls(seq.seq_id, seq.tokens(start, start + rows), start, block_table,
                    start + rows == seq.num_tokens, seq.params, len(seq.output_ids),
                    phase=phase, seq=seq)
 
@@ -314,8 +314,9 @@ class Scheduler:
             seq.num_computed += update.kept
             if g.verify:
                 self.bm.trim(seq.seq_id, seq.num_computed + 1)
-            self.bm.register_full_blocks(
-                seq.seq_id, seq.token_ids + g.drafts[:update.accepted], seq.num_computed)
+            if self.bm.has_blocks_to_register(seq.seq_id, seq.num_computed):  # 1 step in 16
+                self.bm.register_full_blocks(
+                    seq.seq_id, seq.token_ids + g.drafts[:update.accepted], seq.num_computed)
             if self.states is not None:
                 self._book_states(g, seq, update.accepted)
             updates.append(update)

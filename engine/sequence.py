@@ -46,7 +46,18 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """Prompt and outputs as one new list: O(length), so not for every step."""
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] (0 <= start <= stop) without building the whole list: a
+        step's rows take a token or a few from sequences of thousands."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
 
     @property
     def num_tokens(self) -> int:

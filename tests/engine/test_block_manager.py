@@ -43,6 +43,20 @@ def test_prefix_hit_shares_full_blocks_by_ref_count():
     bm.check_invariants()
 
 
+def test_has_blocks_to_register_says_when_a_block_has_filled():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    bm.allocate("a", 10)
+    assert not bm.has_blocks_to_register("a", 3)
+    assert bm.has_blocks_to_register("a", 4)
+    bm.register_full_blocks("a", tokens, num_computed=7)
+    assert not bm.has_blocks_to_register("a", 7)  # the first block is keyed, the second not full
+    assert bm.has_blocks_to_register("a", 8)
+    bm.register_full_blocks("a", tokens, num_computed=10)
+    assert not bm.has_blocks_to_register("a", 10)
+    assert not BlockManager(8, 4, enable_prefix_caching=False).has_blocks_to_register("x", 9)
+
+
 def test_prefix_match_leaves_the_last_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
     prompt = list(range(8))  # exactly two blocks

@@ -121,3 +121,11 @@ def test_prefix_cache_hit_skips_computed_blocks_at_admission():
     (g,) = out.groups
     assert g.start == 8 and g.num_rows == 1  # two cached blocks of 4, last token recomputed
     assert b.num_cached_prompt == 8
+
+
+def test_a_sequences_tokens_slice_across_prompt_and_outputs():
+    s = Sequence("a", [10, 11, 12], SamplingParams())
+    s.output_ids += [20, 21]
+    for start in range(6):
+        for stop in range(start, 7):
+            assert s.tokens(start, stop) == s.token_ids[start:stop], (start, stop)
