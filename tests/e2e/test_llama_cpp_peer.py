@@ -183,6 +183,20 @@ def test_the_one_stream_section_gives_each_run_and_the_goal(peer):
     assert "Warm ratio per round: 1.43x, 1.12x, 2.17x." in md
 
 
+def test_a_ratio_just_short_of_its_goal_is_not_printed_as_the_goal(peer):
+    assert peer.against_goal(1.2999952, 1.3) == "1.299995x"
+    assert peer.against_goal(1.2951, 1.3) == "1.295x"
+    assert peer.against_goal(1.3, 1.3) == "1.30x"
+    assert peer.against_goal(1.3049, 1.3) == "1.30x"  # met: two decimals say it
+    assert peer.against_goal(1.2849, 1.3) == "1.28x"
+    run = ONE_STREAM_RUN
+    section = rounds_section(run, dict(run, output_tps=80.0),
+                             [dict(run, output_tps=129.99952)],
+                             [dict(run, output_tps=100.0)], 1.5, "2026-12-05 12:12:13")
+    md = peer.render({"gguf": "model.gguf", "serve1": section})
+    assert "| warm | 1.299995x | >= 1.3x: not met |" in md
+
+
 def test_the_one_stream_section_gives_the_int8_option_beside_the_default(peer):
     run = ONE_STREAM_RUN
     ours = [dict(run, output_tps=x) for x in (100.0, 90.0)]
