@@ -3,12 +3,11 @@
 The step as the engine runs it (ModelRunner.run on decode rows at a context of ~100 tokens):
 how many MLX primitives its graph holds (each one scheduled by the engine thread and run on
 MLX's stream thread), its time split into building the graph in Python and evaluating it, and
-the same step with the
-fused decoder layer turned off (engine/native/decoder_layer.h: each layer's ~25 ops
-dispatched one by one). Then the parts of the op-by-op layers, each timed alone over all
-layers with the step's own shapes and kernels, dispatch included: the linear layers (as the
-step calls them: q/k/v and gate/up stacked), the head, attention with its KV write, the RMS
-norms and RoPE. Scheduling (the engine's own bookkeeping per step, outside the model) comes
+the same step with the fused decoder layer turned off (engine/native/decoder_layer.h: each
+layer's ~25 ops dispatched one by one). Then the parts of the op-by-op layers, each timed alone
+over all layers with the step's own shapes and kernels, dispatch included: the linear layers
+(as the step calls them: q/k/v and gate/up stacked), the head, attention with its KV write, the
+RMS norms and RoPE. Scheduling (the engine's own bookkeeping per step, outside the model) comes
 from the step records of an engine run. Medians of --rounds.
 
 Then the quantized kernel on its own, as the fused layer calls it (no MLX dispatch): every

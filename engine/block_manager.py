@@ -259,14 +259,18 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return False
         seq = self._seqs[seq_id]
-        return seq.num_hashed < min(num_computed // self.block_size, len(seq.table))
+        return seq.num_hashed < self._full_blocks(seq, num_computed)
+
+    def _full_blocks(self, seq: _SeqBlocks, num_computed: int) -> int:
+        """How many of a sequence's blocks are full of computed tokens."""
+        return min(num_computed // self.block_size, len(seq.table))
 
     def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """Key the blocks that are now full of computed tokens, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
         seq = self._seqs[seq_id]
-        full = min(num_computed // self.block_size, len(seq.table))
+        full = self._full_blocks(seq, num_computed)
         while seq.num_hashed < full:
             i = seq.num_hashed
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])

@@ -314,7 +314,7 @@ class Scheduler:
             seq.num_computed += update.kept
             if g.verify:
                 self.bm.trim(seq.seq_id, seq.num_computed + 1)
-            if self.bm.has_blocks_to_register(seq.seq_id, seq.num_computed):  # 1 step in 16
+            if self.bm.has_blocks_to_register(seq.seq_id, seq.num_computed):  # once a block
                 self.bm.register_full_blocks(
                     seq.seq_id, seq.token_ids + g.drafts[:update.accepted], seq.num_computed)
             if self.states is not None:
