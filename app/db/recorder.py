@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, bindparam, func, insert, select, update
 
 from app.db.database import Database
 from app.db.models import EngineSession, Run, RunToken, Step, StepEntry
@@ -31,6 +31,24 @@ log = logging.getLogger(__name__)
 # Order of writes within one transaction: parents before children, tokens before finishes
 # (a finish replaces the incrementally built output text with the engine's final text).
 _KIND_ORDER = {"call": 0, "run": 1, "token": 2, "finish": 3, "step": 4}
+
+
+def _progress(larger: Callable) -> Any:
+    """A run's text and token count so far: its tokens of one batch appended."""
+    return update(Run).where(Run.id == bindparam("run")).values(
+        output_text=Run.output_text + bindparam("text", type_=Run.output_text.type),
+        completion_tokens=larger(Run.completion_tokens,
+                                 bindparam("count", type_=Run.completion_tokens.type)),
+        first_token_at=func.coalesce(Run.first_token_at,
+                                     bindparam("first", type_=Run.first_token_at.type)))
+
+
+# The statements of every batch, built once: one built per batch cost SQLAlchemy its argument
+# coercion and cache key each time, on the writer thread, which shares the GIL with the
+# engine and the event loop. SQLite's two-argument max() is PostgreSQL's greatest().
+_INSERT_RUN, _INSERT_TOKEN = insert(Run), insert(RunToken)
+_INSERT_STEP, _INSERT_ENTRY = insert(Step), insert(StepEntry)
+_PROGRESS = {"postgresql": _progress(func.greatest), "sqlite": _progress(func.max)}
 
 
 @dataclass
@@ -324,7 +342,7 @@ def _write(conn: Connection, items: list[_Item], results: list[tuple[Future, Any
         fn: Callable[[Connection], Any] = item.payload
         results.append((item.future, fn(conn)))
     if by_kind["run"]:
-        conn.execute(insert(Run), [item.payload for item in by_kind["run"]])
+        conn.execute(_INSERT_RUN, [item.payload for item in by_kind["run"]])
     if by_kind["token"]:
         _write_tokens(conn, [item.payload for item in by_kind["token"]])
     for item in by_kind["finish"]:
@@ -334,7 +352,7 @@ def _write(conn: Connection, items: list[_Item], results: list[tuple[Future, Any
 
 
 def _write_tokens(conn: Connection, events: list) -> None:
-    conn.execute(insert(RunToken), [
+    conn.execute(_INSERT_TOKEN, [
         {"run_id": e.request_id, "idx": e.index, "token_id": e.token_id, "text": e.text,
          "logprob": e.logprob, "t": e.time, "step": e.step,
          "drafted": bool(getattr(e, "drafted", False)),
@@ -345,15 +363,11 @@ def _write_tokens(conn: Connection, events: list) -> None:
     per_run: dict[str, list] = defaultdict(list)
     for e in events:
         per_run[e.request_id].append(e)
-    # SQLite's two-argument max() is PostgreSQL's greatest().
-    larger = func.greatest if conn.dialect.name == "postgresql" else func.max
+    progress = _PROGRESS[conn.dialect.name]
     for run_id, evs in per_run.items():
         evs.sort(key=lambda e: e.index)
-        result = conn.execute(
-            update(Run).where(Run.id == run_id).values(
-                output_text=Run.output_text + "".join(e.text for e in evs),
-                completion_tokens=larger(Run.completion_tokens, evs[-1].index + 1),
-                first_token_at=func.coalesce(Run.first_token_at, evs[0].time)))
+        result = conn.execute(progress, {"run": run_id, "text": "".join(e.text for e in evs),
+                                         "count": evs[-1].index + 1, "first": evs[0].time})
         if result.rowcount == 0:
             raise MissingRunError(f"no run {run_id!r}")
 
@@ -382,6 +396,6 @@ def write_steps(conn: Connection, payloads: list[tuple[int, Any]]) -> None:
         steps.append({"session_id": session_id, **row})
         entries += [{"session_id": session_id, "step": row["step"], **entry}
                     for entry in entry_rows(record)]
-    conn.execute(insert(Step), steps)
+    conn.execute(_INSERT_STEP, steps)
     if entries:
-        conn.execute(insert(StepEntry), entries)
+        conn.execute(_INSERT_ENTRY, entries)
