@@ -253,24 +253,18 @@ class BlockManager:
         if block.ref_count == 1 and block.block_hash is None and h not in self._by_hash:
             self._index(block, h, tokens, seq.last_hash)
 
-    def has_blocks_to_register(self, seq_id: str, num_computed: int) -> bool:
-        """Whether register_full_blocks would key a block now (its caller can skip building
-        the token list otherwise)."""
-        if not self.enable_prefix_caching:
-            return False
-        seq = self._seqs[seq_id]
-        return seq.num_hashed < self._full_blocks(seq, num_computed)
-
-    def _full_blocks(self, seq: _SeqBlocks, num_computed: int) -> int:
-        """How many of a sequence's blocks are full of computed tokens."""
-        return min(num_computed // self.block_size, len(seq.table))
-
-    def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Key the blocks that are now full of computed tokens, so later requests can share them."""
+    def register_full_blocks(self, seq_id: str,
+                             token_ids: list[int] | Callable[[], list[int]],
+                             num_computed: int) -> None:
+        """Key the blocks that are now full of computed tokens, so later requests can share them.
+        token_ids: the sequence's tokens, or a function giving them, called only when a block
+        has filled (a step's caller: building the list takes time in the sequence's length)."""
         if not self.enable_prefix_caching:
             return
         seq = self._seqs[seq_id]
-        full = self._full_blocks(seq, num_computed)
+        full = min(num_computed // self.block_size, len(seq.table))
+        if seq.num_hashed < full and callable(token_ids):
+            token_ids = token_ids()
         while seq.num_hashed < full:
             i = seq.num_hashed
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])

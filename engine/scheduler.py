@@ -314,9 +314,10 @@ class Scheduler:
             seq.num_computed += update.kept
             if g.verify:
                 self.bm.trim(seq.seq_id, seq.num_computed + 1)
-            if self.bm.has_blocks_to_register(seq.seq_id, seq.num_computed):  # once a block
-                self.bm.register_full_blocks(
-                    seq.seq_id, seq.token_ids + g.drafts[:update.accepted], seq.num_computed)
+            kept_drafts = g.drafts[:update.accepted]
+            self.bm.register_full_blocks(
+                seq.seq_id, lambda seq=seq, drafts=kept_drafts: seq.token_ids + drafts,
+                seq.num_computed)
             if self.states is not None:
                 self._book_states(g, seq, update.accepted)
             updates.append(update)

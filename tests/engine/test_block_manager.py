@@ -43,18 +43,30 @@ def test_prefix_hit_shares_full_blocks_by_ref_count():
     bm.check_invariants()
 
 
-def test_has_blocks_to_register_says_when_a_block_has_filled():
+def test_tokens_given_lazily_are_built_only_when_a_block_has_filled():
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(10))
+    calls = []
+
+    def built() -> list[int]:
+        calls.append(1)
+        return tokens
+
+    def builds(manager: BlockManager, seq_id: str, computed: int) -> bool:
+        before = len(calls)
+        manager.register_full_blocks(seq_id, built, computed)
+        return len(calls) > before
+
     bm.allocate("a", 10)
-    assert not bm.has_blocks_to_register("a", 3)
-    assert bm.has_blocks_to_register("a", 4)
-    bm.register_full_blocks("a", tokens, num_computed=7)
-    assert not bm.has_blocks_to_register("a", 7)  # the first block is keyed, the second not full
-    assert bm.has_blocks_to_register("a", 8)
-    bm.register_full_blocks("a", tokens, num_computed=10)
-    assert not bm.has_blocks_to_register("a", 10)
-    assert not BlockManager(8, 4, enable_prefix_caching=False).has_blocks_to_register("x", 9)
+    assert not builds(bm, "a", 3)
+    assert builds(bm, "a", 4)
+    assert not builds(bm, "a", 7)  # the first block is keyed, the second not full
+    assert builds(bm, "a", 8)
+    assert not builds(bm, "a", 10)
+    assert bm.block_hash("a", 1) is not None and bm.block_hash("a", 2) is None
+    unkeyed = BlockManager(8, 4, enable_prefix_caching=False)
+    unkeyed.allocate("x", 9)
+    assert not builds(unkeyed, "x", 9)
 
 
 def test_prefix_match_leaves_the_last_token_to_compute():
