@@ -26,8 +26,7 @@ void relax() {
 }
 
 // Workers spin up to ~1 ms after a job (in a decode step the next op that uses them comes
-// within that), yielding the core now and then, then sleep until woken: an idle engine costs
-// nothing.
+// within that), then sleep until woken: an idle engine costs nothing.
 class Workers {
  public:
   explicit Workers(int count) : pid_(getpid()), count_(count) {
@@ -91,16 +90,8 @@ class Workers {
       const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
       int spins = 0;
       while (generation_.load() == seen) {
-        if (++spins % 256 != 0) {
+        if (++spins % 256 != 0 || std::chrono::steady_clock::now() < spin_until) {
           relax();
-          continue;
-        }
-        if (std::chrono::steady_clock::now() < spin_until) {
-          // Every 256 pauses (a few µs) of spinning, hand the core to a thread waiting for
-          // one (the engine's Python, the server's event loop): with as many busy threads as
-          // cores, the OS otherwise takes a core from whichever thread it picks, often the
-          // one computing.
-          std::this_thread::yield();
           continue;
         }
         std::unique_lock<std::mutex> lock(mutex_);
