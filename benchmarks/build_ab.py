@@ -119,8 +119,9 @@ def run_build(tree: Path, args) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"build in {tree} failed:\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    if not Path(result["engine_file"]).resolve().is_relative_to(tree.resolve()):
-        raise SystemExit(f"the process for {tree} imported {result['engine_file']}")
+    engine_file = result.pop("engine_file")  # checked, not kept: a path of this machine
+    if not Path(engine_file).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"the process for {tree} imported {engine_file}")
     return result
 
 
