@@ -35,6 +35,7 @@ step or kernel) unless --out says otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -130,15 +131,20 @@ def short_rev(rev: str) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def base_tree(rev: str, where: Path) -> Path:
-    """A worktree of `rev` with its own native kernels built."""
+@contextlib.contextmanager
+def base_tree(rev: str, where: Path):
+    """A worktree of `rev` in `where` with its own native kernels built; removed after."""
     tree = where / "base"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev],
                    check=True)
-    print(f"# building the native kernels of {rev}...", file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, "-m", "engine.native.build", "--quiet"], cwd=tree,
-                   env=os.environ | {"PYTHONPATH": str(tree)}, check=True)
-    return tree
+    try:
+        print(f"# building the native kernels of {rev}...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "engine.native.build", "--quiet"], cwd=tree,
+                       env=os.environ | {"PYTHONPATH": str(tree)}, check=True)
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                       check=False)
 
 
 def summarize(rounds: list[dict], concurrency: list[int]) -> list[dict]:
@@ -250,25 +256,19 @@ def main() -> None:
     if not args.base:
         ap.error("--base is required")
     head_rev, base_rev = short_rev("HEAD"), short_rev(args.base)
-    with tempfile.TemporaryDirectory() as tmp:
-        base = base_tree(base_rev, Path(tmp))
-        try:
-            rounds = []
-            for i in range(args.rounds):
-                order = [("base", base), ("head", ROOT)]
-                if i % 2:
-                    order.reverse()
-                result = {}
-                for name, tree in order:
-                    t0 = time.perf_counter()
-                    print(f"# round {i + 1}/{args.rounds}: {name}...", file=sys.stderr,
-                          flush=True)
-                    result[name] = run_build(tree, args)
-                    print(f"#   {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-                rounds.append(result)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                           check=False)
+    with tempfile.TemporaryDirectory() as tmp, base_tree(base_rev, Path(tmp)) as base:
+        rounds = []
+        for i in range(args.rounds):
+            order = [("base", base), ("head", ROOT)]
+            if i % 2:
+                order.reverse()
+            result = {}
+            for name, tree in order:
+                t0 = time.perf_counter()
+                print(f"# round {i + 1}/{args.rounds}: {name}...", file=sys.stderr, flush=True)
+                result[name] = run_build(tree, args)
+                print(f"#   {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            rounds.append(result)
     if base_rev != args.base:  # a name (HEAD~1, a branch): the table says which commit it was
         args.base = f"{args.base} ({base_rev})"
     out = Path(args.out)

@@ -70,8 +70,9 @@ SERVE_GOAL = 1.6  # batchscope / llama-server at 8 streams
 BENCH_SERVE = ["--num-prompts", "32", "--max-concurrency", str(SERVE_STREAMS), "--seed", "0",
                "--ignore-eos", "on"]
 # One stream: fewer prompts, each served alone (the goal: batchscope / llama-server >= 1.3).
-BENCH_SERVE_ONE = ["--num-prompts", "12", "--max-concurrency", "1", "--seed", "0",
-                   "--ignore-eos", "on"]
+SERVE_ONE_PROMPTS = 12
+BENCH_SERVE_ONE = ["--num-prompts", str(SERVE_ONE_PROMPTS), "--max-concurrency", "1", "--seed",
+                   "0", "--ignore-eos", "on"]
 SERVE_ONE_GOAL = 1.3
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
 

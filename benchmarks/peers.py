@@ -330,14 +330,18 @@ def _openblas_mapped(pid: int) -> bool | None:
 
 
 @contextlib.contextmanager
-def running_server(name: str, cmd: list[str], port: int, log_path: Path, log: Log):
+def running_server(name: str, cmd: list[str], port: int, log_path: Path, log: Log,
+                   tree: Path | None = None):
     """Start a server, wait until GET /v1/models answers 200, yield its URL; stop it after
-    (SIGTERM, then SIGKILL to its process group)."""
+    (SIGTERM, then SIGKILL to its process group). tree: a checkout whose build it serves (it
+    runs there with the tree on PYTHONPATH: `python -c` puts the working directory first on
+    sys.path, so it imports that tree's engine and native kernels)."""
     import httpx
 
     url = f"http://127.0.0.1:{port}"
+    env = server_env() | ({"PYTHONPATH": str(tree)} if tree is not None else {})
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env(),
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tree,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -31,18 +30,19 @@ from pathlib import Path
 # isort: off
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 # isort: on
-# benchmarks/build_ab.py and peers.py (the script directory is on sys.path)
+# benchmarks/build_ab.py, llama_cpp_peer.py and peers.py (the script directory is on sys.path)
 from build_ab import base_tree, short_rev
+from llama_cpp_peer import SERVE_ONE_PROMPTS
 from peers import free_port, running_server, server_commands
 
 from app.bench import dataset as datasets
 from app.bench.client import probe, run_load
 from app.bench.metrics import summarize
+from app.cli.bench import DEFAULT_CONTEXT
 from engine.platform import backend_info
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PROMPTS = 12  # llama_cpp_peer.BENCH_SERVE_ONE's --num-prompts
 SIDES = ("base", "tree")
 
 
@@ -78,8 +78,8 @@ def render(summary: dict, meta: dict) -> str:
     lines = [
         f"`benchmarks/serve_ab.py`, {meta['date']}: `batchscope serve` from {meta['base']} and "
         f"from the working tree (at {meta['head']}), side by side, {meta['rounds']} rounds of the "
-        f"one-stream `bench serve` load ({PROMPTS} `mixed` requests, seed 0, one at a time, "
-        f"ignore_eos) on each in alternating order; weights {meta['weights']}, "
+        f"one-stream `bench serve` load ({SERVE_ONE_PROMPTS} `mixed` requests, seed 0, one at a "
+        f"time, ignore_eos) on each in alternating order; weights {meta['weights']}, "
         f"{meta['backend']}.", "",
         "| server | output tok/s | median TPOT ms | median TTFT ms |", "|---|---|---|---|"]
     for side in SIDES:
@@ -106,22 +106,16 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="serve-ab-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
-        stack.callback(lambda: os.system(
-            f"git -C {ROOT} worktree remove --force {work / 'base'} >/dev/null 2>&1"))
-        trees = {"base": base_tree(args.base, work), "tree": ROOT}
+        trees = {"base": stack.enter_context(base_tree(args.base, work)), "tree": ROOT}
         urls = {}
         for side, tree in trees.items():
             port = free_port()
             cmd = server_commands("batchscope", port, args.weights, work, work / f"{side}.db")
-            # The server imports its own build: `python -c` puts the working directory first
-            # on sys.path, then PYTHONPATH (which peers.server_env passes on).
-            os.environ["PYTHONPATH"] = str(tree)
-            with contextlib.chdir(tree):
-                urls[side], _ = stack.enter_context(
-                    running_server(side, cmd, port, work / f"{side}.log", log))
-        os.environ.pop("PYTHONPATH")
+            urls[side], _ = stack.enter_context(
+                running_server(side, cmd, port, work / f"{side}.log", log, tree))
         info = probe(urls["tree"])
-        requests = datasets.load("mixed", PROMPTS, seed=0, context=info.max_model_len or 2048)
+        requests = datasets.load("mixed", SERVE_ONE_PROMPTS, seed=0,
+                                 context=info.max_model_len or DEFAULT_CONTEXT)
         for side in SIDES:  # warm-up: the prompts' prefixes cached, as in the peer's warm rounds
             drive(urls[side], requests)
         rounds = []

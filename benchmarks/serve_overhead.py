@@ -264,9 +264,7 @@ def main() -> int:
         # Each server side: the tree it serves from and the flags it adds.
         trees = {"serve (this tree)": (ROOT, [])}
         if args.base:
-            stack.callback(lambda: os.system(
-                f"git -C {ROOT} worktree remove --force {work / 'base'} >/dev/null 2>&1"))
-            trees[f"serve ({args.base})"] = (base_tree(args.base, work), [])
+            trees[f"serve ({args.base})"] = (stack.enter_context(base_tree(args.base, work)), [])
         if args.compare_flags:
             trees[f"serve ({args.compare_flags})"] = (ROOT, shlex.split(args.compare_flags))
         ports, pids = {}, {}
@@ -274,14 +272,9 @@ def main() -> int:
             port = free_port()
             cmd = server_commands("batchscope", port, args.weights, work,
                                   work / f"{len(ports)}.db") + flags
-            # The server imports its own build: `python -c` puts the working directory first
-            # on sys.path, then PYTHONPATH (which peers.server_env passes on).
-            os.environ["PYTHONPATH"] = str(tree)
-            with contextlib.chdir(tree):
-                _, proc = stack.enter_context(running_server(name, cmd, port,
-                                                             work / f"{len(ports)}.log", log))
+            _, proc = stack.enter_context(running_server(name, cmd, port,
+                                                         work / f"{len(ports)}.log", log, tree))
             ports[name], pids[name] = port, proc.pid
-        os.environ.pop("PYTHONPATH")
         eng = stack.enter_context(Engine(EngineConfig(weights=args.weights)))
         weights = eng.loaded.weights
         prompt_tokens = len(eng.encode(prompt(0)))
