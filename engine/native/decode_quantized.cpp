@@ -22,9 +22,9 @@
 //   lanes: lane l takes the k's of lane l, in increasing k, with one fma each, then the fixed
 //   tree of lane_sum. For 8 bits lane l takes k = l, l + 16, ...; for 4 bits each 32 k's
 //   (16 bytes) split into the low nibbles (even k: lane l takes k = 2l) and then the high
-//   ones (odd k: k = 2l + 1), the order a byte-to-int widening gives with no shuffle. x is
-//   put into that order once per call. in_features is a multiple of the group (>= 32), so
-//   there is no tail. The file is built with -ffp-contract=off: no fma but the written ones.
+//   ones (odd k: k = 2l + 1), the order a byte-to-int widening gives with no shuffle. Each
+//   thread puts x into that order once per call (lane_ordered). in_features is a multiple of
+//   the group (>= 32), so there is no tail. The file is built with -ffp-contract=off: no fma but the written ones.
 // Each path is a Kern below (its tile sizes and its dequantization); the dot products are
 // dot<Kern> on Vec<Kern::ISA> (simd.h). The build has every path up to the CPU's best, and
 // one is picked at run time (decode_quantized_isa), so the tests compare them here.
@@ -34,7 +34,7 @@ namespace batchscope {
 namespace {
 
 struct Problem {
-  const float* x;  // (M, K), in lane order
+  const float* x;  // (M, K); 4 bits: as given, each thread reads its own copy in lane order
   const uint32_t* w;
   const void* scales;
   const void* biases;
@@ -508,8 +508,53 @@ void output_range(const Problem& p, int n_begin, int n_end) {
   }
 }
 
+std::atomic<uint64_t> calls{0};
+
+// x (n values) in lane order, in a buffer of the calling thread's own, ordered once per call:
+// each 32 values' even ones, then the odd ones (4 bits, see the top). Every thread that takes
+// a share of a call orders its own copy: one copy written by the caller and read by a worker
+// had its cache lines move between the cores on every call, and the caller's writes waited
+// for them.
+const float* lane_ordered(const float* x, size_t n, uint64_t call) {
+  thread_local std::vector<float> buffer;
+  thread_local uint64_t ordered_call = 0;
+  if (ordered_call == call) return buffer.data();
+  buffer.resize(n);
+  float* to = buffer.data();
+#if BATCHSCOPE_HAS_AVX512
+  // Two permutes per 32 values where the scalar loop moves each value alone.
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                         28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (size_t base = 0; base < n; base += 32) {
+    const __m512 a = _mm512_loadu_ps(x + base), b = _mm512_loadu_ps(x + base + 16);
+    _mm512_storeu_ps(to + base, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(to + base + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
+#else
+  for (size_t base = 0; base < n; base += 32) {
+    for (int j = 0; j < 16; ++j) {
+      to[base + j] = x[base + 2 * j];
+      to[base + 16 + j] = x[base + 2 * j + 1];
+    }
+  }
+#endif
+  ordered_call = call;
+  return to;
+}
+
+// Outputs [n_begin, n_end) on the calling thread, with x as the kernels read it.
+template <class Kern>
+void outputs_here(const Problem& p, int n_begin, int n_end, uint64_t call) {
+  if (p.bits != 4) return output_range<Kern>(p, n_begin, n_end);
+  Problem here = p;
+  here.x = lane_ordered(p.x, static_cast<size_t>(p.M) * p.K, call);
+  output_range<Kern>(here, n_begin, n_end);
+}
+
 template <class Kern>
 void compute_with(const Problem& p) {
+  const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
   // Output tiles in chunks shared by the threads (parallel_for); which thread takes a tile
   // does not change its arithmetic. Below ~64k multiply-adds one thread is faster.
   // A tile: the outputs the step's kernel takes at once (chunk edges on tile edges).
@@ -518,11 +563,11 @@ void compute_with(const Problem& p) {
   if (static_cast<int64_t>(p.M) * p.K * p.N >= (1 << 16)) {
     const int chunk = std::max(1, tiles / (parallel_threads() * 8));
     auto outputs = [&](int begin, int end) {
-      output_range<Kern>(p, begin * unit, std::min(p.N, end * unit));
+      outputs_here<Kern>(p, begin * unit, std::min(p.N, end * unit), call);
     };
     if (parallel_for(tiles, chunk, outputs)) return;
   }
-  output_range<Kern>(p, 0, p.N);
+  outputs_here<Kern>(p, 0, p.N, call);
 }
 
 bool parse_isa(const std::string& name, Isa* isa) {
@@ -595,32 +640,6 @@ void quantized_linear_rows(const float* x, int M, int K, const uint32_t* w, cons
     return;
   }
   const ScaleType st = scale_type_of(scale_dtype);
-  thread_local std::vector<float> lane_order;  // reused: no allocation per call
-  if (bits == 4) {  // each 32 values: the even ones, then the odd ones (see the top)
-    lane_order.resize(static_cast<size_t>(M) * K);
-    float* to = lane_order.data();
-    const size_t n = lane_order.size();
-#if BATCHSCOPE_HAS_AVX512
-    // Two permutes per 32 values where the scalar loop moved each value alone (a step of a
-    // few rows calls this for every linear layer).
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                           28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (size_t base = 0; base < n; base += 32) {
-      const __m512 a = _mm512_loadu_ps(x + base), b = _mm512_loadu_ps(x + base + 16);
-      _mm512_storeu_ps(to + base, _mm512_permutex2var_ps(a, even, b));
-      _mm512_storeu_ps(to + base + 16, _mm512_permutex2var_ps(a, odd, b));
-    }
-#else
-    for (size_t base = 0; base < n; base += 32) {
-      for (int j = 0; j < 16; ++j) {
-        to[base + j] = x[base + 2 * j];
-        to[base + 16 + j] = x[base + 2 * j + 1];
-      }
-    }
-#endif
-    x = to;
-  }
   Problem p{x, w, scales, biases, st, out, M, K, N, group_size, bits};
   compute(p);
 }
