@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
-#include <unistd.h>
 
 namespace batchscope {
 
@@ -29,7 +29,7 @@ void relax() {
 // within that), then sleep until woken: an idle engine costs nothing.
 class Workers {
  public:
-  explicit Workers(int count) : pid_(getpid()), count_(count) {
+  explicit Workers(int count) : count_(count) {
     for (int i = 0; i < count; ++i) {
       std::thread([this] { loop(); }).detach();  // never joined: lives as long as the process
     }
@@ -37,9 +37,6 @@ class Workers {
 
   int count() const {
     return count_;
-  }
-  pid_t pid() const {
-    return pid_;
   }
 
   // Runs job() on the calling thread and on every worker that arrives while it is open; the
@@ -111,7 +108,6 @@ class Workers {
     }
   }
 
-  pid_t pid_;
   int count_;
   std::mutex busy_, mutex_;
   std::condition_variable wake_;
@@ -122,21 +118,42 @@ class Workers {
   std::exception_ptr worker_error_;
 };
 
+std::mutex pool_guard;
+std::atomic<Workers*> current_pool{nullptr};
+
+// A forked child has none of its parent's threads: it starts its own pool when it first needs
+// one. (Settled at the fork, not by comparing getpid() on every call: that is a system call,
+// and a one-row step asks for the pool a few hundred times.) The guard is held across the
+// fork, so the child never inherits it locked by a thread it does not have.
+void lock_pool_guard() {
+  pool_guard.lock();
+}
+void unlock_pool_guard() {
+  pool_guard.unlock();
+}
+void forget_pool_in_child() {
+  current_pool.store(nullptr);
+  pool_guard.unlock();
+}
+
 Workers& pool() {
-  static std::mutex guard;
-  static Workers* current = nullptr;
-  std::lock_guard<std::mutex> lock(guard);
-  // A forked child has none of its parent's threads: start its own.
-  if (current == nullptr || current->pid() != getpid()) {
+  if (Workers* workers = current_pool.load(std::memory_order_acquire)) return *workers;
+  std::lock_guard<std::mutex> lock(pool_guard);
+  Workers* workers = current_pool.load();
+  if (workers == nullptr) {
+    static const bool registered =
+        pthread_atfork(lock_pool_guard, unlock_pool_guard, forget_pool_in_child) == 0;
+    (void)registered;
     // BATCHSCOPE_NATIVE_THREADS caps the threads (1: the calling thread only).
     int threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
     const char* env = std::getenv("BATCHSCOPE_NATIVE_THREADS");
     if (env != nullptr && *env != 0) {  // set and not empty
       threads = std::clamp(std::atoi(env), 1, MAX_THREADS);
     }
-    current = new Workers(threads - 1);
+    workers = new Workers(threads - 1);
+    current_pool.store(workers, std::memory_order_release);
   }
-  return *current;
+  return *workers;
 }
 
 // A thread's share of a parallel_for: [begin, end) packed in one word, so that its owner
