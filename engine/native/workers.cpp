@@ -166,13 +166,15 @@ uint64_t pack(uint32_t begin, uint32_t end) {
   return static_cast<uint64_t>(end) << 32 | begin;
 }
 
-// Claims up to `chunk` items of the share, from its front or its back; false when it is empty.
+// Claims up to `chunk` items of the share and at most half of what is left of it (at least
+// one), from its front or its back; false when it is empty. The last claims of a call are
+// small, so a thread that has run out of work waits little for another's last claim.
 bool take(Share& share, int chunk, bool front, int* begin, int* end) {
   uint64_t now = share.range.load(std::memory_order_relaxed);
   for (;;) {
     const auto lo = static_cast<uint32_t>(now), hi = static_cast<uint32_t>(now >> 32);
     if (lo >= hi) return false;
-    const uint32_t n = std::min(hi - lo, static_cast<uint32_t>(chunk));
+    const uint32_t n = std::min(static_cast<uint32_t>(chunk), (hi - lo + 1) / 2);
     const uint64_t next = front ? pack(lo + n, hi) : pack(lo, hi - n);
     if (share.range.compare_exchange_weak(now, next, std::memory_order_relaxed)) {
       *begin = static_cast<int>(front ? lo : hi - n);
