@@ -151,6 +151,16 @@ def set_decode_quantized_isa(name: str) -> str:
     return module.set_decode_quantized_isa(name)
 
 
+def set_attention_parallel_cost(cost: float) -> float:
+    """The cost (keys x query heads / 16, summed over a call) from which the paged attention
+    kernel shares a call with the worker threads: returns the one it replaces. For
+    benchmarks/attention_threads.py, which measures the default; it changes no bit."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"native kernels {why_not()}")
+    return module.set_attention_parallel_cost(cost)
+
+
 def threads() -> int | None:
     """Threads the native ops' pool uses (BATCHSCOPE_NATIVE_THREADS caps them); None when not
     built."""

@@ -174,6 +174,9 @@ NB_MODULE(_kernels, m) {
         "`rows` rows through every quantized layer in turn, `rounds` times, as the fused "
         "decoder layer calls the kernel (no MLX dispatch; int8_activations: its option): per "
         "round, each layer's seconds.");
+  m.def("set_attention_parallel_cost", &batchscope::set_attention_parallel_cost, "cost"_a,
+        "The cost (keys x query heads / 16, summed over a call) from which paged attention is "
+        "shared with the worker threads; returns the one it replaces (benchmarks).");
   m.def("native_threads", &batchscope::parallel_threads,
         "Threads the native ops' worker pool uses (the caller included).");
 }

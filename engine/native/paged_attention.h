@@ -58,6 +58,12 @@ struct PagedAttentionArgs {
 };
 void paged_attention_rows(const PagedAttentionArgs& args);
 
+// The cost (keys x query heads / 16, summed over a call's units of work) from which a call's
+// attention is shared with the worker threads; returns the one it replaces. For the benchmark
+// that measures the default (benchmarks/attention_threads.py); which thread computes a unit
+// changes no bit.
+double set_attention_parallel_cost(double cost);
+
 // Throws std::invalid_argument naming the first bad context length, query length or block id
 // (outside a pool of `slots` slots); paged_attention_rows calls it before reading the pool.
 void check_block_tables(const int32_t* tables, const int32_t* context_lens,
