@@ -1,17 +1,17 @@
 """A decode step with its attention on one thread against shared with the worker threads.
 
-The native paged attention kernel hands a call's units of work (a kv head of a sequence, or for
-a step of few decode rows one query head each) to the worker threads from a cost of keys x
-query heads / 16 on (engine/native/paged_attention.cpp); below it, the calling thread computes
-them alone. This script measures where that pays: the engine's decode step (ModelRunner.run on
---rows decode rows, the fused layers, the head and sampling, as benchmarks/step_profile.py
---steps runs it) at each --contexts, with the kernel's threshold set so that every call stays
-on one thread, and at the kernel's default. The two alternate every STEPS_PER_TURN steps in one
-process, so the machine's drift, which moves separate processes by more than the difference,
-hits both alike. Which thread computes a unit changes no bit.
+The native paged attention kernel hands a call's units of work (a kv head of a sequence's rows)
+to the worker threads from a cost of keys x query heads / 16 on, summed over the call
+(engine/native/paged_attention.cpp); below it, the calling thread computes them alone. This
+script measures where that pays: the engine's decode step (ModelRunner.run on --rows decode
+rows, the fused layers, the head and sampling, as benchmarks/step_profile.py --steps runs it)
+at each --contexts, with the kernel's threshold set so that every call stays on one thread,
+and at the kernel's default. The two alternate every STEPS_PER_TURN steps in one process, so
+the machine's drift, which moves separate processes by more than the difference, hits both
+alike. Which thread computes a unit changes no bit.
 
     .venv/bin/python benchmarks/attention_threads.py [--weights auto] [--rows 1]
-        [--contexts 4 8 16 20 40 70 100 200 400] [--turns 60]
+        [--contexts 8 16 20 30 40 55 70 100 200 400] [--turns 60]
 
 Writes benchmarks/results/attention_threads.{md,json} unless --out says otherwise.
 """
@@ -89,7 +89,7 @@ def main() -> int:
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--contexts", type=int, nargs="+",
-                    default=[4, 8, 16, 20, 40, 70, 100, 200, 400])
+                    default=[8, 16, 20, 30, 40, 55, 70, 100, 200, 400])
     ap.add_argument("--turns", type=int, default=60)
     ap.add_argument("--out", default=str(HERE / "results" / "attention_threads"))
     args = ap.parse_args()

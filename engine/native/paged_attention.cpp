@@ -27,12 +27,12 @@ namespace {
 
 constexpr Check check{"paged_attention"};
 
-// A call's attention goes to the worker threads from this cost (keys x query heads / 16,
-// summed over its units) on; below it, handing it over costs more than it saves. 10 is one
-// decode row of the embedded model (9 query heads, a unit each) at ~18 keys: from 20 keys on,
-// sharing the row was faster (1.02x of a whole step at 20 keys, 1.05x at 100, 1.09x at 400)
-// and at 4-16 keys level (benchmarks/attention_threads.py).
-std::atomic<double> parallel_cost{10};
+// A call's attention goes to the worker threads from this cost (keys x query heads / 16 for
+// each unit, a kv head of a sequence's rows, summed) on; below it, handing it over costs more
+// than it saves. 30 is one decode row of the embedded model (3 kv heads of 3 query heads, so
+// its units go 2:1 to two threads) at ~53 keys: against the row on one thread, the step was
+// level at 40 keys and faster from 70 on (benchmarks/results/attention_threads.md).
+std::atomic<double> parallel_cost{30};
 
 template <typename R, typename T>
 void run_units(const std::vector<Unit>& units, const std::vector<int>& row0s, const R* q,
@@ -143,13 +143,6 @@ void paged_attention_rows(const PagedAttentionArgs& a) {
   std::vector<int> row0s(s.seqs);
   std::vector<Unit> units;
   const int rep = s.heads / s.kv_heads;
-  // A step with fewer decode rows' kv heads than twice the threads (one person's decode step)
-  // gives each query head of them a unit of its own, so that the threads share its attention
-  // evenly: units of a whole group went 2:1 to two threads at 3 kv heads. More rows keep a
-  // unit per group, whose query heads read each key once.
-  int decode_rows = 0;
-  for (int i = 0; i < s.seqs; ++i) decode_rows += qlen_ptr[i] == 1;
-  const int decode_heads = decode_rows * s.kv_heads < 2 * parallel_threads() ? 1 : rep;
   for (int i = 0; i < s.seqs; ++i) {
     const int len = len_ptr[i], qlen = qlen_ptr[i];
     row0s[i] = static_cast<int>(total_rows);
@@ -157,17 +150,14 @@ void paged_attention_rows(const PagedAttentionArgs& a) {
     for (int g = 0; g < s.kv_heads; ++g) {
       if (qlen == 1) {
         const int span = s.window > 0 ? std::min(len, s.window) : len;
-        for (int h = 0; h < rep; h += decode_heads) {
-          units.push_back({i, g, 0, 1, static_cast<double>(span) * decode_heads / LANES, h,
-                           decode_heads});
-        }
+        units.push_back({i, g, 0, 1, static_cast<double>(span) * rep / LANES});
         continue;
       }
       for (int r = 0; r < qlen; r += LANES) {
         const int rows = std::min(LANES, qlen - r);
         const int last = len - qlen + r + rows;  // keys up to here
         const int span = s.window > 0 ? std::min(last, s.window + rows) : last;
-        units.push_back({i, g, r, rows, static_cast<double>(span) * rep, 0, rep});
+        units.push_back({i, g, r, rows, static_cast<double>(span) * rep});
       }
     }
   }

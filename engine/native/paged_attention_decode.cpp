@@ -209,7 +209,7 @@ void write_out(const float* acc, R* out, int dim) {
 // in the cache).
 constexpr int DECODE_BLOCK = 128;
 
-// A decode row: the unit's query heads of kv head g over the keys of its range. IN_PLACE: the
+// A decode row: its query heads of kv head g over the keys of its range. IN_PLACE: the
 // arithmetic reads the pool's rows (any dtype, widened in registers) where they are; else
 // float32 copies with zeros to dim16.
 template <typename R, typename T, bool IN_PLACE>
@@ -222,11 +222,11 @@ void decode_unit_rows(const Unit& u, const R* q, const T* k_pool, const T* v_poo
     if constexpr (IN_PLACE) pool_rows(pool, u.g, table, lo, hi, s, rows);
     else locate_rows(pool, u.g, table, lo, hi, s, buf, rows);
   };
-  const int rep = u.heads;  // the unit's query heads, from head0 on
+  const int rep = s.heads / s.kv_heads;
   const int first = s.window > 0 ? std::max(0, ctx - s.window) : 0;
   const int n = ctx - first;
   w.q.assign(static_cast<size_t>(rep) * s.dim16, 0.0f);
-  const int head0 = u.g * (s.heads / s.kv_heads) + u.first_head;
+  const int head0 = u.g * rep;
   const R* qr = q + (static_cast<size_t>(u.row_begin) * s.heads + head0) * s.dim;
   for (int h = 0; h < rep; ++h) {
     for (int d = 0; d < s.dim; ++d) {

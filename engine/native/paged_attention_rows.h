@@ -61,14 +61,11 @@ struct Shapes {
 };
 
 // One piece of work: kv head g of sequence seq, its rows [row_begin, row_begin + rows) (a
-// tile of up to 16 rows of a run, or a decode row), and of the group's query heads those in
-// [first_head, first_head + heads) (they read each key and value once): all of them, or for a
-// decode row of a step with few of them, one. Each query head's arithmetic is its own, so how
-// the heads are grouped changes no bit.
+// tile of up to 16 rows of a run, or a decode row), all the query heads of the group (they
+// read each key and value once).
 struct Unit {
   int seq, g, row_begin, rows;
   double cost;
-  int first_head, heads;
 };
 
 // Pointers to the key and value rows a unit reads, of type T: a 16-bit pool's own rows, or

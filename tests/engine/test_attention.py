@@ -242,23 +242,6 @@ def test_native_kernel_long_rows_have_the_bits_of_decode_rows(window, heads, kv_
         row += rows
 
 
-@pytest.mark.parametrize("pool_dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (10, 2)])
-def test_native_kernel_gives_a_decode_row_the_same_bits_alone_and_among_decode_rows(
-        heads, kv_heads, pool_dtype):
-    """A step of few decode rows gives each query head a unit of its own, so that the threads
-    share it; a step of more rows keeps a unit per kv head, its query heads together. A row's
-    bits are the same either way, whichever thread takes which head."""
-    kernel = native_kernel()
-    lens = [150, 97, 300, 41]
-    pool, tables = fragmented_pool(lens, pool_dtype, kv_heads=kv_heads, seed=4)
-    q = mx.random.normal((len(lens), heads, 64), key=mx.random.key(5))
-    together = kernel_call(kernel, q, pool, tables, lens, [1] * len(lens))
-    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
-        alone = kernel_call(kernel, q[i:i + 1], pool, [table], [n], [1])
-        assert mx.array_equal(alone, together[i:i + 1]).item(), (heads, kv_heads, i)
-
-
 def test_native_kernel_refuses_bad_tables_and_shapes_with_errors():
     kernel = native_kernel()
     pool, tables = fragmented_pool([20], mx.float32)
