@@ -19,7 +19,6 @@ Writes benchmarks/results/attention_threads.{md,json} unless --out says otherwis
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 # isort: on
 # benchmarks/build_ab.py and step_profile.py (the script directory is on sys.path)
-from build_ab import short_rev
+from build_ab import short_rev, write_results
 from step_profile import blocks_for, decode_groups, decode_runner
 
 from engine import native
@@ -117,12 +116,9 @@ def main() -> int:
             "model": loaded.name, "weights": loaded.weights, "rows": args.rows,
             "turns": args.turns, "default_cost": default_cost, "threads": native.threads(),
             "backend": f"MLX {info['mlx_version']} on {info['backend']} ({info['machine']})"}
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "results": {str(c): r for c, r in results.items()}}, indent=1) + "\n")
-    table = render(results, meta)
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    write_results(Path(args.out),
+                  {"meta": meta, "results": {str(c): r for c, r in results.items()}},
+                  render(results, meta))
     return 0
 
 

@@ -126,6 +126,14 @@ def run_build(tree: Path, args) -> dict:
     return result
 
 
+def write_results(out: Path, record: dict, table: str) -> None:
+    """A benchmark's results: `record` as out.json, `table` as out.md (ending in a newline),
+    and the table printed."""
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table if table.endswith("\n") else table + "\n")
+    print(table)
+
+
 def short_rev(rev: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -289,9 +297,7 @@ def main() -> None:
         table = render(rows, args, head_rev)
         record = {"base": args.base, "head": head_rev, "weights": args.weights,
                   "max_tokens": args.max_tokens, "rows": rows, "rounds": rounds}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    write_results(out, record, table)
 
 
 if __name__ == "__main__":

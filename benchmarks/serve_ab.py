@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 # isort: on
 # benchmarks/build_ab.py, llama_cpp_peer.py and peers.py (the script directory is on sys.path)
-from build_ab import base_tree, short_rev
+from build_ab import base_tree, short_rev, write_results
 from llama_cpp_peer import SERVE_ONE_PROMPTS
 from peers import free_port, running_server, server_commands
 
@@ -132,12 +131,8 @@ def main() -> int:
             "head": short_rev("HEAD"),
             "rounds": args.rounds, "weights": args.weights,
             "backend": f"MLX {info['mlx_version']} on {info['backend']} ({info['machine']})"}
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "rounds": rounds}, indent=1) + "\n")
-    table = render(summary, meta)
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    write_results(Path(args.out), {"meta": meta, "summary": summary, "rounds": rounds},
+                  render(summary, meta))
     return 0
 
 

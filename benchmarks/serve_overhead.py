@@ -48,7 +48,8 @@ from pathlib import Path
 # isort: off
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 # isort: on
-from build_ab import base_tree  # benchmarks/build_ab.py (the script directory is on sys.path)
+# benchmarks/build_ab.py (the script directory is on sys.path)
+from build_ab import base_tree, write_results
 from peers import free_port, running_server, server_commands
 
 from engine.config import EngineConfig
@@ -305,12 +306,8 @@ def main() -> int:
             "backend": f"MLX {info['mlx_version']} on {info['backend']} "
                     f"({info['machine']}, BLAS {blas_name(info.get('blas'))})", "base": args.base,
             "compare_flags": args.compare_flags}
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "rounds": rounds}, indent=1) + "\n")
-    table = render(summary, list(trees), meta)
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    write_results(Path(args.out), {"meta": meta, "summary": summary, "rounds": rounds},
+                  render(summary, list(trees), meta))
     return 0
 
 
