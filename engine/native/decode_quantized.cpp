@@ -24,7 +24,8 @@
 //   (16 bytes) split into the low nibbles (even k: lane l takes k = 2l) and then the high
 //   ones (odd k: k = 2l + 1), the order a byte-to-int widening gives with no shuffle. Each
 //   thread puts x into that order once per call (lane_ordered). in_features is a multiple of
-//   the group (>= 32), so there is no tail. The file is built with -ffp-contract=off: no fma but the written ones.
+//   the group (>= 32), so there is no tail. The file is built with -ffp-contract=off: no fma
+//   but the written ones.
 // Each path is a Kern below (its tile sizes and its dequantization); the dot products are
 // dot<Kern> on Vec<Kern::ISA> (simd.h). The build has every path up to the CPU's best, and
 // one is picked at run time (decode_quantized_isa), so the tests compare them here.
