@@ -28,12 +28,11 @@ from pathlib import Path
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 # isort: on
 # benchmarks/build_ab.py and step_profile.py (the script directory is on sys.path)
-from build_ab import short_rev, write_results
+from build_ab import backend_line, short_rev, write_results
 from step_profile import blocks_for, decode_groups, decode_runner
 
 from engine import native
 from engine.model_loader import load_model
-from engine.platform import backend_info
 
 HERE = Path(__file__).resolve().parent
 STEPS_PER_TURN = 10  # timed steps of one setting before the other's
@@ -99,8 +98,7 @@ def main() -> int:
 
     loaded = load_model("embedded", args.weights)
     runner = decode_runner(loaded, max(512, blocks_for(args.rows, max(args.contexts))))
-    default_cost = native.set_attention_parallel_cost(0)
-    native.set_attention_parallel_cost(default_cost)
+    default_cost = native.attention_parallel_cost()
     config = loaded.config
     heads = config["num_attention_heads"]
     results = {}
@@ -111,11 +109,10 @@ def main() -> int:
         print(f"context {context}: one thread {r['one_thread_ms']:.3f} ms, shared "
               f"{r['shared_ms']:.3f} ms ({r['ratio']:.3f}x)", file=sys.stderr, flush=True)
 
-    info = backend_info()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "head": short_rev("HEAD"),
             "model": loaded.name, "weights": loaded.weights, "rows": args.rows,
             "turns": args.turns, "default_cost": default_cost, "threads": native.threads(),
-            "backend": f"MLX {info['mlx_version']} on {info['backend']} ({info['machine']})"}
+            "backend": backend_line()}
     write_results(Path(args.out),
                   {"meta": meta, "results": {str(c): r for c, r in results.items()}},
                   render(results, meta))

@@ -134,6 +134,16 @@ def write_results(out: Path, record: dict, table: str) -> None:
     print(table)
 
 
+def backend_line(blas: bool = False) -> str:
+    """The MLX version, backend and machine a result was measured on (and the BLAS library
+    MLX's CPU backend loaded, with blas)."""
+    from engine.platform import backend_info, blas_name
+
+    info = backend_info()
+    extra = f", BLAS {blas_name(info.get('blas'))}" if blas else ""
+    return f"MLX {info['mlx_version']} on {info['backend']} ({info['machine']}{extra})"
+
+
 def short_rev(rev: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev],
                           capture_output=True, text=True, check=True).stdout.strip()

@@ -30,7 +30,7 @@ from pathlib import Path
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 # isort: on
 # benchmarks/build_ab.py, llama_cpp_peer.py and peers.py (the script directory is on sys.path)
-from build_ab import base_tree, short_rev, write_results
+from build_ab import backend_line, base_tree, short_rev, write_results
 from llama_cpp_peer import SERVE_ONE_PROMPTS
 from peers import free_port, running_server, server_commands
 
@@ -38,7 +38,6 @@ from app.bench import dataset as datasets
 from app.bench.client import probe, run_load
 from app.bench.metrics import summarize
 from app.cli.bench import DEFAULT_CONTEXT
-from engine.platform import backend_info
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -126,11 +125,9 @@ def main() -> int:
                 f"{side} {result[side]['output_tps']:.1f} tok/s" for side in SIDES))
 
     summary = summarize_rounds(rounds)
-    info = backend_info()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "base": short_rev(args.base),
             "head": short_rev("HEAD"),
-            "rounds": args.rounds, "weights": args.weights,
-            "backend": f"MLX {info['mlx_version']} on {info['backend']} ({info['machine']})"}
+            "rounds": args.rounds, "weights": args.weights, "backend": backend_line()}
     write_results(Path(args.out), {"meta": meta, "summary": summary, "rounds": rounds},
                   render(summary, meta))
     return 0

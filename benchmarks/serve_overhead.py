@@ -49,13 +49,12 @@ from pathlib import Path
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
 # isort: on
 # benchmarks/build_ab.py (the script directory is on sys.path)
-from build_ab import base_tree, write_results
+from build_ab import backend_line, base_tree, write_results
 from peers import free_port, running_server, server_commands
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent, TokenEvent
-from engine.platform import backend_info, blas_name
 from engine.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -300,11 +299,9 @@ def main() -> int:
                 f"{s} " + "/".join(f"{v:.1f}" for v in results[s].values()) for s in sides))
 
     summary = summarize(rounds, sides)
-    info = backend_info()
     meta = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
             "max_tokens": args.max_tokens, "prompt_tokens": prompt_tokens, "weights": weights,
-            "backend": f"MLX {info['mlx_version']} on {info['backend']} "
-                    f"({info['machine']}, BLAS {blas_name(info.get('blas'))})", "base": args.base,
+            "backend": backend_line(blas=True), "base": args.base,
             "compare_flags": args.compare_flags}
     write_results(Path(args.out), {"meta": meta, "summary": summary, "rounds": rounds},
                   render(summary, list(trees), meta))

@@ -161,6 +161,15 @@ def set_attention_parallel_cost(cost: float) -> float:
     return module.set_attention_parallel_cost(cost)
 
 
+def attention_parallel_cost() -> float:
+    """The cost set_attention_parallel_cost sets, as it is now (the kernel's default unless a
+    benchmark changed it)."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"native kernels {why_not()}")
+    return module.attention_parallel_cost()
+
+
 def threads() -> int | None:
     """Threads the native ops' pool uses (BATCHSCOPE_NATIVE_THREADS caps them); None when not
     built."""

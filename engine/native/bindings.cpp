@@ -177,6 +177,8 @@ NB_MODULE(_kernels, m) {
   m.def("set_attention_parallel_cost", &batchscope::set_attention_parallel_cost, "cost"_a,
         "The cost (keys x query heads / 16, summed over a call) from which paged attention is "
         "shared with the worker threads; returns the one it replaces (benchmarks).");
+  m.def("attention_parallel_cost", &batchscope::attention_parallel_cost,
+        "The cost from which paged attention is shared with the worker threads now.");
   m.def("native_threads", &batchscope::parallel_threads,
         "Threads the native ops' worker pool uses (the caller included).");
 }

@@ -124,6 +124,10 @@ void check_block_tables(const int32_t* tables, const int32_t* context_lens,
   }
 }
 
+double attention_parallel_cost() {
+  return parallel_cost.load();
+}
+
 double set_attention_parallel_cost(double cost) {
   check(cost >= 0, "the parallel cost must be >= 0");
   return parallel_cost.exchange(cost);

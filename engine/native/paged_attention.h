@@ -63,6 +63,7 @@ void paged_attention_rows(const PagedAttentionArgs& args);
 // that measures the default (benchmarks/attention_threads.py); which thread computes a unit
 // changes no bit.
 double set_attention_parallel_cost(double cost);
+double attention_parallel_cost();
 
 // Throws std::invalid_argument naming the first bad context length, query length or block id
 // (outside a pool of `slots` slots); paged_attention_rows calls it before reading the pool.

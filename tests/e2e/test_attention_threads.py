@@ -21,8 +21,7 @@ import step_profile  # noqa: E402
 def test_the_settings_alternate_and_the_default_comes_back(monkeypatch):
     native_op("paged_attention")
     runner = step_profile.decode_runner(tiny_model(), 64)
-    default = native.set_attention_parallel_cost(0)
-    native.set_attention_parallel_cost(default)
+    default = native.attention_parallel_cost()
     set_to = []
     real = native.set_attention_parallel_cost
 
