@@ -246,15 +246,27 @@ struct Avx2 {
 // n scales (or biases) from index `at` as float32 into dst, the values scale_at gives;
 // float16 sixteen at a time. A tile's outputs' scales follow one another, so the tile
 // converts them in one pass: per output there are often fewer than 16 (9 groups for 576
-// inputs), which left most of them to the one-at-a-time tail.
+// inputs), which left most of them to the one-at-a-time tail. The tail is one masked
+// conversion where the build has AVX-512BW (a tile of 4 outputs of 18 groups had 8 of its 72
+// values converted one at a time, for the scales and again for the biases).
 inline void scales_to_float(const void* p, ScaleType t, size_t at, int n, float* dst) {
   int i = 0;
   if (t == ScaleType::f16) {
     const mx::float16_t* h = static_cast<const mx::float16_t*>(p) + at;
     for (; i + 16 <= n; i += 16) VecAvx512::load(h + i).store(dst + i);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (i < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+      _mm512_mask_storeu_ps(dst + i, tail, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, h + i)));
+    }
+    return;
+#endif
   }
   for (; i < n; ++i) dst[i] = scale_at(p, t, at + i);
 }
+
+// Floats of a tile's converted scales and biases kept on the stack: 2 x 8 outputs x 64 groups.
+constexpr int STACK_SCALES = 2 * 8 * 64;
 
 struct Avx512 {
   static constexpr Isa ISA = Isa::avx512;
@@ -319,10 +331,15 @@ struct Avx512 {
     const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     // The tile's scales and biases as float32, converted once up front rather than a
     // conversion and a broadcast per group and output inside the loop
-    // (benchmarks/decode_linear.py --weights q4 times the kernel).
-    thread_local std::vector<float> converted;
-    converted.resize(static_cast<size_t>(2 * nr) * groups);
-    float* sc = converted.data();
+    // (benchmarks/decode_linear.py --weights q4 times the kernel), into a buffer on the stack
+    // where they fit: a thread-local vector cost a TLS lookup and a resize per tile.
+    alignas(64) float on_stack[STACK_SCALES];
+    float* sc = on_stack;
+    if (2 * nr * groups > STACK_SCALES) {
+      thread_local std::vector<float> converted;
+      converted.resize(static_cast<size_t>(2 * nr) * groups);
+      sc = converted.data();
+    }
     float* bi = sc + static_cast<size_t>(nr) * groups;
     const size_t at = static_cast<size_t>(n0) * groups;
     scales_to_float(p.scales, p.scale_type, at, nr * groups, sc);
@@ -358,9 +375,13 @@ struct Avx512 {
         VecAvx512 lo[nr], hi[nr];
         for (int j = 0; j < nr; ++j) {
           const uint32_t* q = w0 + j * rw + word;
-          __builtin_prefetch(q + 2 * nr * rw);  // two tiles ahead
-          if constexpr (BITS == 8 && mr <= 2) {
-            if (far) __builtin_prefetch(q + FAR_TILES * nr * rw, 0, 2);  // into L2
+          if constexpr (BITS == 4) {
+            __builtin_prefetch(q + 2 * nr * rw);  // two tiles ahead
+          } else if ((word & 15) == 0) {
+            // 8 bits: one prefetch per 64 bytes of the row, not one per 16-byte chunk
+            // (results/build_ab_kernel_tile_overhead.md: the head at one row)
+            __builtin_prefetch(q + 2 * nr * rw);
+            if (mr <= 2 && far) __builtin_prefetch(q + FAR_TILES * nr * rw, 0, 2);  // into L2
           }
           const __m512i v =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));

@@ -133,6 +133,24 @@ def test_every_instruction_set_gives_the_portable_bits(isa, bits, group_size, dt
     assert np.array_equal(got, expected)
 
 
+# A tile converts its outputs' scales in one pass: 576 inputs in groups of 32 leave a tail of
+# 8 after the 16-wide conversions, and 8192 of them more than the tile keeps on its stack.
+@pytest.mark.parametrize("isa", ISAS[1:])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 32), (4, 64)])
+@pytest.mark.parametrize("k", [576, 8192])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_every_instruction_set_gives_the_portable_bits_at_any_width(isa, bits, group_size, k,
+                                                                    rows):
+    op = kernel()
+    w, s, b = quantized(37, k, bits, group_size, seed=8)
+    x = mx.array(random((rows, k), 9))
+    with forced("portable"):
+        expected = np.array(op(x, w, s, b, group_size, bits))
+    with forced(isa):
+        got = np.array(op(x, w, s, b, group_size, bits))
+    assert np.array_equal(got, expected)
+
+
 def test_the_picked_path_is_the_best_this_cpu_has():
     kernel()
     have = []
