@@ -243,30 +243,29 @@ struct Avx2 {
 // ---- AVX-512F: a 16-lane vector is one register -------------------------------------------
 
 #if BATCHSCOPE_HAS_AVX512
-// n scales (or biases) from index `at` as float32 into dst, the values scale_at gives;
-// float16 sixteen at a time. A tile's outputs' scales follow one another, so the tile
-// converts them in one pass: per output there are often fewer than 16 (9 groups for 576
-// inputs), which left most of them to the one-at-a-time tail. The tail is one masked
-// conversion where the build has AVX-512BW (a tile of 4 outputs of 18 groups had 8 of its 72
-// values converted one at a time, for the scales and again for the biases).
+// n scales (or biases) from index `at` as float32 into dst, the values scale_at gives. A
+// tile's outputs' scales follow one another, so the tile converts them in one pass: per output
+// there are often fewer than 16 (9 groups for 576 inputs). Sixteen at a time, the last ones in
+// one masked conversion where the build has AVX-512BW (scales16); else float16 sixteen at a
+// time and the rest one at a time.
 inline void scales_to_float(const void* p, ScaleType t, size_t at, int n, float* dst) {
+#if BATCHSCOPE_HAS_AVX512BW
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 in = n - i >= 16 ? __mmask16{0xffff} : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = t == ScaleType::f16    ? scales16<ScaleType::f16>(p, at, i, n)
+                     : t == ScaleType::bf16 ? scales16<ScaleType::bf16>(p, at, i, n)
+                                            : scales16<ScaleType::f32>(p, at, i, n);
+    _mm512_mask_storeu_ps(dst + i, in, v);
+  }
+#else
   int i = 0;
   if (t == ScaleType::f16) {
     const mx::float16_t* h = static_cast<const mx::float16_t*>(p) + at;
     for (; i + 16 <= n; i += 16) VecAvx512::load(h + i).store(dst + i);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (i < n) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-      _mm512_mask_storeu_ps(dst + i, tail, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, h + i)));
-    }
-    return;
-#endif
   }
   for (; i < n; ++i) dst[i] = scale_at(p, t, at + i);
+#endif
 }
-
-// Floats of a tile's converted scales and biases kept on the stack: 2 x 8 outputs x 64 groups.
-constexpr int STACK_SCALES = 2 * 8 * 64;
 
 struct Avx512 {
   static constexpr Isa ISA = Isa::avx512;
@@ -275,6 +274,9 @@ struct Avx512 {
   static constexpr int FUSED_MR = 8;
   // 1 row: 4 outputs a tile, not 8 (a one-row step 7% shorter on a Zen 4; see fused_nr)
   static constexpr int FUSED_NR1 = 4, FUSED_NR2 = 6, FUSED_NR4 = 4;
+  // A tile's scales and biases as float32 on its stack up to this many groups an output (4096
+  // inputs in groups of 64); more go to a thread-local buffer.
+  static constexpr int STACK_GROUPS = 64;
 
   static void dequant(const Problem& p, int n, float* dst) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * row_words(p);
@@ -333,9 +335,9 @@ struct Avx512 {
     // conversion and a broadcast per group and output inside the loop
     // (benchmarks/decode_linear.py --weights q4 times the kernel), into a buffer on the stack
     // where they fit: a thread-local vector cost a TLS lookup and a resize per tile.
-    alignas(64) float on_stack[STACK_SCALES];
+    alignas(64) float on_stack[2 * nr * STACK_GROUPS];
     float* sc = on_stack;
-    if (2 * nr * groups > STACK_SCALES) {
+    if (groups > STACK_GROUPS) {
       thread_local std::vector<float> converted;
       converted.resize(static_cast<size_t>(2 * nr) * groups);
       sc = converted.data();
@@ -378,8 +380,8 @@ struct Avx512 {
           if constexpr (BITS == 4) {
             __builtin_prefetch(q + 2 * nr * rw);  // two tiles ahead
           } else if ((word & 15) == 0) {
-            // 8 bits: one prefetch per 64 bytes of the row, not one per 16-byte chunk
-            // (results/build_ab_kernel_tile_overhead.md: the head at one row)
+            // 8 bits: one prefetch per 64 bytes of the row, not one per 16-byte chunk (measured
+            // with the stack-converted scales: results/build_ab_kernel_tile_overhead.md)
             __builtin_prefetch(q + 2 * nr * rw);
             if (mr <= 2 && far) __builtin_prefetch(q + FAR_TILES * nr * rw, 0, 2);  // into L2
           }

@@ -3,14 +3,21 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "mlx/dtype.h"
 #include "simd.h"
 
-// The int8-activation kernel's vector path (quantized_int8.cpp): AVX-512 with the byte and
-// VNNI extensions (vpdpbusd).
-#if BATCHSCOPE_HAS_AVX512 && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
+// AVX-512 with the byte/word and 256-bit extensions: masked 16-bit loads (scales16).
+#if BATCHSCOPE_HAS_AVX512 && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BATCHSCOPE_HAS_AVX512BW 1
+#else
+#define BATCHSCOPE_HAS_AVX512BW 0
+#endif
+
+// The int8-activation kernel's vector path (quantized_int8.cpp): that, and the VNNI extension
+// (vpdpbusd).
+#if BATCHSCOPE_HAS_AVX512BW && defined(__AVX512VNNI__)
 #define BATCHSCOPE_HAS_VNNI 1
 #else
 #define BATCHSCOPE_HAS_VNNI 0
@@ -35,6 +42,23 @@ inline float scale_at(const void* p, ScaleType t, size_t i) {
     default: return static_cast<const float*>(p)[i];
   }
 }
+
+#if BATCHSCOPE_HAS_AVX512BW
+// Sixteen scales (or biases) from index at + g0 as float32: the values scale_at gives (exact
+// conversions), zeros from index at + G on (the masked load reads nothing there).
+template <ScaleType T>
+inline __m512 scales16(const void* from, size_t at, int g0, int G) {
+  const __mmask16 in = G - g0 >= 16 ? __mmask16{0xffff} : __mmask16((1u << (G - g0)) - 1);
+  if constexpr (T == ScaleType::f32) {
+    return _mm512_maskz_loadu_ps(in, static_cast<const float*>(from) + at + g0);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(in, static_cast<const uint16_t*>(from) + at + g0);
+    return T == ScaleType::f16
+               ? _mm512_cvtph_ps(h)
+               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+#endif
 
 // Prefetch the scales and biases of outputs [n, n + count), each output `groups` of them:
 // a stream of their own beside the packed weights (which the kernels prefetch themselves), a

@@ -186,22 +186,8 @@ void portable_outputs(const Job& j, int n_begin, int n_end) {
 // ---- AVX-512 VNNI: a pair of units is one register; vpdpbusd takes 4 bytes a lane ----------
 
 #if BATCHSCOPE_HAS_VNNI
-// Sixteen scales (or biases) of an output, groups g0..g0+15 from its first at `at`, as
-// float32: the values scale_at gives (exact conversions), zeros from group G on (the masked
-// load reads nothing there). Read straight from the weights' arrays where a pair or the bias
-// term needs them, so their cache misses overlap the packed weights' own.
-template <ScaleType T>
-inline __m512 scales16(const void* from, size_t at, int g0, int G) {
-  const __mmask16 in = G - g0 >= 16 ? __mmask16{0xffff} : __mmask16((1u << (G - g0)) - 1);
-  if constexpr (T == ScaleType::f32) {
-    return _mm512_maskz_loadu_ps(in, static_cast<const float*>(from) + at + g0);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(in, static_cast<const uint16_t*>(from) + at + g0);
-    return T == ScaleType::f16
-               ? _mm512_cvtph_ps(h)
-               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
+// Scales and biases are read straight from the weights' arrays (scales16) where a pair or the
+// bias term needs them, so their cache misses overlap the packed weights' own.
 
 // One pair of units for outputs n0..n0+NR and rows m0..m0+MR: each output's weights are
 // unpacked once and meet each row's activations in one or two vpdpbusd. FULL: both units
