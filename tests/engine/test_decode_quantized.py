@@ -122,9 +122,13 @@ def test_a_row_gets_the_same_bits_alone_and_with_any_company(rows, k, n, bits, g
 @pytest.mark.parametrize("bits,group_size,dtype", COMBOS)
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 10])  # no buffer: AVX2 <= 2 rows, AVX-512 <= 8
 def test_every_instruction_set_gives_the_portable_bits(isa, bits, group_size, dtype, rows):
-    op = kernel()
     w, s, b = quantized(77, 256, bits, group_size, dtype, seed=6)
-    x = mx.array(random((rows, 256), 7))
+    assert_portable_bits(isa, mx.array(random((rows, 256), 7)), w, s, b, group_size, bits)
+
+
+def assert_portable_bits(isa, x, w, s, b, group_size, bits):
+    """The kernel on path `isa` gives the portable path's bits."""
+    op = kernel()
     with forced("portable"):
         expected = np.array(op(x, w, s, b, group_size, bits))
     with forced(isa):
@@ -141,14 +145,8 @@ def test_every_instruction_set_gives_the_portable_bits(isa, bits, group_size, dt
 @pytest.mark.parametrize("rows", [1, 3])
 def test_every_instruction_set_gives_the_portable_bits_at_any_width(isa, bits, group_size, k,
                                                                     rows):
-    op = kernel()
     w, s, b = quantized(37, k, bits, group_size, seed=8)
-    x = mx.array(random((rows, k), 9))
-    with forced("portable"):
-        expected = np.array(op(x, w, s, b, group_size, bits))
-    with forced(isa):
-        got = np.array(op(x, w, s, b, group_size, bits))
-    assert np.array_equal(got, expected)
+    assert_portable_bits(isa, mx.array(random((rows, k), 9)), w, s, b, group_size, bits)
 
 
 def test_the_picked_path_is_the_best_this_cpu_has():
