@@ -123,6 +123,14 @@ def decode_quantized_fast() -> bool:
     return decode_quantized_isa() in ("avx512", "avx2")
 
 
+def _required():
+    """The built module, or RuntimeError saying why there is none."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"native kernels {why_not()}")
+    return module
+
+
 def decode_quantized_isa() -> str | None:
     """The instruction set the quantized op runs: "avx512", "avx2" or "portable" (the best this
     CPU has, which the module is built for, unless BATCHSCOPE_QUANTIZED_ISA names another);
@@ -145,29 +153,20 @@ def int8_activations_isa() -> str | None:
 def set_decode_quantized_isa(name: str) -> str:
     """Force the quantized op's path ("auto", "avx512", "avx2", "portable"; tests compare
     them): returns the one now in use, raises ValueError for one this CPU lacks."""
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"native kernels {why_not()}")
-    return module.set_decode_quantized_isa(name)
+    return _required().set_decode_quantized_isa(name)
 
 
 def set_attention_parallel_cost(cost: float) -> float:
     """The cost (keys x query heads / 16, summed over a call) from which the paged attention
     kernel shares a call with the worker threads: returns the one it replaces. For
     benchmarks/attention_threads.py, which measures the default; it changes no bit."""
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"native kernels {why_not()}")
-    return module.set_attention_parallel_cost(cost)
+    return _required().set_attention_parallel_cost(cost)
 
 
 def attention_parallel_cost() -> float:
     """The cost set_attention_parallel_cost sets, as it is now (the kernel's default unless a
     benchmark changed it)."""
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"native kernels {why_not()}")
-    return module.attention_parallel_cost()
+    return _required().attention_parallel_cost()
 
 
 def threads() -> int | None:
