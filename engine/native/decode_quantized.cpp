@@ -251,11 +251,10 @@ struct Avx2 {
 inline void scales_to_float(const void* p, ScaleType t, size_t at, int n, float* dst) {
 #if BATCHSCOPE_HAS_AVX512BW
   for (int i = 0; i < n; i += 16) {
-    const __mmask16 in = n - i >= 16 ? __mmask16{0xffff} : __mmask16((1u << (n - i)) - 1);
     const __m512 v = t == ScaleType::f16    ? scales16<ScaleType::f16>(p, at, i, n)
                      : t == ScaleType::bf16 ? scales16<ScaleType::bf16>(p, at, i, n)
                                             : scales16<ScaleType::f32>(p, at, i, n);
-    _mm512_mask_storeu_ps(dst + i, in, v);
+    _mm512_mask_storeu_ps(dst + i, first_lanes(n - i), v);
   }
 #else
   int i = 0;

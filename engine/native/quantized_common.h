@@ -44,11 +44,16 @@ inline float scale_at(const void* p, ScaleType t, size_t i) {
 }
 
 #if BATCHSCOPE_HAS_AVX512BW
+// The first min(n, 16) of sixteen lanes (n > 0).
+inline __mmask16 first_lanes(int n) {
+  return n >= 16 ? __mmask16{0xffff} : __mmask16((1u << n) - 1);
+}
+
 // Sixteen scales (or biases) from index at + g0 as float32: the values scale_at gives (exact
 // conversions), zeros from index at + G on (the masked load reads nothing there).
 template <ScaleType T>
 inline __m512 scales16(const void* from, size_t at, int g0, int G) {
-  const __mmask16 in = G - g0 >= 16 ? __mmask16{0xffff} : __mmask16((1u << (G - g0)) - 1);
+  const __mmask16 in = first_lanes(G - g0);
   if constexpr (T == ScaleType::f32) {
     return _mm512_maskz_loadu_ps(in, static_cast<const float*>(from) + at + g0);
   } else {
