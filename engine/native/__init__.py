@@ -20,6 +20,8 @@ the CPU ops for the rows of a step:
 - `decoder_layers`: consecutive llama-style decoder layers (the ops above, the KV write and
   the SwiGLU MLP of each) as one op, with the bits of those ops: one dispatch per step where
   there were ~25 per layer.
+- `pool_copy_rows`: rows of the paged KV pool copied to other slots in place, every layer in
+  one op (a prompt that matches part of a cached block gets those rows in a block of its own);
 - `gated_delta_rows`: a Gated DeltaNet layer's conv and recurrence (Qwen3.5 / Qwen3-Next) on a
   step's float32 rows, each sequence's states read from and written to its pool slots.
 - `read_bandwidth` and `time_quantized_linears`: measurements for the benchmarks, no part of
@@ -93,6 +95,12 @@ def decoder_layers() -> Callable | None:
     """The fused op of consecutive decoder layers, or None when it cannot be loaded here."""
     module = _load()
     return module.decoder_layers if module else None
+
+
+def pool_copy() -> Callable | None:
+    """The native op that copies pool rows in place, or None when it cannot be loaded here."""
+    module = _load()
+    return module.pool_copy_rows if module else None
 
 
 def gated_delta_rows() -> Callable | None:

@@ -14,6 +14,7 @@
 #include "gated_delta.h"
 #include "kernel_timing.h"
 #include "paged_attention.h"
+#include "pool_copy.h"
 #include "row_ops.h"
 #include "workers.h"
 
@@ -54,6 +55,10 @@ NB_MODULE(_kernels, m) {
   m.def("greedy_rows", &batchscope::greedy_rows, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Per float32 row of (rows, V) logits: (the argmax of its logprobs as uint32, that "
         "logprob), with the bits of MLX's ops.");
+  m.def("pool_copy_rows", &batchscope::pool_copy_rows, "pools"_a, "pairs"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "Copy rows of the (kv_heads, slots, dim) pools, (source slot, destination slot) "
+        "pairs, in place when the returned scalar is evaluated.");
   m.def("quantized_embedding_rows", &batchscope::quantized_embedding_rows, "w"_a, "scales"_a,
         "biases"_a, "ids"_a, nb::kw_only(), "group_size"_a, "bits"_a, "stream"_a = nb::none(),
         "MLX's affine-quantized embedding of int32 or uint32 ids (rows,), with "
