@@ -2,11 +2,12 @@
 
 A prompt sent a second time matches its whole blocks in the prefix cache; the tokens after them
 (the tail: 1 to 16 of them) are either copied from the first request's last block, all but the
-last (engine/block_manager.py's copy_partial; here at any number of rows, where the engine
-copies from ROWS_WORTH_COPYING on), or copied the same way but left to the first step's graph
-instead of evaluated before it (KVPool.copy_rows' evaluate=False: the reason the engine
-evaluates it apart), or computed again in the request's first step (the engine before the
-copy). Three engines in this process, one of each, on the same model: for each tail length, a
+last (engine/block_manager.py's copy_partial; here at any number of rows), by the native op
+(engine/native/pool_copy.h: the engine's copy on the CPU, from ROWS_WORTH_COPYING_NATIVE rows
+on) or by MLX's gather and scatter per layer (KVPool.copy_rows without the op: the path GPU
+backends take, from ROWS_WORTH_COPYING rows on), or computed again in the request's first step
+(the engine before the copy). Three engines in this process, one of each, on the same model:
+for each tail length, a
 prompt of --context + tail tokens is sent once (cold) and then again; the second request's
 time (max_tokens 1: its prefill step and the sampled token) is what the table gives, each
 engine measured in turn, the order rotating by round, medians over --rounds. Every prompt has a
@@ -21,7 +22,6 @@ Writes benchmarks/results/prefix_copy.{md,json} unless --out says otherwise.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
-from engine.block_manager import ROWS_WORTH_COPYING
+from engine.block_manager import ROWS_WORTH_COPYING, ROWS_WORTH_COPYING_NATIVE
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.platform import backend_info
@@ -38,7 +38,7 @@ from engine.sampling import SamplingParams
 HERE = Path(__file__).parent
 WORDS = ("Continuous batching lets an inference server add and remove requests at every step, "
          "so the accelerator never waits for the slowest request of a static batch. ").split()
-SIDES = ("copy", "copy_in_step", "recompute")
+SIDES = ("copy", "copy_mlx", "recompute")
 
 
 def log(msg: str) -> None:
@@ -72,9 +72,12 @@ def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
                 eng.block_manager.copy_partial = False
             else:  # any number of rows, so the table shows where copying pays
                 eng.block_manager.min_copy_rows = 1
-            if side == "copy_in_step":
-                eng.pool.copy_rows = functools.partial(eng.pool.copy_rows, evaluate=False)
+            if side == "copy_mlx":
+                eng.pool.copy_op = None
             engines[side] = eng
+        if engines["copy"].pool.copy_op is None:
+            raise RuntimeError("the native copy is not built here: run python -m "
+                               "engine.native.build")
         block = engines["copy"].block_manager.block_size
         times: dict[str, dict[int, list[float]]] = {s: {t: [] for t in tails} for s in SIDES}
         cached: dict[str, dict[int, int]] = {s: {} for s in SIDES}
@@ -99,7 +102,7 @@ def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
                      "cached": {s: cached[s][tail] for s in SIDES},
                      "ms": med, "runs_ms": {s: times[s][tail] for s in SIDES},
                      "ratio": med["recompute"] / med["copy"],
-                     "in_step_ratio": med["copy_in_step"] / med["copy"]})
+                     "mlx_ratio": med["copy_mlx"] / med["copy"]})
     return {"started": started, "context": context,
             "rounds": rounds, **info, "rows": rows}
 
@@ -111,17 +114,17 @@ def render(data: dict) -> str:
              f"{data['context']} tokens plus the tail, each sent twice; the second request's "
              f"time with max_tokens 1, medians of {data['rounds']} rounds, the engines in "
              "turn; the copying ones copy any number of rows (the engine copies from "
-             f"{ROWS_WORTH_COPYING} on), evaluated before the step (as the engine does) or left "
-             "to the step's graph. Cached: the prompt tokens the second request did not "
-             "compute.", "",
-             "| tail tokens | copied: cached | ms | copied in the step's graph: ms | computed "
-             "again: cached | ms | computed again / copied | in the step's graph / copied |",
+             f"{ROWS_WORTH_COPYING_NATIVE} on with the native op, from {ROWS_WORTH_COPYING} "
+             "with MLX's ops), before the step. Cached: the prompt tokens the second request "
+             "did not compute.", "",
+             "| tail tokens | copied: cached | native copy: ms | MLX's copy: ms | computed "
+             "again: cached | ms | computed again / native copy | MLX's copy / native copy |",
              "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         lines.append(f"| {r['tail']} | {r['cached']['copy']} | {r['ms']['copy']:.1f} | "
-                     f"{r['ms']['copy_in_step']:.1f} | "
+                     f"{r['ms']['copy_mlx']:.1f} | "
                      f"{r['cached']['recompute']} | {r['ms']['recompute']:.1f} | "
-                     f"{r['ratio']:.2f}x | {r['in_step_ratio']:.2f}x |")
+                     f"{r['ratio']:.2f}x | {r['mlx_ratio']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -68,11 +68,14 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
-# The fewest rows the engine copies: a copy is a gather and a scatter per layer evaluated before
-# the step, which cost about what computing 1-3 more rows in the step does and less from 4 rows
-# on (benchmarks/results/prefix_copy.md: tails of 2-4 tokens 0.96-1.08x, a tail of 5, 4 rows
-# copied, 1.20x shorter).
+# The fewest rows the engine copies. With MLX's ops a copy is a gather and a scatter per layer
+# evaluated before the step, which cost about what computing 1-3 more rows in the step does and
+# less from 4 rows on (docs/benchmarks.md, "A repeated prompt's tail": tails of 2-4 tokens
+# 0.96-1.08x, a tail of 5, 4 rows copied, 1.20x shorter). The native op copies in place in
+# ~0.1 ms (engine/native/pool_copy.h): one row is worth copying
+# (benchmarks/results/prefix_copy.md).
 ROWS_WORTH_COPYING = 4
+ROWS_WORTH_COPYING_NATIVE = 1
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from engine.block_manager import ROWS_WORTH_COPYING, BlockManager, KVCopy
+from engine.block_manager import ROWS_WORTH_COPYING, ROWS_WORTH_COPYING_NATIVE, BlockManager, KVCopy
 from engine.config import EngineConfig, KernelPath, KernelPolicy
 from engine.distributed.launch import DistributedError
 from engine.draft import draft_proposer
@@ -323,18 +323,19 @@ class Engine:
                      "may reach %d tokens", self.loaded.name, self.max_model_len)
         family = family_for(self.loaded.model, self.loaded.config)
         self.state_slots, states = state_pool_for(family, cfg) or (None, None)
+        self.runner = build_runner(cfg, self.loaded, family, states,
+                                   self._loader != self._default_loader)
+        self.pool = self.runner.pool
         # Rows of a block shared in part are copied in this process's pool: not where ranks
         # hold the pool in shards, nor for recurrent layers (their state resumes only at
         # checkpoints kept at whole blocks).
         self.block_manager = BlockManager(
             cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching,
             copy_partial=states is None and cfg.tensor_parallel_size == 1,
-            min_copy_rows=ROWS_WORTH_COPYING)
+            min_copy_rows=(ROWS_WORTH_COPYING if self.pool.copy_op is None
+                           else ROWS_WORTH_COPYING_NATIVE))
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.state_slots)
-        self.runner = build_runner(cfg, self.loaded, family, states,
-                                   self._loader != self._default_loader)
-        self.pool = self.runner.pool
         threshold, self.kernel_threshold_source = resolve_threshold(
             cfg, self.loaded.name, self.loaded.weights, backend_info(), self._thresholds)
         self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)

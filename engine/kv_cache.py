@@ -34,6 +34,9 @@ class KVPool:
         self.storage_dtype = dtype
         self._keys: list[mx.array] | None = None
         self._values: list[mx.array] | None = None
+        # The native op that copies rows in place (engine/native/pool_copy.h), set by the
+        # runner where its attention is native; None: MLX's gather and scatter.
+        self.copy_op = None
 
     def reset(self) -> None:
         """Drop the storage (after an error left it unusable); reallocated at the next write."""
@@ -86,18 +89,22 @@ class KVPool:
             self._allocate(self._storage_for(dtype))
         return self._keys[layer], self._values[layer]
 
-    def copy_rows(self, copies: list[KVCopy], evaluate: bool = True) -> None:
+    def copy_rows(self, copies: list[KVCopy]) -> None:
         """Each copy's rows into its destination block, in every layer, evaluated now and on
-        their own: left to the next step's graph (evaluate=False), the two took longer at 6 of
-        7 tail lengths, up to 1.30x (benchmarks/results/prefix_copy.md)."""
+        their own: left to the next step's graph, MLX's gathers and scatters made the step
+        longer at 6 of 7 tail lengths, up to 1.30x (docs/benchmarks.md, "A repeated prompt's
+        tail"). The native op (copy_op) copies every layer's rows in place, in one op."""
         bs = self.block_size
-        src = mx.array([c.source * bs + r for c in copies for r in range(c.rows)])
-        dst = mx.array([c.dest * bs + r for c in copies for r in range(c.rows)])
+        pairs = [(c.source * bs + r, c.dest * bs + r) for c in copies for r in range(c.rows)]
+        if self.copy_op is not None:
+            mx.eval(self.copy_op(self.state(), pairs))
+            return
+        src = mx.array([p[0] for p in pairs])
+        dst = mx.array([p[1] for p in pairs])
         for layer in range(len(self._keys)):
             self._keys[layer][:, dst] = self._keys[layer][:, src]
             self._values[layer][:, dst] = self._values[layer][:, src]
-        if evaluate:
-            mx.eval(self.state())
+        mx.eval(self.state())
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Gather the keys and values at `slots` (in order) -> (kv_heads, len(slots), head_dim)."""

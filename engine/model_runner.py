@@ -21,7 +21,13 @@ from engine.config import DEFAULT_TILE, EngineConfig, KernelPath, NativeSetting
 from engine.kernels import PathTaken
 from engine.kv_cache import KVPool
 from engine.models import Family, family_for
-from engine.native_ops import WIDENS_EXACTLY, NativeLayer, NativeOps, recurrence_kernel
+from engine.native_ops import (
+    WIDENS_EXACTLY,
+    NativeLayer,
+    NativeOps,
+    pool_copy_kernel,
+    recurrence_kernel,
+)
 from engine.sampler import Draw, Sampled, draw
 from engine.scheduler import RowGroup
 from engine.state_pool import StatePool
@@ -146,6 +152,7 @@ class ModelRunner(NativeOps):
             raise ValueError(f"{self.family.name}: a state pool is needed exactly for a model "
                              "with recurrent layers")
         self.recurrence_kernel = recurrence_kernel(attention, self.fused_attention)
+        pool.copy_op = pool_copy_kernel(attention, self.fused_attention)
         self.tile = tile
         self.layer_kv = self.family.layer_kv()
         # The sliding windows of the layers that write keys and values (empty: none).

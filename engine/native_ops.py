@@ -402,6 +402,12 @@ def attention_kernel(attention: str, fused: bool):
     return _native_op("attention", attention, fused, native.paged_attention)
 
 
+def pool_copy_kernel(attention: str, fused: bool):
+    """The native op that copies KV pool rows in place (KVPool.copy_rows), or None for MLX's
+    gather and scatter: it follows the attention setting, whose kernel reads those pools."""
+    return _native_op("attention", attention, fused, native.pool_copy)
+
+
 def recurrence_kernel(attention: str, fused: bool):
     """The native Gated DeltaNet recurrence op (engine/recurrence.py; float32 layers) to use,
     or None for MLX ops: it follows the attention setting, as a GDN layer's token mixer."""

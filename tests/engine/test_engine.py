@@ -73,16 +73,20 @@ def test_preemption_and_resume_give_the_same_tokens(make_engine):
     assert_no_blocks_held(small)
 
 
-def test_prefix_cache_hits_and_gives_the_same_tokens(make_engine):
-    engine = make_engine(block_size=4)
+@pytest.mark.parametrize("attention, copied", [("native", 3), ("mlx", 0)])
+def test_prefix_cache_hits_and_gives_the_same_tokens(make_engine, attention, copied):
+    engine = make_engine(block_size=4, attention=attention)
     prompt = "a shared system prompt that is long enough; question one"
+    tail = (len(engine.encode(prompt)) - 1) % 4
+    assert tail == 3
     first = engine.generate(prompt, greedy())
     second = engine.generate(prompt, greedy())
     assert second.token_ids == first.token_ids
     assert first.cached_prompt_tokens == 0
-    # Blocks of 4: the tail (at most 3 rows, too few to copy) is computed again.
-    assert second.cached_prompt_tokens == (len(engine.encode(prompt)) - 1) // 4 * 4
-    assert engine.block_manager.stats.copied == 0
+    # Blocks of 4: the native copy takes the tail's 3 rows (it copies any number); with MLX's
+    # ops 3 rows are too few to be worth copying, and are computed again.
+    assert second.cached_prompt_tokens == (len(engine.encode(prompt)) - 1) // 4 * 4 + copied
+    assert engine.block_manager.stats.copied == copied
     assert engine.block_manager.stats.hits > 0
     assert engine.block_manager.num_cached_blocks > 0
     assert_no_blocks_held(engine)
@@ -406,6 +410,7 @@ def test_a_repeated_prompt_copies_its_last_rows_and_emits_the_same_logits(make_e
     that request computed: the second computes one token and emits the same tokens with the
     same logits (the MLX-ops path, which GPU backends run, updates the pool by scatter)."""
     engine = make_engine(block_size=16, attention=attention)
+    assert (engine.pool.copy_op is not None) == (attention == "native")  # the path under test
     prompt = "a prompt whose last block is only partly full, at twenty"
     ids = engine.encode(prompt)
     tail = (len(ids) - 1) % 16
