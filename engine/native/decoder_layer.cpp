@@ -12,9 +12,8 @@
 
 #include "decode_linear.h"
 #include "decode_quantized.h"
+#include "cpu_dispatch.h"
 #include "inputs.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/transforms.h"
 #include "paged_attention.h"
 #include "row_ops.h"
@@ -437,16 +436,10 @@ mx::array decoder_layers(const mx::array& x, const std::vector<const LayerSpec*>
 
 void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  std::vector<mx::array> weak;
-  weak.reserve(inputs.size());
-  for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
-  encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                    layers = layers_]() mutable {
+  auto& out = allocate(outputs[0]);
+  dispatch(stream(), inputs, out,
+           [in = weak_copies(inputs), out = mx::array::unsafe_weak_copy(out),
+            layers = layers_]() mutable {
     const mx::array& x = in[0];
     const int rows = static_cast<int>(x.shape(x.ndim() - 2));
     const mx::array* tables = &in[1 + 2 * layers->size()];

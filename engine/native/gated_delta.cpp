@@ -6,9 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "cpu_dispatch.h"
 #include "inputs.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "row_ops.h"
 #include "simd.h"
 #include "vector_math.h"
@@ -281,16 +280,10 @@ mx::array gated_delta_rows(const mx::array& qkv, const mx::array& a, const mx::a
 
 void GatedDeltaRows::eval_cpu(const std::vector<mx::array>& inputs,
                               std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& x : inputs) encoder.set_input_array(x);
-  encoder.set_output_array(out);
-  std::vector<mx::array> weak;
-  weak.reserve(inputs.size());
-  for (const auto& x : inputs) weak.push_back(mx::array::unsafe_weak_copy(x));
-  encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                    layout = layout_]() mutable { run(layout, in, out.data<float>()); });
+  auto& out = allocate(outputs[0]);
+  dispatch(stream(), inputs, out,
+           [in = weak_copies(inputs), out = mx::array::unsafe_weak_copy(out),
+            layout = layout_]() mutable { run(layout, in, out.data<float>()); });
 }
 
 void GatedDeltaRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

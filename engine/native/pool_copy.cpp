@@ -6,9 +6,8 @@
 #include <string>
 #include <unordered_set>
 
+#include "cpu_dispatch.h"
 #include "inputs.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 
 namespace batchscope {
 
@@ -63,19 +62,13 @@ mx::array pool_copy_rows(const std::vector<mx::array>& pools,
 
 void PoolCopyRows::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& x : inputs) encoder.set_input_array(x);
-  encoder.set_output_array(out);
-  std::vector<mx::array> weak;
-  weak.reserve(inputs.size());
-  for (const auto& x : inputs) weak.push_back(mx::array::unsafe_weak_copy(x));
-  encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                    pairs = pairs_]() mutable {
-    for (const auto& pool : in) copy(pool, pairs);
-    *out.data<int32_t>() = static_cast<int32_t>(pairs.size());
-  });
+  auto& out = allocate(outputs[0]);
+  dispatch(stream(), inputs, out,
+           [in = weak_copies(inputs), out = mx::array::unsafe_weak_copy(out),
+            pairs = pairs_]() mutable {
+             for (const auto& pool : in) copy(pool, pairs);
+             *out.data<int32_t>() = static_cast<int32_t>(pairs.size());
+           });
 }
 
 void PoolCopyRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

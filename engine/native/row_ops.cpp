@@ -10,8 +10,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_dispatch.h"
 #include "inputs.h"
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "vector_math.h"
 #include "workers.h"
@@ -35,21 +35,6 @@ float sum_of_squares(const float* x, int n) {
     for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
   }
   return lanes[0];
-}
-
-// `out` must have its data (allocate) before the body takes its weak copy of it.
-mx::array& allocate(mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  return out;
-}
-
-template <class Body>
-void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out,
-              Body body) {
-  auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  encoder.dispatch(std::move(body));
 }
 
 }  // namespace
