@@ -18,8 +18,9 @@ sequence's last, partly filled block is cached too (keyed by the chain before it
 tokens it holds), and a prompt that goes on past a matched chain with some of the tokens of a
 cached block under that chain (partly filled or full) gets those rows copied into a block of
 its own (`take_copies`: the engine copies them in the pool before the step that needs them),
-so a repeated prompt computes one token, not up to a block (from ROWS_WORTH_COPYING rows on;
-fewer are computed again). A shared block is still never written: the copy is.
+so a repeated prompt computes one token, not up to a block (from `min_copy_rows` rows on, the
+pool's `KVPool.min_copy_rows`; fewer are computed again). A shared block is still never
+written: the copy is.
 """
 
 from __future__ import annotations
@@ -68,14 +69,6 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
-# The fewest rows the engine copies. With MLX's ops a copy is a gather and a scatter per layer
-# evaluated before the step, which cost about what computing 1-3 more rows in the step does and
-# less from 4 rows on (docs/benchmarks.md, "A repeated prompt's tail": tails of 2-4 tokens
-# 0.96-1.08x, a tail of 5, 4 rows copied, 1.20x shorter). The native op copies in place in
-# ~0.1 ms (engine/native/pool_copy.h): one row is worth copying
-# (benchmarks/results/prefix_copy.md).
-ROWS_WORTH_COPYING = 4
-ROWS_WORTH_COPYING_NATIVE = 1
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from engine.block_manager import ROWS_WORTH_COPYING, ROWS_WORTH_COPYING_NATIVE, BlockManager, KVCopy
+from engine.block_manager import BlockManager, KVCopy
 from engine.config import EngineConfig, KernelPath, KernelPolicy
 from engine.distributed.launch import DistributedError
 from engine.draft import draft_proposer
@@ -332,8 +332,7 @@ class Engine:
         self.block_manager = BlockManager(
             cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching,
             copy_partial=states is None and cfg.tensor_parallel_size == 1,
-            min_copy_rows=(ROWS_WORTH_COPYING if self.pool.copy_op is None
-                           else ROWS_WORTH_COPYING_NATIVE))
+            min_copy_rows=self.pool.min_copy_rows)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.state_slots)
         threshold, self.kernel_threshold_source = resolve_threshold(

@@ -17,6 +17,14 @@ import mlx.core as mx
 
 from engine.block_manager import KVCopy
 
+# The fewest rows worth copying (KVPool.min_copy_rows) rather than computing again in the step,
+# by how the pool copies. With MLX's ops a copy is a gather and a scatter per layer evaluated
+# before the step, which cost about what computing 1-3 more rows in the step does and less from
+# 4 rows on (docs/benchmarks.md, "A repeated prompt's tail": tails of 2-4 tokens 0.96-1.08x, a
+# tail of 5, 4 rows copied, 1.20x shorter). The native op copies in place in a fraction of a
+# millisecond: one row is worth copying (benchmarks/results/prefix_copy.md, which times both).
+ROWS_WORTH_COPYING = 4
+ROWS_WORTH_COPYING_NATIVE = 1
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
@@ -88,6 +96,12 @@ class KVPool:
         if self._keys is None:
             self._allocate(self._storage_for(dtype))
         return self._keys[layer], self._values[layer]
+
+    @property
+    def min_copy_rows(self) -> int:
+        """The fewest rows worth copying with this pool's copy_rows (BlockManager's
+        min_copy_rows): fewer are computed again."""
+        return ROWS_WORTH_COPYING if self.copy_op is None else ROWS_WORTH_COPYING_NATIVE
 
     def copy_rows(self, copies: list[KVCopy]) -> None:
         """Each copy's rows into its destination block, in every layer, evaluated now and on

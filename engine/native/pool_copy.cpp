@@ -37,11 +37,9 @@ mx::array pool_copy_rows(const std::vector<mx::array>& pools,
     check(pool.ndim() == 3, "a pool must be (kv_heads, slots, dim), not " + shape_str(pool));
     check(pool.is_available() && pool.flags().row_contiguous,
           "the pools must be evaluated, row-contiguous arrays: the op writes them in place");
+    check(pool.shape(1) == pools[0].shape(1), "the pools must have the same number of slots");
   }
   const int slots = static_cast<int>(pools[0].shape(1));
-  for (const auto& pool : pools) {
-    check(pool.shape(1) == slots, "the pools must have the same number of slots");
-  }
   // A row copied before another reads it would make the result depend on the order.
   std::unordered_set<int> sources, destinations;
   for (const auto& [src, dst] : pairs) {

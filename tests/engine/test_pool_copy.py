@@ -16,10 +16,10 @@ def copy_op():
     return native_op("pool_copy")
 
 
-def filled_pool(copy_op, dtype=mx.float32) -> KVPool:
+def filled_pool(op, dtype=mx.float32) -> KVPool:
     """Two pool layers of different shapes (as Gemma 4's), 6 blocks of 4, random rows."""
     pool = KVPool(2, 6, 4, [3, 1], [8, 16], dtype)
-    pool.copy_op = copy_op
+    pool.copy_op = op
     for layer, (heads, dim) in enumerate([(3, 8), (1, 16)]):
         keys, values = (mx.array(random((24, heads, dim), 10 * layer + i)) for i in (1, 2))
         pool.write(layer, mx.arange(24), keys, values)
