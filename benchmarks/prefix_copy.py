@@ -7,11 +7,12 @@ last (engine/block_manager.py's copy_partial; here at any number of rows), by th
 on) or by MLX's gather and scatter per layer (KVPool.copy_rows without the op: the path GPU
 backends take, from ROWS_WORTH_COPYING rows on), or computed again in the request's first step
 (the engine before the copy). Three engines in this process, one of each, on the same model:
-for each tail length, a
-prompt of --context + tail tokens is sent once (cold) and then again; the second request's
-time (max_tokens 1: its prefill step and the sampled token) is what the table gives, each
-engine measured in turn, the order rotating by round, medians over --rounds. Every prompt has a
-distinct first word, so nothing but the request's own first run is cached.
+for each tail length, a prompt of --context + tail tokens is sent once (cold) and then again;
+the second request's time (max_tokens 1: its prefill step and the sampled token) is what the
+table gives, each engine measured in turn, the order rotating by round, medians over --rounds,
+with the time of its copy alone (the pool's copy_rows call on the engine thread). Every prompt
+has a distinct first word, so the second request's whole blocks are its own first run's (that
+cold run may copy the first tokens its first block shares with an earlier prompt's).
 
     .venv/bin/python benchmarks/prefix_copy.py [--weights auto] [--context 160]
         [--tails 2 3 4 5 8 12 15] [--rounds 5]
@@ -29,9 +30,9 @@ import time
 from pathlib import Path
 
 import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before mlx is imported)
-from engine.block_manager import ROWS_WORTH_COPYING, ROWS_WORTH_COPYING_NATIVE
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kv_cache import ROWS_WORTH_COPYING, ROWS_WORTH_COPYING_NATIVE
 from engine.platform import backend_info
 from engine.sampling import SamplingParams
 
@@ -53,13 +54,32 @@ def prompt_ids(eng: Engine, tag: str, length: int) -> list[int]:
     return ids
 
 
-def repeated(eng: Engine, ids: list[int]) -> tuple[float, int]:
-    """The second of two identical requests: (seconds, cached prompt tokens)."""
+def repeated(eng: Engine, ids: list[int],
+             copies: list[float] | None) -> tuple[float, int, float | None]:
+    """The second of two identical requests: (seconds, cached prompt tokens, ms of its copy
+    or None). copies: the engine's timed_copies list (None: an engine that does not copy)."""
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     eng.generate(ids, params)
+    calls = len(copies) if copies is not None else 0
     t0 = time.perf_counter()
     result = eng.generate(ids, params)
-    return time.perf_counter() - t0, result.cached_prompt_tokens
+    seconds = time.perf_counter() - t0
+    copied = sum(copies[calls:]) if copies is not None and len(copies) > calls else None
+    return seconds, result.cached_prompt_tokens, copied
+
+
+def timed_copies(eng: Engine) -> list[float]:
+    """The engine's pool copies timed: a list the ms of each copy_rows call are appended to
+    (on the engine thread, as it makes them)."""
+    times: list[float] = []
+    copy = eng.pool.copy_rows
+
+    def timed(copies) -> None:
+        t0 = time.perf_counter()
+        copy(copies)
+        times.append((time.perf_counter() - t0) * 1e3)
+    eng.pool.copy_rows = timed
+    return times
 
 
 def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
@@ -79,7 +99,10 @@ def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
             raise RuntimeError("the native copy is not built here: run python -m "
                                "engine.native.build")
         block = engines["copy"].block_manager.block_size
+        copying = SIDES[:2]
+        copy_calls = {s: timed_copies(engines[s]) for s in copying}
         times: dict[str, dict[int, list[float]]] = {s: {t: [] for t in tails} for s in SIDES}
+        copy_ms: dict[str, dict[int, list[float]]] = {s: {t: [] for t in tails} for s in copying}
         cached: dict[str, dict[int, int]] = {s: {} for s in SIDES}
         for r in range(rounds):
             log(f"round {r + 1} of {rounds}")
@@ -87,8 +110,11 @@ def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
                 for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
                     eng = engines[side]
                     ids = prompt_ids(eng, f"Round{r}{side}{tail}:", context + tail)
-                    seconds, cached[side][tail] = repeated(eng, ids)
+                    seconds, cached[side][tail], copied = repeated(eng, ids,
+                                                                   copy_calls.get(side))
                     times[side][tail].append(seconds * 1e3)
+                    if copied is not None:  # it had rows to copy
+                        copy_ms[side][tail].append(copied)
         model = engines["copy"].loaded
         info = {"model": model.name, "weights": model.weights, "block_size": block,
                 "backend": backend_info()["backend"]}
@@ -101,6 +127,8 @@ def measure(weights: str, context: int, tails: list[int], rounds: int) -> dict:
         rows.append({"tail": tail, "prompt_tokens": context + tail,
                      "cached": {s: cached[s][tail] for s in SIDES},
                      "ms": med, "runs_ms": {s: times[s][tail] for s in SIDES},
+                     "copy_ms": {s: statistics.median(copy_ms[s][tail]) if copy_ms[s][tail]
+                                 else None for s in copying},
                      "ratio": med["recompute"] / med["copy"],
                      "mlx_ratio": med["copy_mlx"] / med["copy"]})
     return {"started": started, "context": context,
@@ -116,15 +144,21 @@ def render(data: dict) -> str:
              "turn; the copying ones copy any number of rows (the engine copies from "
              f"{ROWS_WORTH_COPYING_NATIVE} on with the native op, from {ROWS_WORTH_COPYING} "
              "with MLX's ops), before the step. Cached: the prompt tokens the second request "
-             "did not compute.", "",
+             "did not compute. The copy alone: the pool's copy_rows call, timed on the engine "
+             "thread (none at a tail of 1: no row to copy).", "",
              "| tail tokens | copied: cached | native copy: ms | MLX's copy: ms | computed "
-             "again: cached | ms | computed again / native copy | MLX's copy / native copy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "again: cached | ms | computed again / native copy | MLX's copy / native copy | "
+             "the copy alone, native: ms | the copy alone, MLX's: ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def alone(ms: float | None) -> str:
+        return "-" if ms is None else f"{ms:.2f}"
     for r in data["rows"]:
         lines.append(f"| {r['tail']} | {r['cached']['copy']} | {r['ms']['copy']:.1f} | "
                      f"{r['ms']['copy_mlx']:.1f} | "
                      f"{r['cached']['recompute']} | {r['ms']['recompute']:.1f} | "
-                     f"{r['ratio']:.2f}x | {r['mlx_ratio']:.2f}x |")
+                     f"{r['ratio']:.2f}x | {r['mlx_ratio']:.2f}x | "
+                     f"{alone(r['copy_ms']['copy'])} | {alone(r['copy_ms']['copy_mlx'])} |")
     return "\n".join(lines) + "\n"
 
 

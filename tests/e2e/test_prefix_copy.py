@@ -21,5 +21,6 @@ def test_the_copying_engine_computes_one_token_and_the_other_the_tail():
     assert row["prompt_tokens"] == 37
     assert row["cached"] == {"copy": 36, "copy_mlx": 36, "recompute": 32}
     assert all(len(runs) == 1 and runs[0] > 0 for runs in row["runs_ms"].values())
+    assert all(ms is not None and ms > 0 for ms in row["copy_ms"].values())  # both copies timed
     md = prefix_copy.render(data)
     assert "| 5 | 36 |" in md and "| 32 |" in md
