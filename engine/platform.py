@@ -5,6 +5,13 @@ matmuls far slower than OpenBLAS (benchmarks/weights_speed.py measures both; its
 docs/weights.md). Loading libopenblas with RTLD_GLOBAL *before* the first
 `import mlx.core` makes MLX's BLAS symbols resolve to OpenBLAS instead. This module must
 therefore never import mlx at module level.
+
+OpenBLAS (a DYNAMIC_ARCH build, as distributions ship it) picks its kernels by the CPU's model
+number, and a release older than the CPU may not know the model: OpenBLAS 0.3.21 (Debian 12's)
+takes Prescott's SSE3 kernels on Emerald Rapids, where its float32 matmuls then run 2-5x
+slower than on its SkylakeX kernels (benchmarks/blas_kernels.py). preload_blas() then selects the
+kernels the CPU's instruction sets run, as OPENBLAS_CORETYPE would; a set OPENBLAS_CORETYPE is
+left as it is.
 """
 
 from __future__ import annotations
@@ -26,9 +33,21 @@ TF32_ENV = "MLX_ENABLE_TF32"
 
 _SONAME = "libopenblas.so.0"
 
+# OpenBLAS's own switch of kernels, read when it (re)selects them.
+CORETYPE_ENV = "OPENBLAS_CORETYPE"
+# The kernels OpenBLAS's x86-64 selection falls back to for a CPU model it does not know.
+UNKNOWN_CPU_KERNELS = "Prescott"
+# Kernels OpenBLAS can take instead, most capable first, with the instruction sets they need
+# (OpenBLAS's own checks for SkylakeX and Haswell).
+_KERNELS_NEED = (("SkylakeX", {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
+                 ("Haswell", {"avx2", "fma"}))
+
 # What preload_blas() loaded in this process (None: nothing yet, or nothing found).
 _loaded: str | None = None
 _attempted = False
+# The loaded OpenBLAS's kernels, and the ones it had taken where preload_blas() replaced them.
+_kernels: str | None = None
+_replaced_kernels: str | None = None
 
 
 def _candidate_paths() -> list[str]:
@@ -84,12 +103,56 @@ def preload_blas() -> str | None:
     _attempted = True
     for candidate in find_openblas():
         try:
-            ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
         _loaded = _resolve_loaded_path(candidate)
+        _select_kernels(lib, _cpu_flags())
         break
     return _loaded
+
+
+def kernels_for(flags: set[str]) -> str | None:
+    """The most capable OpenBLAS kernels a CPU with these /proc/cpuinfo flags runs, among
+    those worth taking over Prescott's; None: none of them."""
+    return next((name for name, needs in _KERNELS_NEED if needs <= flags), None)
+
+
+def _select_kernels(lib, flags: set[str]) -> None:
+    """Note the kernels OpenBLAS took and, where it fell back to Prescott's for a CPU it does
+    not know and the CPU runs better ones, select those (before any BLAS call: MLX is not
+    imported yet). A build without these entry points is left as it is."""
+    global _kernels, _replaced_kernels
+    try:
+        corename = lib.openblas_get_corename
+        corename.restype = ctypes.c_char_p
+        took = corename().decode()
+    except (AttributeError, UnicodeDecodeError):
+        return
+    _kernels = took
+    better = kernels_for(flags)
+    if took != UNKNOWN_CPU_KERNELS or better is None or CORETYPE_ENV in os.environ:
+        return
+    try:
+        quit_kernels, init_kernels = lib.gotoblas_dynamic_quit, lib.gotoblas_dynamic_init
+    except AttributeError:  # not a DYNAMIC_ARCH build: its kernels are built in
+        return
+    os.environ[CORETYPE_ENV] = better  # what init reads; child processes select it too
+    quit_kernels()
+    init_kernels()
+    _kernels, _replaced_kernels = corename().decode(), took
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def keep_float32_exact() -> None:
@@ -132,6 +195,21 @@ def blas_loaded() -> str | None:
     return _loaded
 
 
+def blas_text(info: dict) -> str:
+    """backend_info()'s BLAS in words: the library's file name and its kernels, or
+    "bundled" (MLX's own reference BLAS)."""
+    name = blas_name(info.get("blas"))
+    if name is None:
+        return "bundled"
+    kernels, replaced = info.get("blas_kernels"), info.get("blas_kernels_replaced")
+    if not kernels:
+        return name
+    if replaced:
+        return (f"{name}, {kernels} kernels (OpenBLAS took {replaced}'s for this CPU, which "
+                "it does not know)")
+    return f"{name}, {kernels} kernels"
+
+
 def blas_name(path: str | None) -> str | None:
     """The BLAS library's file name from backend_info()["blas"]: results and reports name the
     library, not where it lives on one machine."""
@@ -158,6 +236,8 @@ def backend_info() -> dict:
         "float32_matmuls": float32_matmuls(backend),
         "mlx_version": mx.__version__,
         "blas": _loaded,
+        "blas_kernels": _kernels,
+        "blas_kernels_replaced": _replaced_kernels,
         "platform": sys.platform,
         "machine": _platform.machine(),
     }

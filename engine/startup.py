@@ -15,7 +15,7 @@ from engine.distributed.worker import pool_dtype
 from engine.model_loader import LoadedModel
 from engine.model_runner import ModelRunner, pool_for
 from engine.models import Family
-from engine.platform import TF32_ENV, backend_info
+from engine.platform import TF32_ENV, backend_info, blas_text
 from engine.state_pool import StatePool
 from engine.telemetry import RankTimes
 
@@ -52,7 +52,7 @@ def log_model(engine: Engine, family: Family, states: StatePool | None) -> None:
     log.info("model %s (%s family, %s weights) on %s, BLAS %s; KV pool %d blocks x %d "
              "tokens; context %d; attention: %s; row kernels: %s",
              loaded.name, family.name, loaded.weights, info["backend"],
-             info.get("blas") or "bundled", cfg.num_kv_blocks, cfg.block_size,
+             blas_text(info), cfg.num_kv_blocks, cfg.block_size,
              engine.max_model_len, engine.attention, engine.row_kernels)
     if info["backend"] != "cpu":
         log.info("float32 matmuls: %s (%s)", info["float32_matmuls"], TF32_ENV)
