@@ -16,12 +16,14 @@ import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before 
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.platform import backend_info, blas_text
 from engine.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,7 +74,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/batch_invariant.json")
     args = ap.parse_args()
 
-    lines, runs = [], []
+    info = backend_info()
+    host = f"backend {info['backend']}, BLAS {blas_text(info)}, {os.cpu_count()} CPUs"
+    lines, runs = [f"Run {time.strftime('%Y-%m-%d %H:%M')}: {host}.", ""], []
     for weights in args.weights:
         results = measure(weights, args)
         lines += [f"weights {weights}, tile {args.tile} rows, {args.max_tokens} new tokens per "
@@ -90,7 +94,7 @@ def main() -> int:
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"tile": args.tile, "runs": runs}, indent=2))
+    out.write_text(json.dumps({"host": host, "tile": args.tile, "runs": runs}, indent=2))
     out.with_suffix(".md").write_text(table)
     return 0
 

@@ -43,7 +43,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from engine.config import EngineConfig
 from engine.engine import Engine, Submission
 from engine.model_loader import load_model
-from engine.platform import backend_info, blas_name
+from engine.platform import backend_info, blas_name, blas_text
 from engine.sampling import SamplingParams
 
 TEXT = ("Continuous batching lets an inference server add and remove requests at every step, "
@@ -244,7 +244,7 @@ def main() -> int:
     loaded = load_model("embedded", eng.loaded.weights)
     info = backend_info()
     print(f"# model {loaded.name}, weights {loaded.weights}, backend {info['backend']}, "
-          f"BLAS {info.get('blas') or 'bundled'}", file=sys.stderr)
+          f"BLAS {blas_text(info)}", file=sys.stderr)
     rows = compare(eng, loaded, args.concurrency, args.max_tokens, args.repeats)
     eng.stop()
 

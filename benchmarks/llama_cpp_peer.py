@@ -60,7 +60,7 @@ from peers import free_port, running_server, server_commands  # benchmarks/peers
 from engine import native
 from engine.engine import Engine
 from engine.model_loader import embedded_gguf_path
-from engine.platform import backend_info, blas_name
+from engine.platform import backend_info, blas_text
 
 SEQUENCES = (1, 4, 8, 16)
 # Goals of the 4-bit kernel work: engine decode at q4 / llama-batched-bench's S_TG.
@@ -149,7 +149,7 @@ def host_info(bin_dir: Path, threads: int) -> dict:
     info = backend_info()
     return {"cpu": cpu_model(), "cores": os.cpu_count(),
             "system": f"{platform.system()} {platform.machine()}", "backend": info["backend"],
-            "blas": blas_name(info.get("blas")) or "bundled",
+            "blas": blas_text(info),
             "quantized_isa": native.decode_quantized_isa(), "threads": threads,
             "llama_cpp": llama_cpp_build(bin_dir)}
 
