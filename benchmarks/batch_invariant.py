@@ -5,7 +5,9 @@
 For each weight format and concurrency C, C requests (prompts of 20-120 tokens, --max-tokens
 new tokens each, greedy) run on an engine in normal mode and on one in batch-invariant mode,
 in interleaved rounds, each going first in every other one, so drift on a shared machine hits
-both. Reports output tokens/s and the ratio, one table per weight format.
+both. Reports each mode's best output tokens/s and the cost from those, and the median and range
+of the rounds' own costs (each round's two modes ran back to back: on a machine whose rate moves
+10-30% between minutes, the paired figure drifts less), one table per weight format.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import engine  # noqa: F401  (binds MLX to the optimized BLAS: must come before 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -81,13 +84,19 @@ def main() -> int:
         results = measure(weights, args)
         lines += [f"weights {weights}, tile {args.tile} rows, {args.max_tokens} new tokens per "
                   f"request, best of {args.rounds} rounds", "",
-                  "| requests | normal tok/s | batch-invariant tok/s | cost |", "|---|---|---|---|"]
+                  "| requests | normal tok/s | batch-invariant tok/s | cost | cost per round: "
+                  "median (range) |", "|---|---|---|---|---|"]
         rows = []
         for c, r in results.items():
             normal, inv = max(r["normal"]), max(r["invariant"])
+            paired = sorted(1 - i / n for n, i in zip(r["normal"], r["invariant"], strict=True))
+            median = statistics.median(paired)
             rows.append({"concurrency": c, "normal_tps": normal, "invariant_tps": inv,
-                         "cost": 1 - inv / normal})
-            lines.append(f"| {c} | {normal:.1f} | {inv:.1f} | {(1 - inv / normal) * 100:.0f}% |")
+                         "cost": 1 - inv / normal, "round_costs": paired,
+                         "median_round_cost": median})
+            lines.append(f"| {c} | {normal:.1f} | {inv:.1f} | {(1 - inv / normal) * 100:.0f}% | "
+                         f"{median * 100:.0f}% ({paired[0] * 100:.0f}% to "
+                         f"{paired[-1] * 100:.0f}%) |")
         lines.append("")
         runs.append({"weights": weights, "rows": rows, "raw": results})
     table = "\n".join(lines)
