@@ -3,9 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu_dispatch.h"
 #include "inputs.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "simd.h"
 #include "workers.h"
 
@@ -131,19 +130,15 @@ void DecodeLinear::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& out = allocate(outputs[0]);
   const int K = static_cast<int>(w.shape(1));
   const int N = static_cast<int>(w.shape(0));
   const int M = static_cast<int>(x.size() / std::max(K, 1));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_output_array(out);
-  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                    out = mx::array::unsafe_weak_copy(out), M, K, N]() mutable {
-    linear_rows(x.data<float>(), w.data<float>(), out.data<float>(), M, K, N);
-  });
+  dispatch(stream(), inputs, out,
+           [x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+            out = mx::array::unsafe_weak_copy(out), M, K, N]() mutable {
+             linear_rows(x.data<float>(), w.data<float>(), out.data<float>(), M, K, N);
+           });
 }
 
 void DecodeLinear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -9,9 +9,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_dispatch.h"
 #include "inputs.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "quantized_common.h"
 #include "simd.h"
 #include "workers.h"
@@ -713,23 +712,20 @@ void DecodeQuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
   const auto& w = inputs[1];
   const auto& scales = inputs[2];
   const auto& biases = inputs[3];
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& out = allocate(outputs[0]);
   const int K = static_cast<int>(x.shape(-1));
   const int N = static_cast<int>(w.shape(0));
   const int M = static_cast<int>(x.size() / K);
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                    scales = mx::array::unsafe_weak_copy(scales),
-                    biases = mx::array::unsafe_weak_copy(biases),
-                    out = mx::array::unsafe_weak_copy(out), M, K, N, gs = group_size_,
-                    bits = bits_, int8 = int8_activations_]() mutable {
-    quantized_linear_rows(x.data<float>(), M, K, w.data<uint32_t>(), scales.data<void>(),
-                          biases.data<void>(), scales.dtype(), N, gs, bits, out.data<float>(),
-                          int8);
-  });
+  dispatch(stream(), inputs, out,
+           [x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+            scales = mx::array::unsafe_weak_copy(scales),
+            biases = mx::array::unsafe_weak_copy(biases),
+            out = mx::array::unsafe_weak_copy(out), M, K, N, gs = group_size_, bits = bits_,
+            int8 = int8_activations_]() mutable {
+             quantized_linear_rows(x.data<float>(), M, K, w.data<uint32_t>(),
+                                   scales.data<void>(), biases.data<void>(), scales.dtype(), N,
+                                   gs, bits, out.data<float>(), int8);
+           });
 }
 
 void DecodeQuantizedLinear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

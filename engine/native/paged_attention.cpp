@@ -7,9 +7,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_dispatch.h"
 #include "inputs.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "paged_attention_rows.h"
 #include "workers.h"
 
@@ -197,8 +196,7 @@ void paged_attention_rows(const PagedAttentionArgs& a) {
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
                               std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& out = allocate(outputs[0]);
   const auto& q = inputs[0];
   const auto& k = inputs[1];
   PagedAttentionArgs args{nullptr, q.dtype(), nullptr, nullptr, k.dtype(), nullptr, nullptr,
@@ -207,24 +205,22 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
                           static_cast<int>(k.shape(0)), static_cast<int>(q.shape(2)),
                           static_cast<int>(k.shape(1)), static_cast<int>(inputs[3].shape(1)),
                           block_size_, window_, scale_};
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  encoder.dispatch([q = mx::array::unsafe_weak_copy(q), k = mx::array::unsafe_weak_copy(k),
-                    v = mx::array::unsafe_weak_copy(inputs[2]),
-                    tables = mx::array::unsafe_weak_copy(inputs[3]),
-                    lens = mx::array::unsafe_weak_copy(inputs[4]),
-                    qlens = mx::array::unsafe_weak_copy(inputs[5]),
-                    out = mx::array::unsafe_weak_copy(out), args]() mutable {
-    args.q = q.data<void>();
-    args.k = k.data<void>();
-    args.v = v.data<void>();
-    args.block_tables = tables.data<int32_t>();
-    args.context_lens = lens.data<int32_t>();
-    args.query_lens = qlens.data<int32_t>();
-    args.out = out.data<void>();
-    paged_attention_rows(args);
-  });
+  dispatch(stream(), inputs, out,
+           [q = mx::array::unsafe_weak_copy(q), k = mx::array::unsafe_weak_copy(k),
+            v = mx::array::unsafe_weak_copy(inputs[2]),
+            tables = mx::array::unsafe_weak_copy(inputs[3]),
+            lens = mx::array::unsafe_weak_copy(inputs[4]),
+            qlens = mx::array::unsafe_weak_copy(inputs[5]),
+            out = mx::array::unsafe_weak_copy(out), args]() mutable {
+             args.q = q.data<void>();
+             args.k = k.data<void>();
+             args.v = v.data<void>();
+             args.block_tables = tables.data<int32_t>();
+             args.context_lens = lens.data<int32_t>();
+             args.query_lens = qlens.data<int32_t>();
+             args.out = out.data<void>();
+             paged_attention_rows(args);
+           });
 }
 
 void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
