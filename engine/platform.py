@@ -22,6 +22,7 @@ import os
 import platform as _platform
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 # Set to "1" to keep MLX on its bundled BLAS (tests and benchmarks that compare the two).
@@ -107,7 +108,7 @@ def preload_blas() -> str | None:
         except OSError:
             continue
         _loaded = _resolve_loaded_path(candidate)
-        _select_kernels(lib, _cpu_flags())
+        _select_kernels(lib, _cpu_flags)
         break
     return _loaded
 
@@ -118,10 +119,11 @@ def kernels_for(flags: set[str]) -> str | None:
     return next((name for name, needs in _KERNELS_NEED if needs <= flags), None)
 
 
-def _select_kernels(lib, flags: set[str]) -> None:
+def _select_kernels(lib, flags: Callable[[], set[str]]) -> None:
     """Note the kernels OpenBLAS took and, where it fell back to Prescott's for a CPU it does
     not know and the CPU runs better ones, select those (before any BLAS call: MLX is not
-    imported yet). A build without these entry points is left as it is."""
+    imported yet). flags: the CPU's instruction sets, read only then. A build without these
+    entry points is left as it is."""
     global _kernels, _replaced_kernels
     try:
         corename = lib.openblas_get_corename
@@ -130,8 +132,10 @@ def _select_kernels(lib, flags: set[str]) -> None:
     except (AttributeError, UnicodeDecodeError):
         return
     _kernels = took
-    better = kernels_for(flags)
-    if took != UNKNOWN_CPU_KERNELS or better is None or CORETYPE_ENV in os.environ:
+    if took != UNKNOWN_CPU_KERNELS or CORETYPE_ENV in os.environ:
+        return
+    better = kernels_for(flags())
+    if better is None:
         return
     try:
         quit_kernels, init_kernels = lib.gotoblas_dynamic_quit, lib.gotoblas_dynamic_init
