@@ -26,8 +26,8 @@ from engine.config import (
 from engine.kernels import PathTally, apply_linear
 
 # Up to this many rows a "gemm" step's float32 linear layers go to the native kernel: it is
-# faster than MLX's BLAS matmul at every row count up to 32 in
-# benchmarks/results/decode_linear.md (benchmarks/decode_linear.py), and the gap closes above.
+# faster than MLX's BLAS matmul at every row count measured in
+# benchmarks/results/decode_linear.md (benchmarks/decode_linear.py), the less so the more rows.
 # A "tiled" step's calls take at most this many rows (NativeOps.linear).
 DECODE_MATMUL_MAX_ROWS = 32
 # The same for MLX's affine-quantized layers (the shipped 4-bit linears and 8-bit tied head):
@@ -122,12 +122,14 @@ class NativeOps:
         # ops above (native.decoder_layers).
         self.layer_kernel = _layer_kernel(row_kernels, self.fused_attention)
         self._rope_freqs: dict[int, tuple] = {}  # id(rope) -> (rope, _rope_freqs(rope))
-        self._stacks: dict[tuple[int, ...], tuple] = {} if stacks is None else stacks
+        self._stacks: dict[tuple, tuple] = {} if stacks is None else stacks
 
     @property
-    def stacks(self) -> dict[tuple[int, ...], tuple]:
-        """The stacked q/k/v and gate/up weights made so far (the layers' own weights are views
-        of them): ids of the modules -> (modules, kind, arrays)."""
+    def stacks(self) -> dict[tuple, tuple]:
+        """The native kernels' weights made so far: the stacked q/k/v and gate/up weights
+        (ids of the modules -> (modules, kind, arrays); quantized layers' own weights are
+        views of them), and the float32 kernel's packed copies of single weights (("packed",
+        id(weight)) -> (weight, packed))."""
         return self._stacks
 
     @property
@@ -177,7 +179,8 @@ class NativeOps:
             if self.native_matmul_applies:
                 return (f"native kernel up to {DECODE_MATMUL_MAX_ROWS} rows (each row computed "
                         "alone: batch-invariant up to there, kernel path native; larger steps "
-                        "take the BLAS, kernel path gemm, unless --batch-invariant)")
+                        "take the BLAS, kernel path gemm, unless --batch-invariant; it reads a "
+                        "packed copy of each float32 weight: their memory twice)")
             return (f"MLX (the native kernels take float32 or affine 4/8-bit, weights are "
                     f"{weights})")
         if self.fused_attention:  # a GPU: the kernel each call takes is MLX's choice
@@ -223,7 +226,8 @@ class NativeOps:
         if self.matmul_kernel is not None:
             weight = _float32_weight(module, plain)
             if weight is not None:
-                return (lambda v: self.matmul_kernel(v, weight)), DECODE_MATMUL_MAX_ROWS
+                packed, n = self._packed_weight(weight), weight.shape[0]
+                return (lambda v: self.matmul_kernel(v, packed, n)), DECODE_MATMUL_MAX_ROWS
         if self.quantized_kernel is not None and dtype == mx.float32:
             q = quantized_weight(module, quantized)
             if q is not None:
@@ -260,16 +264,18 @@ class NativeOps:
         most = _row_limit(bits)
         if path == KernelPath.GEMM and x.shape[1] > most:
             return None
-        kernel = ((lambda c: self.matmul_kernel(c, arrays[0])) if bits == 0 else
+        outputs = sum(m["weight"].shape[0] for m in modules)
+        kernel = ((lambda c: self.matmul_kernel(c, arrays[0], outputs)) if bits == 0 else
                   (lambda c: self.quantized_kernel(c, *arrays, group_size, bits)))
         return lambda v: _in_row_chunks(kernel, v, most, tally)
 
     def _native_weights(self, modules: list, dtype: mx.Dtype) -> tuple[list, int, int] | None:
         """(arrays, bits, group_size) of the native kernel that takes `modules` stacked by
-        output on activations of `dtype`: ([weight], 0, 0) for float32, ([w, scales,
-        biases], bits, group_size) for affine-quantized; None where none would. The stacked
-        weights are made on first use and the layers' own weights become views of them, so no
-        memory is added (a single layer is taken as it is)."""
+        output on activations of `dtype`: ([packed weight], 0, 0) for float32, ([w, scales,
+        biases], bits, group_size) for affine-quantized; None where none would. They are made
+        on first use. Quantized layers' own weights become views of the stacked ones, so no
+        memory is added (a single layer is taken as it is); float32 layers keep theirs, and
+        the kernel's packed copy is added (`_packed_weight`)."""
         key = tuple(id(m) for m in modules)
         entry = self._stacks.get(key)
         if entry is None or any(a is not b for a, b in zip(entry[0], modules, strict=True)):
@@ -285,8 +291,8 @@ class NativeOps:
         weights = [_float32_weight(m) for m in modules]
         if self.matmul_kernel is not None and all(w is not None for w in weights):
             if len(modules) == 1:
-                return "f32", (weights[0],)
-            return "f32", (_stack_rows(modules, ["weight"])[0],)
+                return "f32", (self._packed_weight(weights[0]),)
+            return "f32", (_packed(mx.concatenate(weights, axis=0)),)
         quantized = [quantized_weight(m) for m in modules]
         if (self.quantized_kernel is not None and all(q is not None for q in quantized)
                 and len({(q[3], q[4], q[1].dtype) for q in quantized}) == 1):
@@ -295,6 +301,15 @@ class NativeOps:
             w, scales, biases = _stack_rows(modules, ["weight", "scales", "biases"])
             return "q", (w, scales, biases, quantized[0][3], quantized[0][4])
         return None, ()
+
+    def _packed_weight(self, weight: mx.array) -> mx.array:
+        """The float32 kernel's packed copy of `weight` (native.pack_linear_weight), made on
+        its first native call and kept."""
+        key = ("packed", id(weight))
+        entry = self._stacks.get(key)
+        if entry is None or entry[0] is not weight:  # weight kept alive: its id stays its own
+            entry = self._stacks[key] = (weight, _packed(weight))
+        return entry[1]
 
     def embed(self, module, tokens: mx.array) -> mx.array:
         """An embedding module on a step's tokens (rows,): (1, rows, dims). MLX's
@@ -468,6 +483,13 @@ def _rope_freqs(rope) -> tuple[mx.array, float] | None:
     inv = inv.astype(mx.float32)
     mx.eval(inv)
     return inv, float(scale)
+
+
+def _packed(weight: mx.array) -> mx.array:
+    """weight (out, in) float32 in the layout the native float32 kernel reads, evaluated."""
+    packed = native.pack_linear_weight()(weight)
+    mx.eval(packed)
+    return packed
 
 
 def _float32_weight(module, kind=nn.Linear) -> mx.array | None:

@@ -5,8 +5,9 @@ the CPU ops for the rows of a step:
 
 - `paged_attention`: attention for all of a step's rows (decode rows and prefill chunks) that
   reads keys and values straight from the paged pool, each row's bits its own;
-- `decode_linear`: a float32 linear layer for a few rows that reads each weight row once for all
-  of them, with a row's arithmetic independent of the others (batch-invariant);
+- `decode_linear`: a float32 linear layer for the rows of a step, from weights packed once for
+  it (`pack_linear_weight`: panels of 64 outputs, k-major), with a row's arithmetic independent
+  of the others (batch-invariant) and of the instruction set;
 - `decode_quantized_linear`: the same for MLX's affine-quantized (4/8-bit) layers, dequantizing
   each packed group once for all rows, the same bits on its AVX-512, AVX2 and portable paths;
 - `rms_norm_rows` and `rope_rows`: RMS norm, and RoPE at each row's position, as one op each
@@ -62,9 +63,17 @@ def paged_attention() -> Callable | None:
 
 
 def decode_linear() -> Callable | None:
-    """The native float32 decode linear op, or None when it cannot be loaded here."""
+    """The native float32 linear op, or None when it cannot be loaded here. It takes x, the
+    weight as pack_linear_weight() makes it, and the number of outputs."""
     module = _load()
     return module.decode_linear if module else None
+
+
+def pack_linear_weight() -> Callable | None:
+    """The op that packs a float32 (out, in) weight for decode_linear, or None when it cannot
+    be loaded here."""
+    module = _load()
+    return module.pack_linear_weight if module else None
 
 
 def decode_quantized_linear() -> Callable | None:

@@ -29,9 +29,15 @@ NB_MODULE(_kernels, m) {
         "window"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
         "Attention of each sequence's rows (its last query_lens positions) over its blocks of "
         "the paged pool; a row's bits depend on its own query, position and context only.");
-  m.def("decode_linear", &batchscope::decode_linear, "x"_a, "weight"_a, nb::kw_only(),
+  m.def("pack_linear_weight", &batchscope::pack_linear_weight, "weight"_a, nb::kw_only(),
         "stream"_a = nb::none(),
-        "x @ weight.T in float32 for a few rows, each row computed alone (batch-invariant).");
+        "A float32 (out, in) weight in the layout decode_linear reads: (ceil(out / 64), in, "
+        "64), each panel of 64 outputs k-major.");
+  m.def("decode_linear", &batchscope::decode_linear, "x"_a, "packed"_a, "out_features"_a,
+        nb::kw_only(), "isa"_a = "auto", "stream"_a = nb::none(),
+        "x @ weight.T in float32 from pack_linear_weight(weight), each row computed alone "
+        "(batch-invariant), the same bits on every instruction-set path (isa: auto, avx512, "
+        "avx2, portable).");
   m.def("decode_quantized_linear", &batchscope::decode_quantized_linear, "x"_a, "w"_a,
         "scales"_a, "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(),
         "int8_activations"_a = false, "stream"_a = nb::none(),
@@ -74,7 +80,8 @@ NB_MODULE(_kernels, m) {
       "A llama-style decoder layer's weights and shape as decoder_layers takes them, checked "
       "when made (ValueError naming the field).");
   nb::class_<Linear>(spec, "Linear",
-                     "A linear layer: weight float32 (out, in) with bits 0, or MLX's affine "
+                     "A linear layer: weight float32 packed by pack_linear_weight with bits "
+                     "0, or MLX's affine "
                      "quantization (weight, scales, biases, bits 4 or 8, group_size).")
       .def(nb::init<mx::array, Array, Array, int, int, bool>(), "weight"_a, nb::kw_only(),
            "scales"_a = nb::none(), "biases"_a = nb::none(), "bits"_a = 0, "group_size"_a = 0,

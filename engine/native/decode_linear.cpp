@@ -1,129 +1,171 @@
 #include "decode_linear.h"
 
 #include <algorithm>
-#include <cmath>
+#include <cstring>
 
 #include "cpu_dispatch.h"
 #include "inputs.h"
-#include "simd.h"
 #include "workers.h"
 
 namespace batchscope {
 
 namespace {
 
-// A tile is 8 x rows by 3 weight rows: 24 accumulators and 8 x vectors fill the 32 AVX-512
-// registers, and each k step loads 11 vectors for 24 multiply-adds (a 4 x 4 tile loads 8 for
-// 16, and the compiler folded its x loads into the multiply-adds, loading each x 4 times).
-constexpr int ROWS = 8;
-constexpr int COLS = 3;
-// Prefetch the weight rows this far ahead (two tiles): memory, not arithmetic, bounds a
-// few-row step, and the prefetch hides the next rows' latency behind this tile's work
-// (measured by benchmarks/decode_linear.py --rows 8 16 on builds without and with it). Past
-// the last row it is harmless: a prefetch never faults.
-constexpr int PREFETCH_ROWS = 2 * COLS;
+// Each output is one chain of fused multiply-adds over k in order:
+//   out[m][n] = fma(x[m][K-1], w[n][K-1], ... fma(x[m][1], w[n][1], fma(x[m][0], w[n][0], 0))).
+// A tile runs many chains side by side (x[m][k] broadcast, 16 outputs a vector) and changes
+// none of them, so a row's bits are the same in a call of any size, in any tile, with any
+// thread count and on every instruction-set path.
+//
+// The tile per path: rows x vectors of 16 outputs. AVX-512: 6 x 4 (24 accumulators, 4 weight
+// vectors and a broadcast in 32 registers; each k step loads 10 values for 24 multiply-adds).
+// AVX2: a vector is two registers, so 2 x 2 (8 + 4 + 2 of 16). Portable: the compiler's.
+// (Measured and not kept, at 8 rows: 8 x 4, which spills, and 8 x 2 over half a panel at a
+// time, which reads each panel from memory twice; neither beat 6 x 4 then 2 x 4.)
+template <Isa I>
+struct TileShape {
+  static constexpr int rows = 4, vecs = 4;
+};
+template <>
+struct TileShape<Isa::avx512> {
+  static constexpr int rows = 6, vecs = 4;
+};
+template <>
+struct TileShape<Isa::avx2> {
+  static constexpr int rows = 2, vecs = 2;
+};
 
-// s plus the k % 16 tail's n < 16 products x[k] * w[k], in k order, in the steps the kernel has
-// always taken (those of its compiler's vectorized tail when it was built with contraction): a
-// chunk of 8 if there are 8, then one of 4 if 4 are left, each product rounded and then added,
-// and the last (at most 3) one fma each.
-inline float tail_sum(float s, const float* x, const float* w, int n) {
-  int k = 0;
-  for (int chunk = 8; chunk >= 4; chunk /= 2) {
-    if (n - k < chunk) continue;
-    for (const int end = k + chunk; k < end; ++k) s += x[k] * w[k];
-  }
-  for (; k < n; ++k) s = std::fma(x[k], w[k], s);
-  return s;
-}
+// Prefetch the panel this many k steps ahead: a step of few rows is bound by memory, and the
+// panel's rows are one stream that the hardware prefetcher loses at each page boundary.
+constexpr int PREFETCH_K = 16;
 
-// out[m][n] for m in [m0, m0+MR), n in [n0, n0+NR). Each output sums x[m][k] * w[n][k] in 16
-// lanes (lane l takes k = l, l+16, ..., one fma each), then lane_sum's tree (vector_math.h),
-// then tail_sum: the same steps for any MR and NR, so a row's result does not depend on the
-// tile it lands in.
-template <int MR, int NR>
-inline void tile(const float* x, const float* w, float* out, int K, int N, int m0, int n0) {
-  V acc[MR][NR];
+// out[m0 .. m0+MR)[n0 .. n0 + 16 NV) from `panel` (the packed rows of those outputs, stride
+// LINEAR_PANEL per k); outputs at or past N are computed on the panel's zeros and not stored.
+template <Isa I, int MR, int NV>
+inline void tile(const float* x, const float* panel, float* out, int K, int N, int m0, int n0) {
+  using W = Vec<I>;
+  W acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
-  const int k16 = K - K % 16;
-  for (int k = 0; k < k16; k += 16) {
-    V xv[MR];
+    for (int j = 0; j < NV; ++j) acc[i][j] = W::zero();
+  const float* xr = x + static_cast<size_t>(m0) * K;
+  for (int k = 0; k < K; ++k) {
+    const float* wk = panel + static_cast<size_t>(k) * LINEAR_PANEL;
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(wk + PREFETCH_K * LINEAR_PANEL + 16 * j);
+    W w[NV];
+    for (int j = 0; j < NV; ++j) w[j] = W::load(wk + 16 * j);
     for (int i = 0; i < MR; ++i) {
-      xv[i] = V::load(x + static_cast<size_t>(m0 + i) * K + k);
-      pin(xv[i]);  // keep it in a register: loaded once, used NR times
-    }
-    for (int j = 0; j < NR; ++j) {
-      const float* wr = w + static_cast<size_t>(n0 + j) * K + k;
-      __builtin_prefetch(wr + static_cast<size_t>(PREFETCH_ROWS) * K);
-      const V wv = V::load(wr);
-      for (int i = 0; i < MR; ++i) acc[i][j] = fma(xv[i], wv, acc[i][j]);
+      const W xb = W::bcast(xr[static_cast<size_t>(i) * K + k]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = fma(xb, w[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NR; ++j) {
-      float s = lane_sum(acc[i][j]);
-      const float* xr = x + static_cast<size_t>(m0 + i) * K;
-      const float* wr = w + static_cast<size_t>(n0 + j) * K;
-      out[static_cast<size_t>(m0 + i) * N + n0 + j] = tail_sum(s, xr + k16, wr + k16, K - k16);
+    float* o = out + static_cast<size_t>(m0 + i) * N;
+    for (int j = 0; j < NV; ++j) {
+      const int n = n0 + 16 * j;
+      if (n + 16 <= N) {
+        acc[i][j].store(o + n);
+      } else if (n < N) {
+        float last[16];
+        acc[i][j].store(last);
+        std::memcpy(o + n, last, sizeof(float) * (N - n));
+      }
     }
   }
 }
 
-template <int NR>
-void column_tile(const float* x, const float* w, float* out, int M, int K, int N, int n0) {
-  int m = 0;
-  for (; m + ROWS <= M; m += ROWS) tile<ROWS, NR>(x, w, out, K, N, m, n0);
-  switch (M - m) {
-    case 7: tile<7, NR>(x, w, out, K, N, m, n0); break;
-    case 6: tile<6, NR>(x, w, out, K, N, m, n0); break;
-    case 5: tile<5, NR>(x, w, out, K, N, m, n0); break;
-    case 4: tile<4, NR>(x, w, out, K, N, m, n0); break;
-    case 3: tile<3, NR>(x, w, out, K, N, m, n0); break;
-    case 2: tile<2, NR>(x, w, out, K, N, m, n0); break;
-    case 1: tile<1, NR>(x, w, out, K, N, m, n0); break;
-    default: break;
+// The last M % rows rows: one tile of exactly that many.
+template <Isa I, int NV, int MR>
+inline void last_rows(int left, const float* x, const float* panel, float* out, int K, int N,
+                      int m0, int n0) {
+  if constexpr (MR > 0) {
+    if (left == MR) tile<I, MR, NV>(x, panel, out, K, N, m0, n0);
+    else last_rows<I, NV, MR - 1>(left, x, panel, out, K, N, m0, n0);
   }
 }
 
-// Outputs [n_begin, n_end) for all M rows. Weight rows are the outer loop: each is read from
-// memory once and reused from cache for every x row.
-void linear_range(const float* x, const float* w, float* out, int M, int K, int N, int n_begin,
-                  int n_end) {
-  int n = n_begin;
-  for (; n + COLS <= n_end; n += COLS) column_tile<COLS>(x, w, out, M, K, N, n);
-  for (; n < n_end; ++n) column_tile<1>(x, w, out, M, K, N, n);
+// Outputs of panels [p_begin, p_end) for all M rows: a panel's column group is read from
+// memory once and reused from cache for every tile of rows.
+template <Isa I>
+void panels(const float* x, const float* packed, float* out, int M, int K, int N, int p_begin,
+            int p_end) {
+  constexpr int R = TileShape<I>::rows, NV = TileShape<I>::vecs;
+  for (int p = p_begin; p < p_end; ++p) {
+    for (int c = 0; c < LINEAR_PANEL && p * LINEAR_PANEL + c < N; c += 16 * NV) {
+      const float* panel = packed + static_cast<size_t>(p) * K * LINEAR_PANEL + c;
+      const int n0 = p * LINEAR_PANEL + c;
+      int m = 0;
+      for (; m + R <= M; m += R) tile<I, R, NV>(x, panel, out, K, N, m, n0);
+      last_rows<I, NV, R - 1>(M - m, x, panel, out, K, N, m, n0);
+    }
+  }
+}
+
+template <Isa I>
+void linear_with(const float* x, const float* packed, float* out, int M, int K, int N) {
+  // Panels in chunks, shared by the threads (batchscope::parallel_for): a thread that starts
+  // late or runs slow takes fewer. Below ~64k multiply-adds one thread is faster.
+  const int count = (N + LINEAR_PANEL - 1) / LINEAR_PANEL;
+  if (static_cast<int64_t>(M) * K * N >= (1 << 16)) {
+    const int chunk = std::max(1, count / (parallel_threads() * 4));
+    auto some = [&](int begin, int end) { panels<I>(x, packed, out, M, K, N, begin, end); };
+    if (parallel_for(count, chunk, some)) return;
+  }
+  panels<I>(x, packed, out, M, K, N, 0, count);
 }
 
 constexpr Check check{"decode_linear"};
 
 }  // namespace
 
-void linear_rows(const float* x, const float* w, float* out, int M, int K, int N) {
-  // Column tiles in chunks, shared by the threads (batchscope::parallel_for): a thread that
-  // starts late or runs slow takes fewer. Below ~64k multiply-adds one thread is faster.
-  const int tiles = (N + COLS - 1) / COLS;
-  if (static_cast<int64_t>(M) * K * N >= (1 << 16)) {
-    const int chunk = std::max(1, tiles / (parallel_threads() * 8));
-    auto columns = [&](int begin, int end) {
-      linear_range(x, w, out, M, K, N, begin * COLS, std::min(N, end * COLS));
-    };
-    if (parallel_for(tiles, chunk, columns)) return;
+void linear_rows(const float* x, const float* packed, float* out, int M, int K, int N,
+                 Isa isa) {
+  switch (isa) {
+#if BATCHSCOPE_HAS_AVX512
+    case Isa::avx512: linear_with<Isa::avx512>(x, packed, out, M, K, N); return;
+#endif
+#if BATCHSCOPE_HAS_AVX2
+    case Isa::avx2: linear_with<Isa::avx2>(x, packed, out, M, K, N); return;
+#endif
+    default: linear_with<Isa::portable>(x, packed, out, M, K, N); return;
   }
-  linear_range(x, w, out, M, K, N, 0, N);
 }
 
-mx::array decode_linear(const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
-  check(x.ndim() >= 1 && weight.ndim() == 2, "x must be (..., in) and weight (out, in)");
-  check(x.shape(-1) == weight.shape(1), "x and weight disagree on in_features");
-  check(weight.shape(1) > 0, "in_features must be at least 1");
-  check(x.dtype() == mx::float32 && weight.dtype() == mx::float32,
+mx::array pack_linear_weight(const mx::array& weight, mx::StreamOrDevice s) {
+  check(weight.ndim() == 2, "weight must be (out, in), not " + shape_str(weight));
+  check(weight.dtype() == mx::float32, "only float32 is supported (other formats keep MLX's "
+                                       "matmul)");
+  check(weight.shape(0) > 0 && weight.shape(1) > 0, "weight must not be empty");
+  const int N = static_cast<int>(weight.shape(0));
+  const int K = static_cast<int>(weight.shape(1));
+  const int panels = (N + LINEAR_PANEL - 1) / LINEAR_PANEL;
+  mx::array w = weight;
+  if (panels * LINEAR_PANEL != N) w = mx::pad(w, {{0, panels * LINEAR_PANEL - N}, {0, 0}},
+                                              mx::array(0.0f), "constant", s);
+  w = mx::transpose(mx::reshape(w, {panels, LINEAR_PANEL, K}, s), {0, 2, 1}, s);
+  return mx::contiguous(w, false, s);
+}
+
+mx::array decode_linear(const mx::array& x, const mx::array& packed, int out_features,
+                        const std::string& isa, mx::StreamOrDevice s) {
+  check(x.ndim() >= 1, "x must be (..., in)");
+  check(out_features > 0, "out_features must be at least 1");
+  check(x.dtype() == mx::float32 && packed.dtype() == mx::float32,
         "only float32 is supported (other formats keep MLX's matmul)");
+  const int panels = (out_features + LINEAR_PANEL - 1) / LINEAR_PANEL;
+  check(packed.ndim() == 3 && packed.shape(0) == panels && packed.shape(2) == LINEAR_PANEL,
+        "weight " + shape_str(packed) + " is not packed for " + std::to_string(out_features) +
+            " outputs: pack_linear_weight makes (" + std::to_string(panels) + ", in, " +
+            std::to_string(LINEAR_PANEL) + ")");
+  check(x.shape(-1) == packed.shape(1), "x and weight disagree on in_features");
+  check(packed.shape(1) > 0, "in_features must be at least 1");
+  Isa path;
+  check(parse_isa(isa, &path), "unknown path '" + isa + "' (auto, avx512, avx2 or portable)");
+  check(isa_built(path), "this CPU or build has no " + isa + " path");
   auto stream = mx::to_stream(s);
   auto shape = x.shape();
-  shape.back() = weight.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<DecodeLinear>(stream),
-                   {row_contiguous(x, stream), row_contiguous(weight, stream)});
+  shape.back() = out_features;
+  return mx::array(shape, mx::float32, std::make_shared<DecodeLinear>(stream, out_features, path),
+                   {row_contiguous(x, stream), row_contiguous(packed, stream)});
 }
 
 void DecodeLinear::eval_cpu(const std::vector<mx::array>& inputs,
@@ -132,12 +174,12 @@ void DecodeLinear::eval_cpu(const std::vector<mx::array>& inputs,
   const auto& w = inputs[1];
   auto& out = allocate(outputs[0]);
   const int K = static_cast<int>(w.shape(1));
-  const int N = static_cast<int>(w.shape(0));
+  const int N = out_features_;
   const int M = static_cast<int>(x.size() / std::max(K, 1));
   dispatch(stream(), inputs, out,
            [x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-            out = mx::array::unsafe_weak_copy(out), M, K, N]() mutable {
-             linear_rows(x.data<float>(), w.data<float>(), out.data<float>(), M, K, N);
+            out = mx::array::unsafe_weak_copy(out), M, K, N, isa = isa_]() mutable {
+             linear_rows(x.data<float>(), w.data<float>(), out.data<float>(), M, K, N, isa);
            });
 }
 

@@ -592,21 +592,6 @@ void compute_with(const Problem& p) {
   outputs_here<Kern>(p, 0, p.N, call);
 }
 
-bool parse_isa(const std::string& name, Isa* isa) {
-  if (name == "auto") {
-    *isa = BEST_ISA;
-  } else if (name == "avx512") {
-    *isa = Isa::avx512;
-  } else if (name == "avx2") {
-    *isa = Isa::avx2;
-  } else if (name == "portable") {
-    *isa = Isa::portable;
-  } else {
-    return false;
-  }
-  return true;
-}
-
 std::atomic<int> chosen{-1};
 
 Isa current_isa() {

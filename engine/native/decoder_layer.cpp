@@ -240,14 +240,25 @@ void run_layer(const LayerLayout& s, const LayerInputs& in, const float* xs, int
   for (size_t i = 0; i < static_cast<size_t>(rows) * H; ++i) out[i] = b.x1[i] + b.d[i];
 }
 
+// A linear layer's in_features as its weight says them (0 for a weight of the wrong rank).
+int in_features(const Linear& l) {
+  const auto& w = l.weight;
+  if (l.bits == 0) return w.ndim() == 3 ? static_cast<int>(w.shape(1)) : 0;
+  return w.ndim() == 2 && (l.bits == 4 || l.bits == 8)
+             ? static_cast<int>(w.shape(1) * 32 / l.bits) : 0;
+}
+
 void check_linear(const Linear& l, const char* name, int in, int out) {
   const std::string n(name);
   const auto& w = l.weight;
   if (l.bits == 0) {
     check(!l.scales && !l.biases, n + ": a float32 layer (bits 0) has no scales or biases");
-    check(w.ndim() == 2 && w.dtype() == mx::float32 && w.shape(0) == out && w.shape(1) == in,
-          n + ": weight " + shape_str(w) + " must be float32 (" + std::to_string(out) + ", " +
-              std::to_string(in) + ")");
+    const int panels = (out + LINEAR_PANEL - 1) / LINEAR_PANEL;
+    check(w.ndim() == 3 && w.dtype() == mx::float32 && w.shape(0) == panels &&
+              w.shape(1) == in && w.shape(2) == LINEAR_PANEL,
+          n + ": weight " + shape_str(w) + " must be float32 packed by pack_linear_weight (" +
+              std::to_string(panels) + ", " + std::to_string(in) + ", " +
+              std::to_string(LINEAR_PANEL) + ") for " + std::to_string(out) + " outputs");
     return;
   }
   check(l.bits == 4 || l.bits == 8, n + ": bits must be 0 (float32), 4 or 8");
@@ -283,12 +294,14 @@ LayerSpec::LayerSpec(LayerFields fields) : LayerFields(std::move(fields)), layou
         "heads must be a positive multiple of kv_heads");
   check(head_dim > 0, "head_dim must be positive");
   const int nq = heads * head_dim, nkv = kv_heads * head_dim;
-  const int two_i = static_cast<int>(gate_up.weight.ndim() == 2 ? gate_up.weight.shape(0) : 0);
-  check(two_i > 0 && two_i % 2 == 0, "gate_up must stack gate and up (2 * intermediate outputs)");
+  // The intermediate size is down's in_features (gate_up's outputs are padded to whole panels
+  // where they are packed float32); check_linear checks gate_up against it.
+  const int two_i = 2 * in_features(down);
+  check(two_i > 0, "down must have in_features (the intermediate size)");
   check_linear(qkv, "qkv", H, nq + 2 * nkv);
   check_linear(o, "o", nq, H);
-  check_linear(gate_up, "gate_up", H, two_i);
   check_linear(down, "down", two_i / 2, H);
+  check_linear(gate_up, "gate_up", H, two_i);
   const bool biased = q_bias.has_value();
   check(k_bias.has_value() == biased && v_bias.has_value() == biased,
         "q_bias, k_bias and v_bias: all three or none");

@@ -30,7 +30,8 @@ namespace batchscope {
 
 namespace mx = mlx::core;
 
-// One linear layer's weights: `weight` float32 (out, in) with bits 0; or MLX's affine
+// One linear layer's weights: `weight` float32 with bits 0, in the layout pack_linear_weight
+// makes of (out, in) (decode_linear.h); or MLX's affine
 // quantization, `weight` uint32 (out, in * bits / 32) with `scales` and `biases` (out, in /
 // group_size), bits 4 or 8, group_size 32, 64 or 128.
 struct Linear {

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #if defined(__x86_64__)
@@ -57,6 +58,17 @@ inline const char* isa_name(Isa isa) {
     case Isa::avx2: return "avx2";
     default: return "portable";
   }
+}
+
+// An instruction set by name: "auto" (BEST_ISA), "avx512", "avx2" or "portable"; false for
+// any other name. Whether this build has it is isa_built's question.
+inline bool parse_isa(const std::string& name, Isa* isa) {
+  if (name == "auto") *isa = BEST_ISA;
+  else if (name == "avx512") *isa = Isa::avx512;
+  else if (name == "avx2") *isa = Isa::avx2;
+  else if (name == "portable") *isa = Isa::portable;
+  else return false;
+  return true;
 }
 
 // Exact conversions of the pools' and scales' storage to float32.

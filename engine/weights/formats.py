@@ -160,19 +160,34 @@ def check_expansion(folder: Path, requested: str, weights: str) -> str:
     if sizes is None or free is None:
         return weights
     shipped, expanded = sizes
-    need = shipped + expanded
+    # At load the shipped weights are in memory while they expand. At f32 on the CPU the
+    # native float32 kernel then adds its packed copy of the layers (about the expanded
+    # bytes again, engine/native/decode_linear.h), once the shipped ones are gone.
+    packed = weights == "f32" and _float32_kernel_packs()
+    need = max(shipped + expanded, 2 * expanded) if packed else shipped + expanded
+    copy = ", twice that with the native float32 kernel's packed copy" if packed else ""
     gib = 2**30
     if requested == "auto" and need > EXPANSION_FIT * free:
         log.warning("weights: keeping %s's shipped format (%.1f GiB): %s would need %.1f GiB "
-                    "at load, more than %.0f%% of the %.1f GiB available", folder.name,
-                    shipped / gib, weights, need / gib, EXPANSION_FIT * 100, free / gib)
+                    "(%.1f GiB as %s%s), more than %.0f%% of the %.1f GiB available",
+                    folder.name, shipped / gib, weights, need / gib, expanded / gib, weights,
+                    copy, EXPANSION_FIT * 100, free / gib)
         return "q4"
     if requested != "auto" and need > free:
         raise ValueError(f"--weights {weights}: {folder.name} would need {need / gib:.1f} GiB "
-                         f"at load ({shipped / gib:.1f} GiB shipped, {expanded / gib:.1f} GiB "
-                         f"as {weights}), more than the {free / gib:.1f} GiB available; "
+                         f"({shipped / gib:.1f} GiB shipped, {expanded / gib:.1f} GiB "
+                         f"as {weights}{copy}), more than the {free / gib:.1f} GiB available; "
                          "--weights q4 keeps the shipped format")
     return weights
+
+
+def _float32_kernel_packs() -> bool:
+    """Whether float32 layers get the native float32 kernel's packed copy here: on the CPU
+    backend where the kernel is built (unless --row-kernels mlx, which the loader does not
+    know: counted anyway)."""
+    from engine import native
+
+    return mx.default_device() == mx.cpu and native.decode_linear() is not None
 
 
 def expansion_bytes(folder: Path, itemsize: int) -> tuple[int, int] | None:

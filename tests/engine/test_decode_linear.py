@@ -11,20 +11,33 @@ import numpy as np
 import pytest
 from native_ops import decode_groups, native_op, random, runner_for, samples_by_setting
 
+from engine import native
 from engine.native_ops import DECODE_MATMUL_MAX_ROWS
 from engine.testing import tiny_model
 
 
 def native_linear():
-    return native_op("decode_linear")
+    """x, weight (out, in) -> x @ weight.T on the native kernel (packing the weight first)."""
+    op = native_op("decode_linear")
+    pack = native.pack_linear_weight()
+
+    def linear(x, weight, isa="auto"):
+        return op(x, pack(weight), weight.shape[0], isa=isa)
+
+    return linear
 
 
+def built_paths() -> list[str]:
+    """The instruction-set paths this build of the kernels has."""
+    return {"avx512": ["avx512", "avx2", "portable"], "avx2": ["avx2", "portable"]}.get(
+        native.decode_quantized_isa(), ["portable"])
 
 
-# Shapes of SmolLM2's layers, and odd ones that exercise every tail: rows not a multiple of the
-# 8-row tile, outputs not a multiple of 3, in_features not a multiple of 16.
+# Shapes of SmolLM2's layers, and odd ones that exercise every tail: rows not a multiple of any
+# path's tile (6, 2 or 4 rows), outputs not a multiple of the 64-output panel or of a 16-output
+# vector, in_features of any size.
 SHAPES = [(1, 576, 576), (3, 576, 1536), (16, 1536, 576), (8, 576, 192), (13, 37, 7),
-          (7, 100, 49), (2, 17, 3), (1, 1, 1), (9, 576, 4099)]
+          (7, 100, 49), (2, 17, 3), (1, 1, 1), (9, 576, 4099), (37, 64, 80)]
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
@@ -37,6 +50,30 @@ def test_matches_a_float64_reference(rows, k, n):
     # float32 sums of k products: a few ulps of the largest partial sum
     scale = np.abs(x).max() * np.abs(w).max() * k
     assert np.abs(out - ref).max() <= 4e-7 * scale + 1e-6
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_each_output_is_one_fused_multiply_add_chain_in_k_order(rows, k, n):
+    """The kernel's arithmetic, written out: fma(x[k], w[k], s) from k = 0 with s = 0, each
+    step rounded once to float32 (numpy's float64 product and sum of two float32s is exact,
+    so rounding it to float32 is the fused multiply-add's rounding)."""
+    op = native_linear()
+    x, w = random((rows, k), 11), random((n, k), 12)
+    out = np.array(op(mx.array(x), mx.array(w)))
+    expected = np.zeros((rows, n), dtype=np.float32)
+    for j in range(k):
+        exact = x[:, j:j + 1].astype(np.float64) * w[:, j].astype(np.float64)
+        expected = (exact + expected.astype(np.float64)).astype(np.float32)
+    assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_every_instruction_set_path_gives_the_same_bits(rows, k, n):
+    op = native_linear()
+    x, w = mx.array(random((rows, k), 13)), mx.array(random((n, k), 14))
+    outs = {isa: np.array(op(x, w, isa=isa)) for isa in built_paths()}
+    for isa, out in outs.items():
+        assert np.array_equal(out, outs["portable"]), isa
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
@@ -59,6 +96,15 @@ def test_keeps_leading_dimensions_and_is_close_to_mlx_matmul():
     out = op(x, w)
     assert out.shape == (1, 5, 1536)
     assert mx.allclose(out, x @ w.T, rtol=1e-5, atol=1e-4).item()
+
+
+def test_the_packed_layout_is_panels_of_64_outputs_k_major_zero_past_the_last():
+    pack = native_op("pack_linear_weight")
+    w = random((70, 5), 15)
+    packed = np.array(pack(mx.array(w)))
+    assert packed.shape == (2, 5, 64)
+    assert np.array_equal(packed[0], w[:64].T)
+    assert np.array_equal(packed[1, :, :6], w[64:].T) and not packed[1, :, 6:].any()
 
 
 def test_two_threads_calling_at_once_both_get_their_results():
@@ -89,13 +135,22 @@ def test_two_threads_calling_at_once_both_get_their_results():
 
 
 def test_refuses_other_dtypes_and_mismatched_shapes():
-    op = native_linear()
+    op, linear = native_op("decode_linear"), native_linear()
+    pack = native.pack_linear_weight()
     with pytest.raises(ValueError, match="disagree on in_features"):
-        op(mx.zeros((2, 5)), mx.zeros((3, 4)))
+        linear(mx.zeros((2, 5)), mx.zeros((3, 4)))
     with pytest.raises(ValueError, match="only float32"):
-        op(mx.zeros((2, 4), dtype=mx.float16), mx.zeros((3, 4), dtype=mx.float16))
-    with pytest.raises(ValueError, match=r"weight \(out, in\)"):
-        op(mx.zeros((2, 4)), mx.zeros((4,)))
+        pack(mx.zeros((3, 4), dtype=mx.float16))
+    with pytest.raises(ValueError, match="only float32"):
+        op(mx.zeros((2, 4), dtype=mx.float16), pack(mx.zeros((3, 4))), 3)
+    with pytest.raises(ValueError, match=r"weight must be \(out, in\)"):
+        pack(mx.zeros((4,)))
+    with pytest.raises(ValueError, match=r"not packed for 65 outputs.*\(2, in, 64\)"):
+        op(mx.zeros((2, 4)), pack(mx.zeros((3, 4))), 65)
+    with pytest.raises(ValueError, match=r"not packed for 3 outputs"):
+        op(mx.zeros((2, 4)), mx.zeros((3, 4)), 3)  # a weight as the layer holds it
+    with pytest.raises(ValueError, match="unknown path 'sse'"):
+        op(mx.zeros((2, 4)), pack(mx.zeros((3, 4))), 3, isa="sse")
 
 
 def test_row_kernels_setting_is_checked():
@@ -118,9 +173,9 @@ def count_native_calls(runner):
     calls = []
     real = runner.matmul_kernel
 
-    def counting(x, w):
+    def counting(x, *weight):
         calls.append(x.shape[1])
-        return real(x, w)
+        return real(x, *weight)
 
     runner.matmul_kernel = counting
     return calls
@@ -206,7 +261,7 @@ from engine import native
 rng = np.random.default_rng(0)
 x = mx.array(rng.standard_normal((11, 576)).astype(np.float32))
 w = mx.array(rng.standard_normal((1536, 576)).astype(np.float32))
-np.save(sys.argv[1], np.array(native.decode_linear()(x, w)))
+np.save(sys.argv[1], np.array(native.decode_linear()(x, native.pack_linear_weight()(w), 1536)))
 """
 
 
