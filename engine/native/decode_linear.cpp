@@ -89,6 +89,24 @@ template <Isa I>
 void panels(const float* x, const float* packed, float* out, int M, int K, int N, int p_begin,
             int p_end) {
   constexpr int R = TileShape<I>::rows, NV = TileShape<I>::vecs;
+  if constexpr (I == Isa::avx512) {
+    // 7 or 8 rows: one pass over each panel from memory (8 rows x 3 vectors, 27 registers),
+    // then its last 16 outputs from cache, where 6 + 2 rows would walk the panel twice.
+    if (M == 7 || M == 8) {
+      for (int p = p_begin; p < p_end; ++p) {
+        const float* panel = packed + static_cast<size_t>(p) * K * LINEAR_PANEL;
+        const int n0 = p * LINEAR_PANEL;
+        if (M == 8) {
+          tile<I, 8, 3>(x, panel, out, K, N, 0, n0);
+          if (n0 + 48 < N) tile<I, 8, 1>(x, panel + 48, out, K, N, 0, n0 + 48);
+        } else {
+          tile<I, 7, 3>(x, panel, out, K, N, 0, n0);
+          if (n0 + 48 < N) tile<I, 7, 1>(x, panel + 48, out, K, N, 0, n0 + 48);
+        }
+      }
+      return;
+    }
+  }
   for (int p = p_begin; p < p_end; ++p) {
     for (int c = 0; c < LINEAR_PANEL && p * LINEAR_PANEL + c < N; c += 16 * NV) {
       const float* panel = packed + static_cast<size_t>(p) * K * LINEAR_PANEL + c;
