@@ -182,6 +182,7 @@ def test_scripted_speculation_gives_plain_greedy_tokens_alone_and_batched(hybrid
     assert_nothing_held(engine)
 
 
+@pytest.mark.slow  # ~5 s, several engines (`make test` runs it)
 def test_prompt_lookup_on_a_hybrid_gives_plain_greedy_tokens(hybrid):
     """Prompt lookup itself. The random model never repeats its own tokens, so the prompt is
     1,500 distinct token ids: an output token found among them drafts what followed it (and
@@ -301,6 +302,7 @@ def test_a_hybrid_draft_resumes_its_state_after_the_accepted_drafts(hybrid, tmp_
     assert_nothing_held(engine)
 
 
+@pytest.mark.slow  # ~5 s, several engines (`make test` runs it)
 def test_a_hybrid_drafts_after_rollbacks_equal_a_fresh_drafts(hybrid, q4_folder):
     """The draft's state after each accept length (drafts corrupted on the way to the engine,
     so every length happens) gives the draft model's own greedy continuation, as a proposer
