@@ -339,10 +339,13 @@ class Engine:
             cfg, self.loaded.name, self.loaded.weights, backend_info(), self._thresholds)
         self.kernel_policy = KernelPolicy(cfg.kernel_policy, threshold)
         # One throwaway row allocates the KV pool (in the dtype the model produces) and warms
-        # the kernels now, not inside the first request's time to first token. It writes slot 0
-        # of a free block, which any later owner overwrites before reading.
+        # the kernels now, not inside the first request's time to first token: the head and
+        # the sampler too (a greedy sample), so that the native float32 kernel's packed copy of
+        # the head is made here. It writes slot 0 of a free block, which any later owner
+        # overwrites before reading.
         t0 = time.perf_counter()
-        self.runner.run([RowGroup("warmup", [0], 0, [0], sample=False, state_slot=0)])
+        self.runner.run([RowGroup("warmup", [0], 0, [0], sample=True, params=SamplingParams(),
+                                  state_slot=0)])
         log.info("KV pool allocated: %.0f MiB (%s) in %.1f s", self.pool.nbytes() / 2**20,
                  self.pool.dtype, time.perf_counter() - t0)
         gc.freeze()  # setup's objects out of full collections (~25 ms a step); _run unfreezes

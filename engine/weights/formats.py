@@ -182,12 +182,14 @@ def check_expansion(folder: Path, requested: str, weights: str) -> str:
 
 
 def _float32_kernel_packs() -> bool:
-    """Whether float32 layers get the native float32 kernel's packed copy here: on the CPU
-    backend where the kernel is built (unless --row-kernels mlx, which the loader does not
-    know: counted anyway)."""
-    from engine import native
+    """Whether float32 layers get the native float32 kernel's packed copy here: where the
+    default row_kernels setting takes the kernel (--row-kernels mlx, which the loader does not
+    know, would not: counted anyway)."""
+    from engine.attention import use_fused_attention
+    from engine.config import NativeSetting
+    from engine.native_ops import matmul_kernel
 
-    return mx.default_device() == mx.cpu and native.decode_linear() is not None
+    return matmul_kernel(NativeSetting.AUTO, use_fused_attention()) is not None
 
 
 def expansion_bytes(folder: Path, itemsize: int) -> tuple[int, int] | None:
